@@ -1,0 +1,446 @@
+"""The public ``Buffer``: DeepEP's intranode API over epcomm's transports."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from .. import env
+from ..errors import EpcommError
+from ..fp8 import FP8_DTYPE, GROUP
+from .config import Config
+from .events import EventOverlap, StreamScope, capture_event
+from .handles import DispatchHandle, LowLatencyHandle
+from .layout import get_low_latency_rdma_size_hint as _ll_size_hint
+from .layout import get_normal_buffer_size_hint
+from .validate import check_num_experts, check_topk, split_x
+
+log = logging.getLogger("epcomm")
+
+_buffer_ids = itertools.count(1)
+Tensors = Union[torch.Tensor, tuple]
+
+
+class Buffer:
+    """Expert-parallel communication buffer with the semantics of DeepEP V1's ``deep_ep.Buffer`` (intranode).
+
+    Works with any ``torch.distributed`` process group: NCCL groups communicate CUDA tensors on the current
+    device, gloo groups CPU tensors. The transport (``nvlink``, ``p2p``, ``alltoall`` or ``auto``) is chosen
+    at construction; ``EPCOMM_TRANSPORT`` overrides it for the whole process.
+
+    Arguments:
+        group: the process group of the expert-parallel ranks (default: the world group).
+        num_nvl_bytes, num_rdma_bytes: bytes of symmetric storage the one-sided transports may use (DeepEP's
+            arguments; the portable transport needs none). 0 lets the transport choose.
+        low_latency_mode, num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl,
+        explicitly_destroy: accepted for DeepEP compatibility; epcomm always supports both modes in one
+            Buffer and is always destroyed explicitly with ``destroy()`` (or at process exit).
+        transport: ``auto`` (default), ``nvlink``, ``p2p`` or ``alltoall``.
+        device: the device to communicate on (default: the current CUDA device for NCCL groups, else CPU).
+    """
+
+    num_sms: int = 20
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+                 low_latency_mode: bool = False, num_qps_per_rank: int = 24,
+                 allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
+                 explicitly_destroy: bool = False, *, transport: str = "auto",
+                 device: Optional[torch.device] = None) -> None:
+        from ..transports import create_transport
+
+        if not dist.is_initialized():
+            raise EpcommError("Buffer: torch.distributed is not initialised; call "
+                              "torch.distributed.init_process_group first (or use epcomm.testing.run)")
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.group_size = dist.get_world_size(self.group)
+        self.num_nvl_bytes = int(num_nvl_bytes)
+        self.num_rdma_bytes = int(num_rdma_bytes)
+        self.low_latency_mode = low_latency_mode
+        self.device = torch.device(device) if device is not None else _default_device(self.group)
+        self.id = next(_buffer_ids)
+        self.runtime, reason = create_transport(env.transport_override() or transport, self.group, self.device,
+                                                self.id, num_nvl_bytes=self.num_nvl_bytes,
+                                                num_rdma_bytes=self.num_rdma_bytes)
+        self.transport = self.runtime.name
+        if self.rank == 0:
+            log.info("epcomm.Buffer: transport %s on %s with %d ranks: %s", self.transport, self.device,
+                     self.group_size, reason)
+        self._comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._destroyed = False
+
+    # ------------------------------------------------------------------ static helpers (DeepEP names)
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """Set the SMs the high-throughput kernels of every Buffer may use (even, >= 2)."""
+        if not isinstance(new_num_sms, int) or new_num_sms < 2 or new_num_sms % 2:
+            raise ValueError(f"Buffer.set_num_sms: {new_num_sms!r} must be an even integer >= 2")
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An event on the current CUDA stream, to pass as ``previous_event``."""
+        return capture_event()
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        """The default dispatch config (``Buffer.num_sms`` SMs)."""
+        return Config(Buffer.num_sms, 6 if num_ranks > 2 else 24, 256, 6, 128)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        """The default combine config (``Buffer.num_sms`` SMs)."""
+        return Config(Buffer.num_sms, 6, 256, 6, 128)
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int, num_topk: Optional[int] = None) -> int:
+        """Bytes of symmetric storage low-latency mode needs (see ``epcomm.buffer.layout``)."""
+        return _ll_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts, num_topk)
+
+    @staticmethod
+    def get_normal_size_hint(num_tokens: int, hidden_bytes: int, num_ranks: int) -> int:
+        """Bytes of receive storage that holds one normal dispatch in one piece (larger calls are chunked)."""
+        return get_normal_buffer_size_hint(num_tokens, hidden_bytes, num_ranks)
+
+    # ------------------------------------------------------------------ lifecycle
+    def destroy(self) -> None:
+        """Release the transport's resources. Collective: every rank of the group must call it. Raises if a
+        call recorded an error on the device that was not reported yet."""
+        if self._destroyed:
+            return
+        errors = self.runtime.pending_errors()
+        self.runtime.destroy()
+        self._destroyed = True
+        if errors:
+            raise EpcommError("Buffer.destroy: errors recorded on the device: " + "; ".join(errors))
+
+    def check_errors(self) -> None:
+        """Raise if an earlier call recorded an error on the device (synchronises)."""
+        errors = self.runtime.pending_errors()
+        if errors:
+            raise EpcommError("Buffer.check_errors: " + "; ".join(errors))
+
+    def _alive(self, fn: str) -> None:
+        if self._destroyed:
+            raise EpcommError(f"{fn}: this Buffer was destroyed; create a new one")
+
+    def _scope(self, previous_event, async_finish, allocate_on_comm_stream) -> StreamScope:
+        return StreamScope(self._comm_stream, previous_event, async_finish, allocate_on_comm_stream)
+
+    def _own(self, fn: str, handle, kind) -> None:
+        if not isinstance(handle, kind):
+            raise TypeError(f"{fn}: handle must be the {kind.__name__} returned by this Buffer's "
+                            f"{'dispatch' if kind is DispatchHandle else 'low_latency_dispatch'}; got "
+                            f"{type(handle).__name__}")
+        if handle.buffer_id != self.id:
+            raise ValueError(f"{fn}: the handle was made by another Buffer (id {handle.buffer_id}, this is "
+                             f"{self.id}); pass the handle returned by this Buffer")
+
+    # ------------------------------------------------------------------ normal mode
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
+                            previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                            allocate_on_comm_stream: bool = False):
+        """Where each token goes.
+
+        Arguments:
+            topk_idx: ``[num_tokens, num_topk]`` int64 (int32 accepted), expert ids; -1 means no selection.
+            num_experts: E, a multiple of the group size.
+
+        Returns:
+            num_tokens_per_rank: ``[num_ranks]`` int32, tokens sent to each rank (a token counts once per rank).
+            num_tokens_per_rdma_rank: None (intranode).
+            num_tokens_per_expert: ``[num_experts]`` int32, (token, slot) pairs per expert.
+            is_token_in_rank: ``[num_tokens, num_ranks]`` bool.
+            event: EventOverlap (valid with ``async_finish``).
+        """
+        fn = "Buffer.get_dispatch_layout"
+        self._alive(fn)
+        check_num_experts(fn, num_experts, self.group_size)
+        check_topk(fn, topk_idx, num_experts, None, self.device)
+        scope = self._scope(previous_event, async_finish, allocate_on_comm_stream)
+        with scope:
+            per_rank, per_expert, in_rank = self.runtime.get_dispatch_layout(topk_idx, num_experts)
+        event = scope.finish((per_rank, per_expert, in_rank), (topk_idx,))
+        return per_rank, None, per_expert, in_rank, event
+
+    def dispatch(self, x: Tensors, handle: Optional[DispatchHandle] = None,
+                 num_tokens_per_rank: Optional[torch.Tensor] = None,
+                 num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
+                 is_token_in_rank: Optional[torch.Tensor] = None,
+                 num_tokens_per_expert: Optional[torch.Tensor] = None,
+                 topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
+                 expert_alignment: int = 1, num_worst_tokens: int = 0, config: Optional[Config] = None,
+                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False):
+        """Send every token to each rank that holds one of its experts (once per rank).
+
+        Arguments:
+            x: ``[num_tokens, hidden]`` bf16 (fp16 and fp32 work too), or the FP8 pair
+                ``(x_e4m3 [num_tokens, hidden] float8_e4m3fn, scales [num_tokens, hidden / 128] float32)``;
+                column-major scales are accepted.
+            handle: a DispatchHandle from an earlier dispatch of this Buffer: reuse its layout (cached mode,
+                also combine's backward). Then only ``x`` travels and the layout arguments must be None.
+            num_tokens_per_rank ``[R]`` int32, is_token_in_rank ``[N, R]`` bool, num_tokens_per_expert ``[E]``
+                int32: from ``get_dispatch_layout`` (required without a handle; the last with ``topk_idx``).
+            num_tokens_per_rdma_rank: must be None (intranode).
+            topk_idx: ``[N, K]`` int64 global expert ids (-1: none); topk_weights: ``[N, K]`` float32.
+            expert_alignment: round each local expert's count up to a multiple of this.
+            num_worst_tokens: if > 0, outputs have exactly this many rows and the call makes no host
+                synchronisation (CUDA-graph capturable); rows past the real count have ``recv_topk_idx == -1``.
+                The per-expert list is then empty: read ``handle.num_recv_tokens_per_expert`` (device).
+            config: tuning (default ``get_dispatch_config``).
+            previous_event, async_finish, allocate_on_comm_stream: stream control as in DeepEP.
+
+        Returns:
+            recv_x: ``[M, hidden]`` like ``x`` (a pair for FP8, scales ``[M, hidden / 128]`` row-major),
+                ordered by source rank, then source token.
+            recv_topk_idx: ``[M, K]`` int64 local expert ids (global - rank * E_local), -1 for other ranks'
+                experts (None without ``topk_idx`` and in cached mode).
+            recv_topk_weights: ``[M, K]`` float32, 0 where ``recv_topk_idx`` is -1.
+            num_recv_tokens_per_expert_list: Python list ``[E_local]`` of received (token, expert) counts,
+                aligned (None in cached mode).
+            handle: DispatchHandle (None in cached mode, as in DeepEP).
+            event: EventOverlap.
+        """
+        fn = "Buffer.dispatch"
+        self._alive(fn)
+        data, scales = split_x(fn, x, self.device)
+        n = data.size(0)
+        if num_tokens_per_rdma_rank is not None:
+            raise ValueError(f"{fn}: num_tokens_per_rdma_rank must be None: epcomm is intranode only")
+        if not isinstance(expert_alignment, int) or expert_alignment < 1:
+            raise ValueError(f"{fn}: expert_alignment={expert_alignment!r} must be an integer >= 1")
+        if not isinstance(num_worst_tokens, int) or num_worst_tokens < 0:
+            raise ValueError(f"{fn}: num_worst_tokens={num_worst_tokens!r} must be an integer >= 0")
+        config = config or self.get_dispatch_config(self.group_size)
+        bad = None
+        num_experts = self.group_size
+        if handle is not None:
+            self._own(fn, handle, DispatchHandle)
+            if topk_idx is not None or topk_weights is not None:
+                raise ValueError(f"{fn}: with a handle (cached mode) topk_idx and topk_weights must be None; the "
+                                 f"handle already holds the layout")
+            if n != handle.num_tokens:
+                raise ValueError(f"{fn}: x has {n} tokens but the handle was made for {handle.num_tokens}")
+            num_experts = handle.num_experts
+        else:
+            if num_tokens_per_rank is None or is_token_in_rank is None:
+                raise ValueError(f"{fn}: without a handle, num_tokens_per_rank and is_token_in_rank are required; "
+                                 f"get them from Buffer.get_dispatch_layout(topk_idx, num_experts)")
+            _check_layout(fn, num_tokens_per_rank, is_token_in_rank, n, self.group_size, self.device)
+            if topk_weights is not None and topk_idx is None:
+                raise ValueError(f"{fn}: topk_weights needs topk_idx")
+            if topk_idx is not None:
+                if num_tokens_per_expert is None:
+                    raise ValueError(f"{fn}: num_tokens_per_expert is required with topk_idx; get it from "
+                                     f"Buffer.get_dispatch_layout")
+            if num_tokens_per_expert is not None:
+                if num_tokens_per_expert.dim() != 1 or num_tokens_per_expert.dtype != torch.int32:
+                    raise ValueError(f"{fn}: num_tokens_per_expert must be [num_experts] int32; got "
+                                     f"{num_tokens_per_expert.dtype} {tuple(num_tokens_per_expert.shape)}")
+                num_experts = num_tokens_per_expert.numel()
+                check_num_experts(fn, num_experts, self.group_size)
+            if topk_idx is not None:
+                bad = check_topk(fn, topk_idx, num_experts, n, self.device, topk_weights)
+        from ..transports.base import DispatchRequest
+
+        req = DispatchRequest(data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
+                              num_tokens_per_expert, num_experts, expert_alignment, num_worst_tokens, handle,
+                              config, bad)
+        scope = self._scope(previous_event, async_finish, allocate_on_comm_stream)
+        with scope:
+            res = self.runtime.dispatch(req)
+        outputs = (res.recv_x, res.recv_scales, res.recv_topk_idx, res.recv_topk_weights)
+        event = scope.finish(outputs, (data, scales, topk_idx, topk_weights))
+        recv_x = (res.recv_x, res.recv_scales) if scales is not None else res.recv_x
+        if handle is not None:
+            return recv_x, None, None, None, None, event
+        return (recv_x, res.recv_topk_idx, res.recv_topk_weights, res.num_recv_tokens_per_expert_list, res.handle,
+                event)
+
+    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
+                bias: Union[torch.Tensor, Sequence[torch.Tensor], None] = None, config: Optional[Config] = None,
+                previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                allocate_on_comm_stream: bool = False):
+        """Send every received row back to its source rank and sum per token (the reverse of ``dispatch``).
+
+        Arguments:
+            x: ``[M, hidden]`` bf16 (fp16/fp32 too), one row per row ``dispatch`` returned with ``handle``.
+            handle: the DispatchHandle of that dispatch.
+            topk_weights: optional ``[M, K]`` float32, summed the same way.
+            bias: None, a ``[N, hidden]`` tensor or a pair of them, added (in FP32) after the sum.
+
+        Returns:
+            combined_x: ``[N, hidden]`` of ``x.dtype``: for each token, the FP32 sum in rank order of the rows
+                sent back for it, plus the biases, cast once.
+            combined_topk_weights: ``[N, K]`` float32 or None.
+            event: EventOverlap.
+        """
+        fn = "Buffer.combine"
+        self._alive(fn)
+        self._own(fn, handle, DispatchHandle)
+        if not isinstance(x, torch.Tensor) or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise TypeError(f"{fn}: x must be a bf16, fp16 or fp32 tensor [num_recv_tokens, hidden]; got "
+                            f"{getattr(x, 'dtype', type(x).__name__)}")
+        if x.dim() != 2 or x.size(0) != handle.num_recv_tokens:
+            raise ValueError(f"{fn}: x must be [{handle.num_recv_tokens}, hidden] (one row per dispatched row); "
+                             f"got {tuple(x.shape)}")
+        if x.device != self.device:
+            raise ValueError(f"{fn}: x is on {x.device}, this Buffer communicates on {self.device}")
+        if topk_weights is not None and (topk_weights.dtype != torch.float32 or topk_weights.dim() != 2
+                                         or topk_weights.size(0) != x.size(0)):
+            raise ValueError(f"{fn}: topk_weights must be float32 [{x.size(0)}, num_topk]; got "
+                             f"{topk_weights.dtype} {tuple(topk_weights.shape)}")
+        biases = () if bias is None else (bias,) if isinstance(bias, torch.Tensor) else tuple(bias)
+        if len(biases) > 2 or any(not isinstance(b, torch.Tensor) or b.shape != (handle.num_tokens, x.size(1))
+                                  or b.device != self.device for b in biases):
+            raise ValueError(f"{fn}: bias must be None, a tensor or a pair of tensors of shape "
+                             f"[{handle.num_tokens}, {x.size(1)}] on {self.device}")
+        from ..transports.base import CombineRequest
+
+        req = CombineRequest(x.contiguous(), handle, topk_weights, biases,
+                             config or self.get_combine_config(self.group_size))
+        scope = self._scope(previous_event, async_finish, allocate_on_comm_stream)
+        with scope:
+            combined, combined_w = self.runtime.combine(req)
+        event = scope.finish((combined, combined_w), (x, topk_weights, biases))
+        return combined, combined_w, event
+
+    # ------------------------------------------------------------------ low-latency mode
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
+                             num_experts: int, use_fp8: bool = True, round_scale: bool = False,
+                             use_ue8m0: bool = False, async_finish: bool = False, return_recv_hook: bool = False):
+        """Send one copy of each token to each selected expert (decode-sized batches, fixed shapes).
+
+        Arguments:
+            x: ``[N, hidden]`` bf16 (fp32 accepted), N <= num_max_dispatch_tokens_per_rank, hidden a multiple
+                of 128.
+            topk_idx: ``[N, K]`` int64 global expert ids, -1 for none; ids within a token distinct.
+            num_max_dispatch_tokens_per_rank: T, the same on every rank.
+            num_experts: E, a multiple of the group size.
+            use_fp8: cast to e4m3 with per-128-channel scales on the way (else send ``x`` as is).
+            round_scale: power-of-two scales. use_ue8m0: scales as packed UE8M0 bytes (needs round_scale).
+            async_finish: return an event instead of making the current stream wait.
+            return_recv_hook: issue the sends and return; call ``hook()`` later to complete the receive. One
+                dispatch and one combine result may be pending per Buffer at a time.
+
+        Returns:
+            recv_x: ``[E_local, R * T, hidden]`` e4m3 with scales ``[E_local, R * T, hidden / 128]`` float32
+                (column-major, as DeepEP; ``[E_local, R * T, hidden / 512]`` int32 for UE8M0), or bf16.
+                Expert ``e``'s rows ``0 .. recv_count[e] - 1`` are valid, ordered by source rank, then token.
+            recv_count: ``[E_local]`` int32.
+            handle: LowLatencyHandle (``src_info``, ``layout_range``).
+            event: EventOverlap.
+            hook: the receive completion (None unless ``return_recv_hook``).
+        """
+        fn = "Buffer.low_latency_dispatch"
+        self._alive(fn)
+        check_num_experts(fn, num_experts, self.group_size)
+        if not isinstance(x, torch.Tensor) or x.dtype not in (torch.bfloat16, torch.float32) or x.dim() != 2:
+            raise TypeError(f"{fn}: x must be a bf16 [num_tokens, hidden] tensor; got "
+                            f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
+        if x.size(1) % GROUP:
+            raise ValueError(f"{fn}: hidden={x.size(1)} must be a multiple of {GROUP}")
+        if x.device != self.device:
+            raise ValueError(f"{fn}: x is on {x.device}, this Buffer communicates on {self.device}")
+        if not isinstance(num_max_dispatch_tokens_per_rank, int) or num_max_dispatch_tokens_per_rank < 1:
+            raise ValueError(f"{fn}: num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank!r} must "
+                             f"be a positive integer")
+        if x.size(0) > num_max_dispatch_tokens_per_rank:
+            raise ValueError(f"{fn}: x has {x.size(0)} tokens, more than num_max_dispatch_tokens_per_rank="
+                             f"{num_max_dispatch_tokens_per_rank}; raise that limit or split the batch")
+        if use_ue8m0 and not round_scale:
+            raise ValueError(f"{fn}: use_ue8m0=True needs round_scale=True (UE8M0 scales are powers of two)")
+        bad = check_topk(fn, topk_idx, num_experts, x.size(0), self.device)
+        from ..transports.base import LowLatencyDispatchRequest
+
+        req = LowLatencyDispatchRequest(x.contiguous(), topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                        use_fp8, round_scale, use_ue8m0, return_recv_hook, bad)
+        scope = self._scope(None, async_finish, False)
+        with scope:
+            res = self.runtime.low_latency_dispatch(req)
+        event = scope.finish((res.recv_x, res.recv_scales, res.recv_count), (x, topk_idx))
+        recv_x = (res.recv_x, res.recv_scales) if use_fp8 else res.recv_x
+        return recv_x, res.recv_count, res.handle, event, res.hook
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                            handle: LowLatencyHandle, use_logfmt: bool = False, zero_copy: bool = False,
+                            async_finish: bool = False, return_recv_hook: bool = False,
+                            out: Optional[torch.Tensor] = None):
+        """Return the expert outputs to their tokens and reduce them with the top-k weights.
+
+        Arguments:
+            x: ``[E_local, R * T, hidden]`` bf16 expert outputs, laid out as ``low_latency_dispatch`` returned
+                them (ignored with ``zero_copy``, which reads ``get_next_low_latency_combine_buffer(handle)``).
+            topk_idx ``[N, K]`` int64, topk_weights ``[N, K]`` float32: as given to the dispatch.
+            handle: its LowLatencyHandle.
+            out: optional ``[N, hidden]`` bf16 tensor to write into.
+
+        Returns:
+            combined_x: ``[N, hidden]`` bf16, ``sum_k w[:, k] * y_k`` in FP32 (slot order), cast once.
+            event: EventOverlap. hook: receive completion (None unless ``return_recv_hook``).
+        """
+        fn = "Buffer.low_latency_combine"
+        self._alive(fn)
+        self._own(fn, handle, LowLatencyHandle)
+        if use_logfmt:
+            raise NotImplementedError(f"{fn}: use_logfmt=True is not supported; pass use_logfmt=False")
+        e_local = handle.num_experts // handle.num_ranks
+        shape = (e_local, handle.num_ranks * handle.num_max_dispatch_tokens_per_rank, handle.hidden)
+        if not zero_copy and (not isinstance(x, torch.Tensor) or tuple(x.shape) != shape
+                              or x.dtype != torch.bfloat16):
+            raise ValueError(f"{fn}: x must be bf16 {list(shape)} (expert outputs in dispatch layout); got "
+                             f"{getattr(x, 'dtype', None)} {tuple(getattr(x, 'shape', ()))}")
+        if topk_idx.shape != (handle.num_tokens, handle.num_topk):
+            raise ValueError(f"{fn}: topk_idx must be the dispatch's [{handle.num_tokens}, {handle.num_topk}]; got "
+                             f"{tuple(topk_idx.shape)}")
+        if topk_weights.dtype != torch.float32 or topk_weights.shape != topk_idx.shape:
+            raise ValueError(f"{fn}: topk_weights must be float32 {tuple(topk_idx.shape)}; got {topk_weights.dtype} "
+                             f"{tuple(topk_weights.shape)}")
+        if out is not None and (out.shape != (handle.num_tokens, handle.hidden) or out.dtype != torch.bfloat16):
+            raise ValueError(f"{fn}: out must be bf16 [{handle.num_tokens}, {handle.hidden}]; got {out.dtype} "
+                             f"{tuple(out.shape)}")
+        from ..transports.base import LowLatencyCombineRequest
+
+        req = LowLatencyCombineRequest(x, topk_idx, topk_weights, handle, zero_copy, return_recv_hook, out)
+        scope = self._scope(None, async_finish, False)
+        with scope:
+            res = self.runtime.low_latency_combine(req)
+        event = scope.finish((res.combined_x,), (x, topk_idx, topk_weights))
+        return res.combined_x, event, res.hook
+
+    def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
+        """The ``[E_local, R * T, hidden]`` bf16 tensor to write expert outputs into for a
+        ``zero_copy=True`` combine with this handle."""
+        self._own("Buffer.get_next_low_latency_combine_buffer", handle, LowLatencyHandle)
+        return self.runtime.low_latency_combine_buffer(handle)
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """DeepEP compatibility: epcomm's low-latency storage needs no cleaning between uses."""
+
+
+def _default_device(group) -> torch.device:
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _check_layout(fn: str, num_tokens_per_rank, is_token_in_rank, n: int, num_ranks: int, device) -> None:
+    if (not isinstance(num_tokens_per_rank, torch.Tensor) or num_tokens_per_rank.dtype != torch.int32
+            or num_tokens_per_rank.shape != (num_ranks,)):
+        raise ValueError(f"{fn}: num_tokens_per_rank must be int32 [{num_ranks}]; got "
+                         f"{getattr(num_tokens_per_rank, 'dtype', None)} "
+                         f"{tuple(getattr(num_tokens_per_rank, 'shape', ()))}")
+    if (not isinstance(is_token_in_rank, torch.Tensor) or is_token_in_rank.dtype != torch.bool
+            or is_token_in_rank.shape != (n, num_ranks)):
+        raise ValueError(f"{fn}: is_token_in_rank must be bool [{n}, {num_ranks}]; got "
+                         f"{getattr(is_token_in_rank, 'dtype', None)} {tuple(getattr(is_token_in_rank, 'shape', ()))}")
+    for name, t in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank)):
+        if t.device != device:
+            raise ValueError(f"{fn}: {name} is on {t.device}, this Buffer communicates on {device}")

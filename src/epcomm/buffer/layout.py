@@ -1,0 +1,64 @@
+"""Pure functions: dispatch layout on the device (no host synchronisation) and buffer size hints."""
+
+from __future__ import annotations
+
+import torch
+
+
+def compute_dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32, is_token_in_rank [N, R] bool)``
+    of ``topk_idx [N, K]`` (int64 or int32; -1 means no selection). Entries outside ``[-1, E)`` are ignored
+    here; callers validate them. Graph-capturable: no host synchronisation, fixed shapes."""
+    n = topk_idx.size(0)
+    idx = topk_idx.long()
+    experts_per_rank = num_experts // num_ranks
+    valid = (idx >= 0) & (idx < num_experts)
+    bins = torch.where(valid, idx, num_experts).flatten()
+    per_expert = torch.zeros(num_experts + 1, dtype=torch.int32, device=idx.device)
+    per_expert.index_add_(0, bins, torch.ones_like(bins, dtype=torch.int32))
+    ranks = torch.where(valid, idx // experts_per_rank, num_ranks)
+    in_rank = torch.zeros(n, num_ranks + 1, dtype=torch.bool, device=idx.device)
+    in_rank.scatter_(1, ranks, True)
+    in_rank = in_rank[:, :num_ranks].contiguous()
+    return in_rank.sum(0, dtype=torch.int32), per_expert[:num_experts], in_rank
+
+
+def count_bad_topk(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Number of entries of ``topk_idx`` outside ``[-1, num_experts)`` (a device scalar, int32)."""
+    return ((topk_idx < -1) | (topk_idx >= num_experts)).sum(dtype=torch.int32)
+
+
+def align_up(value: int, alignment: int) -> int:
+    """``value`` rounded up to a multiple of ``alignment``."""
+    return (value + alignment - 1) // alignment * alignment
+
+
+def low_latency_pair_capacity(num_max_dispatch_tokens_per_rank: int, num_topk: int, num_local_experts: int) -> int:
+    """Most rows one rank can send to one other rank in a low-latency dispatch: each of its T tokens sends
+    one row per distinct selected expert of that rank, at most ``min(K, E_local)``."""
+    return num_max_dispatch_tokens_per_rank * min(num_topk, num_local_experts)
+
+
+def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                   num_experts: int, num_topk: int | None = None) -> int:
+    """Bytes of communication storage one rank needs for low-latency dispatch + combine (BF16 rows, the
+    larger of the two), DeepEP's signature plus an optional ``num_topk``.
+
+    epcomm sizes by what can arrive: from each of the R ranks at most ``T * min(K, E_local)`` rows, plus
+    a send area of the same size, instead of DeepEP's ``E * T`` rows per direction. Without ``num_topk``
+    the bound takes ``K = E_local`` (every local expert selected)."""
+    if num_experts % num_ranks:
+        raise ValueError(f"get_low_latency_rdma_size_hint: num_experts={num_experts} is not divisible by "
+                         f"num_ranks={num_ranks}")
+    e_local = num_experts // num_ranks
+    k = e_local if num_topk is None else num_topk
+    rows = num_ranks * low_latency_pair_capacity(num_max_dispatch_tokens_per_rank, k, e_local)
+    row_bytes = 2 * hidden + 16  # bf16 payload and per-row metadata
+    return 2 * rows * row_bytes
+
+
+def get_normal_buffer_size_hint(num_tokens: int, hidden_bytes: int, num_ranks: int) -> int:
+    """Bytes of receive storage a normal dispatch of ``num_tokens`` tokens per rank needs at most, if it
+    were done in one piece: every rank may send all its tokens to this one. Chunked transports need less."""
+    return num_ranks * num_tokens * (hidden_bytes + 64)

@@ -1,0 +1,220 @@
+"""The oracle: every rank's expected outputs, computed in one process with plain torch.
+
+Every transport is tested against these functions. They are written to be obviously right rather than fast
+(Python loops over ranks and experts, vectorised over tokens). Conventions they define:
+
+* normal dispatch: a token travels once to every rank that holds one of its experts; rank ``r`` receives
+  the tokens of rank 0, then rank 1, ..., each group in source-token order. ``recv_topk_idx`` holds local
+  expert ids (``global - r * E_local``) and -1 for experts of other ranks, whose weights are 0.
+* normal combine: for every token, the rows the ranks send back are converted to float32 and added in
+  ascending rank order starting from +0.0, then ``bias[0]`` and ``bias[1]`` (float32), then one cast to the
+  output dtype. Top-k weights are summed the same way. Bit-exact for any transport that adds in that order.
+* low-latency dispatch: one row per selected (token, slot); rank ``r``'s expert ``e`` receives the rows of
+  rank 0, then rank 1, ..., each group ordered by (source token, slot). FP8 rows are cast per token by
+  ``epcomm.fp8.per_token_cast_to_fp8`` on the sender.
+* low-latency combine: ``sum over slots k ascending of  w[t, k] * float32(y)`` with the product rounded to
+  float32 before the add (no fused multiply-add), starting from +0.0, then one cast to bfloat16.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from ..fp8 import per_token_cast_to_fp8
+
+__all__ = ["Layout", "DispatchOut", "LowLatencyOut", "dispatch_layout", "dispatch", "combine",
+           "low_latency_dispatch", "low_latency_combine", "align_up"]
+
+
+def align_up(value: int, alignment: int) -> int:
+    return (value + alignment - 1) // alignment * alignment
+
+
+@dataclass(frozen=True)
+class Layout:
+    """``num_tokens_per_rank [R]`` int32, ``num_tokens_per_expert [E]`` int32, ``is_token_in_rank [N, R]``
+    bool."""
+
+    num_tokens_per_rank: torch.Tensor
+    num_tokens_per_expert: torch.Tensor
+    is_token_in_rank: torch.Tensor
+
+
+def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int) -> Layout:
+    """Layout of one rank's ``topk_idx [N, K]`` (-1 = no selection)."""
+    experts_per_rank = num_experts // num_ranks
+    n = topk_idx.size(0)
+    per_expert = torch.zeros(num_experts, dtype=torch.int32)
+    in_rank = torch.zeros(n, num_ranks, dtype=torch.bool)
+    idx = topk_idx.cpu().long()
+    for k in range(idx.size(1)):
+        col = idx[:, k]
+        valid = col >= 0
+        per_expert += torch.bincount(col[valid], minlength=num_experts).to(torch.int32)
+        rows = torch.nonzero(valid).flatten()
+        in_rank[rows, col[valid] // experts_per_rank] = True
+    return Layout(in_rank.sum(0).to(torch.int32), per_expert, in_rank)
+
+
+@dataclass(frozen=True)
+class DispatchOut:
+    """What rank ``r`` receives in a normal dispatch. ``recv_x [M, H]`` (and ``recv_scales [M, S]`` for
+    FP8), ``recv_topk_idx [M, K]`` int64 local ids, ``recv_topk_weights [M, K]`` float32,
+    ``num_recv_tokens_per_expert [E_local]`` (aligned), ``recv_src_rank``/``recv_src_idx [M]`` int64."""
+
+    recv_x: torch.Tensor
+    recv_scales: Optional[torch.Tensor]
+    recv_topk_idx: Optional[torch.Tensor]
+    recv_topk_weights: Optional[torch.Tensor]
+    num_recv_tokens_per_expert: list
+    recv_src_rank: torch.Tensor
+    recv_src_idx: torch.Tensor
+
+
+def dispatch(xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.Tensor], num_experts: int,
+             topk_weights: Optional[Sequence[torch.Tensor]] = None,
+             x_scales: Optional[Sequence[torch.Tensor]] = None, expert_alignment: int = 1) -> list[DispatchOut]:
+    """Every rank's normal-dispatch result from every rank's ``x [N_s, H]``, ``topk_idx [N_s, K]``."""
+    num_ranks = len(xs)
+    e_local = num_experts // num_ranks
+    layouts = [dispatch_layout(t, num_experts, num_ranks) for t in topk_idxs]
+    outs = []
+    for r in range(num_ranks):
+        xr, sr, ir, wr, src_rank, src_idx = [], [], [], [], [], []
+        for s in range(num_ranks):
+            rows = torch.nonzero(layouts[s].is_token_in_rank[:, r]).flatten()
+            xr.append(xs[s].cpu()[rows])
+            if x_scales is not None:
+                sr.append(x_scales[s].cpu()[rows])
+            idx = topk_idxs[s].cpu().long()[rows]
+            local = idx - r * e_local
+            mine = (idx >= 0) & (local >= 0) & (local < e_local)
+            ir.append(torch.where(mine, local, torch.full_like(local, -1)))
+            if topk_weights is not None:
+                w = topk_weights[s].cpu().float()[rows]
+                wr.append(torch.where(mine, w, torch.zeros_like(w)))
+            src_rank.append(torch.full((rows.numel(),), s, dtype=torch.int64))
+            src_idx.append(rows.to(torch.int64))
+        recv_idx = torch.cat(ir)
+        counts = [int((recv_idx == e).sum()) for e in range(e_local)]
+        outs.append(DispatchOut(
+            recv_x=torch.cat(xr), recv_scales=torch.cat(sr) if x_scales is not None else None,
+            recv_topk_idx=recv_idx, recv_topk_weights=torch.cat(wr) if topk_weights is not None else None,
+            num_recv_tokens_per_expert=[align_up(c, expert_alignment) for c in counts],
+            recv_src_rank=torch.cat(src_rank), recv_src_idx=torch.cat(src_idx)))
+    return outs
+
+
+def combine(recv_xs: Sequence[torch.Tensor], dispatched: Sequence[DispatchOut], num_tokens: Sequence[int],
+            recv_topk_weights: Optional[Sequence[torch.Tensor]] = None,
+            biases: Optional[Sequence[Sequence[torch.Tensor]]] = None,
+            out_dtype: Optional[torch.dtype] = None) -> list[tuple[torch.Tensor, Optional[torch.Tensor]]]:
+    """Every rank's normal-combine result. ``recv_xs[r] [M_r, H]`` are the rows rank ``r`` sends back
+    (aligned with ``dispatched[r]``); ``biases[s]`` is a list of 0-2 ``[N_s, H]`` tensors for rank ``s``."""
+    num_ranks = len(recv_xs)
+    hidden = recv_xs[0].size(1)
+    out_dtype = out_dtype or recv_xs[0].dtype
+    outs = []
+    for s in range(num_ranks):
+        acc = torch.zeros(num_tokens[s], hidden, dtype=torch.float32)
+        wacc = None
+        if recv_topk_weights is not None:
+            wacc = torch.zeros(num_tokens[s], recv_topk_weights[0].size(1), dtype=torch.float32)
+        for r in range(num_ranks):
+            sel = dispatched[r].recv_src_rank == s
+            rows = dispatched[r].recv_src_idx[sel]
+            acc[rows] += recv_xs[r].cpu()[sel].float()
+            if wacc is not None:
+                wacc[rows] += recv_topk_weights[r].cpu()[sel].float()
+        for b in (biases[s] if biases is not None else ()):
+            acc += b.cpu().float()
+        outs.append((acc.to(out_dtype), wacc))
+    return outs
+
+
+@dataclass(frozen=True)
+class LowLatencyOut:
+    """What rank ``r`` receives in a low-latency dispatch: for each local expert ``e``, ``count[e]`` rows
+    ``x[e] [count[e], H]`` (bf16, or fp8 with ``scales[e] [count[e], H/128]``) and their sources
+    ``src_rank[e]``, ``src_idx[e]`` (int64)."""
+
+    count: list
+    x: list
+    scales: list
+    src_rank: list
+    src_idx: list
+
+
+def low_latency_dispatch(xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.Tensor], num_experts: int,
+                         use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False
+                         ) -> list[LowLatencyOut]:
+    """Every rank's low-latency dispatch result (only the valid rows of each expert)."""
+    num_ranks = len(xs)
+    e_local = num_experts // num_ranks
+    casted = []
+    for x in xs:
+        x = x.cpu()
+        casted.append(per_token_cast_to_fp8(x, round_scale, use_ue8m0) if use_fp8 else (x, None))
+    outs = []
+    for r in range(num_ranks):
+        count, xe, se, sre, sie = [], [], [], [], []
+        for e in range(e_local):
+            g = r * e_local + e
+            rows_x, rows_s, src_r, src_i = [], [], [], []
+            for s in range(num_ranks):
+                idx = topk_idxs[s].cpu().long()
+                tok, _slot = torch.nonzero(idx == g, as_tuple=True)  # row-major: (token, slot) order
+                rows_x.append(casted[s][0][tok])
+                if casted[s][1] is not None:
+                    rows_s.append(casted[s][1][tok])
+                src_r.append(torch.full((tok.numel(),), s, dtype=torch.int64))
+                src_i.append(tok.to(torch.int64))
+            count.append(sum(t.numel() for t in src_i))
+            xe.append(torch.cat(rows_x))
+            se.append(torch.cat(rows_s) if rows_s else None)
+            sre.append(torch.cat(src_r))
+            sie.append(torch.cat(src_i))
+        outs.append(LowLatencyOut(count, xe, se, sre, sie))
+    return outs
+
+
+def low_latency_combine(ys: Sequence[Sequence[torch.Tensor]], dispatched: Sequence[LowLatencyOut],
+                        topk_idxs: Sequence[torch.Tensor], topk_weights: Sequence[torch.Tensor],
+                        num_experts: int, out_dtype: torch.dtype = torch.bfloat16) -> list[torch.Tensor]:
+    """Every rank's low-latency combine. ``ys[r][e] [count, H]`` are rank ``r``'s expert-``e`` outputs for
+    the rows it received (in ``dispatched[r]`` order). Expert ids within a token must be distinct."""
+    num_ranks = len(ys)
+    e_local = num_experts // num_ranks
+    hidden = next(y.size(1) for yr in ys for y in yr)
+    max_tokens = max(int(t.size(0)) for t in topk_idxs)
+    # row_of[r][e, s, t]: the row of (source rank s, token t) in rank r's expert e, -1 if none
+    row_of = []
+    for r in range(num_ranks):
+        m = torch.full((e_local, num_ranks, max(max_tokens, 1)), -1, dtype=torch.int64)
+        for e in range(e_local):
+            d = dispatched[r]
+            m[e, d.src_rank[e], d.src_idx[e]] = torch.arange(d.count[e])
+        row_of.append(m)
+    outs = []
+    for s in range(num_ranks):
+        idx = topk_idxs[s].cpu().long()
+        w = topk_weights[s].cpu().float()
+        n = idx.size(0)
+        acc = torch.zeros(n, hidden, dtype=torch.float32)
+        tokens = torch.arange(n)
+        for k in range(idx.size(1)):
+            g = idx[:, k]
+            for r in range(num_ranks):
+                sel = (g >= 0) & (g // e_local == r)
+                if not bool(sel.any()):
+                    continue
+                e = g[sel] % e_local
+                rows = row_of[r][e, s, tokens[sel]]
+                y = torch.stack([ys[r][int(ei)][int(ri)] for ei, ri in zip(e, rows)]).cpu().float()
+                prod = w[sel, k].unsqueeze(1) * y
+                acc[sel] = acc[sel] + prod
+        outs.append(acc.to(out_dtype))
+    return outs

@@ -1,0 +1,304 @@
+"""Correctness cases run inside a worker: a Buffer against the reference, every rank checking its own
+outputs (each rank rebuilds all ranks' inputs from the seed). Used by the tests, the demo and the GPU
+script, so the CPU and GPU suites check the same things."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from .. import reference
+from ..fp8 import FP8_DTYPE, per_token_cast_back, per_token_cast_to_fp8
+from .routing import make_inputs
+
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16, "fp8": torch.bfloat16}
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def same_bits(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
+    """Bit-exact equality (dtype, shape and every bit), CPU copies compared."""
+    if a is None or b is None:
+        return a is None and b is None
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    a, b = a.detach().cpu().contiguous(), b.detach().cpu().contiguous()
+    if a.numel() == 0:
+        return True
+    view = _INT_VIEW[a.element_size()]
+    return torch.equal(a.view(view), b.view(view))
+
+
+def describe_mismatch(name: str, got: Optional[torch.Tensor], want: Optional[torch.Tensor]) -> str:
+    if got is None or want is None:
+        return f"{name}: got {'None' if got is None else 'a tensor'}, want {'None' if want is None else 'a tensor'}"
+    if got.dtype != want.dtype or got.shape != want.shape:
+        return f"{name}: got {got.dtype} {tuple(got.shape)}, want {want.dtype} {tuple(want.shape)}"
+    g, w = got.detach().cpu().float(), want.detach().cpu().float()
+    bad = ~((g == w) | (g.isnan() & w.isnan()))
+    first = tuple(int(i) for i in torch.nonzero(bad)[0]) if bad.any() else None
+    return f"{name}: {int(bad.sum())} of {g.numel()} elements differ (first at {first})"
+
+
+@dataclass(frozen=True)
+class NormalCase:
+    """One normal dispatch -> combine case. ``num_tokens`` is per rank (an int or one per rank)."""
+
+    num_tokens: object = 64
+    hidden: int = 256
+    num_experts: int = 8
+    topk: int = 2
+    routing: str = "uniform"
+    dtype: str = "bf16"  # bf16 | fp8 | fp32 | fp16
+    expert_alignment: int = 1
+    worst: bool = False  # num_worst_tokens = the largest possible receive count
+    bias: int = 0  # number of bias tensors (0, 1, 2)
+    column_major_scales: bool = False
+    with_topk: bool = True
+    seed: int = 0
+
+    def label(self) -> str:
+        return (f"N={self.num_tokens} H={self.hidden} E={self.num_experts} K={self.topk} {self.routing} "
+                f"{self.dtype} align={self.expert_alignment} worst={self.worst} bias={self.bias}")
+
+
+@dataclass
+class CaseResult:
+    label: str
+    failures: list = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def expect(self, name: str, got, want) -> None:
+        if not same_bits(got, want):
+            self.failures.append(describe_mismatch(name, got, want))
+
+    def expect_eq(self, name: str, got, want) -> None:
+        if got != want:
+            self.failures.append(f"{name}: got {got!r}, want {want!r}")
+
+
+def _combine_input(rows: torch.Tensor, rank: int, dtype: torch.dtype) -> torch.Tensor:
+    """A deterministic stand-in for the experts: scale the received rows by a per-rank factor."""
+    return (rows.float() * (1.0 + 0.5 * rank)).to(dtype)
+
+
+def check_normal(ctx, buf, case: NormalCase) -> CaseResult:
+    """Layout, dispatch, cached dispatch and combine on ``buf`` against the reference."""
+    res = CaseResult(case.label())
+    num_ranks, rank, dev = ctx.world_size, ctx.rank, ctx.device
+    dtype = _DTYPES[case.dtype]
+    inputs = make_inputs(case.seed, num_ranks, case.num_tokens, case.hidden, case.num_experts, case.topk,
+                         case.routing, dtype)
+    fp8 = case.dtype == "fp8"
+    casted = [per_token_cast_to_fp8(i.x) for i in inputs] if fp8 else None
+    mine = inputs[rank].to(dev)
+    n = mine.x.size(0)
+    if fp8:
+        data, scales = casted[rank][0].to(dev), casted[rank][1].to(dev)
+        if case.column_major_scales:
+            scales = scales.t().contiguous().t()
+        x = (data, scales)
+    else:
+        x = mine.x
+
+    # layout
+    per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(mine.topk_idx, case.num_experts)
+    ref_layout = reference.dispatch_layout(inputs[rank].topk_idx, case.num_experts, num_ranks)
+    res.expect("num_tokens_per_rank", per_rank, ref_layout.num_tokens_per_rank)
+    res.expect("num_tokens_per_expert", per_expert, ref_layout.num_tokens_per_expert)
+    res.expect("is_token_in_rank", in_rank, ref_layout.is_token_in_rank)
+    res.expect_eq("num_tokens_per_rdma_rank", per_rdma, None)
+
+    ref = reference.dispatch([c[0] if fp8 else i.x for c, i in zip(casted or [None] * num_ranks, inputs)],
+                             [i.topk_idx for i in inputs], case.num_experts,
+                             [i.topk_weights for i in inputs] if case.with_topk else None,
+                             [c[1] for c in casted] if fp8 else None, case.expert_alignment)
+    max_recv = max(r.recv_x.size(0) for r in ref)
+    worst = max(max_recv, 1) + 3 if case.worst else 0
+    recv_x, recv_idx, recv_w, per_expert_list, handle, _ = buf.dispatch(
+        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert if case.with_topk else None,
+        topk_idx=mine.topk_idx if case.with_topk else None,
+        topk_weights=mine.topk_weights if case.with_topk else None,
+        expert_alignment=case.expert_alignment, num_worst_tokens=worst)
+    mine_ref = ref[rank]
+    m = mine_ref.recv_x.size(0)
+    got_x, got_s = recv_x if fp8 else (recv_x, None)
+    res.expect_eq("recv rows", got_x.size(0), worst or m)
+    res.expect("recv_x", got_x[:m], mine_ref.recv_x)
+    if fp8:
+        res.expect("recv_x_scales", got_s[:m], mine_ref.recv_scales)
+    if case.with_topk:
+        res.expect("recv_topk_idx", recv_idx[:m], mine_ref.recv_topk_idx)
+        res.expect("recv_topk_weights", recv_w[:m], mine_ref.recv_topk_weights)
+        if worst:
+            res.expect_eq("padding recv_topk_idx all -1", bool((recv_idx[m:] == -1).all()), True)
+            counts = [int(v) for v in handle.num_recv_tokens_per_expert.cpu()]
+            want = [int((mine_ref.recv_topk_idx == e).sum()) for e in range(case.num_experts // num_ranks)]
+            res.expect_eq("handle.num_recv_tokens_per_expert", counts, want)
+        else:
+            res.expect_eq("num_recv_tokens_per_expert_list", per_expert_list, mine_ref.num_recv_tokens_per_expert)
+    res.expect("handle.recv_src_idx", handle.recv_src_idx[:m].long(), mine_ref.recv_src_idx)
+    res.expect("handle.recv_src_rank", handle.recv_src_rank[:m].long(), mine_ref.recv_src_rank)
+
+    # cached dispatch of new data with the same layout
+    x2_all = [(i.x.float() * 0.5 - 1.0).to(i.x.dtype) for i in inputs]
+    if fp8:
+        c2 = [per_token_cast_to_fp8(v) for v in x2_all]
+        x2 = (c2[rank][0].to(dev), c2[rank][1].to(dev))
+    else:
+        x2 = x2_all[rank].to(dev)
+    cached = buf.dispatch(x2, handle=handle)
+    ref2 = reference.dispatch([c[0] for c in c2] if fp8 else x2_all, [i.topk_idx for i in inputs],
+                              case.num_experts, None, [c[1] for c in c2] if fp8 else None)
+    got2 = cached[0][0] if fp8 else cached[0]
+    res.expect("cached recv_x", got2[:m], ref2[rank].recv_x)
+    if fp8:
+        res.expect("cached recv_x_scales", cached[0][1][:m], ref2[rank].recv_scales)
+    res.expect_eq("cached mode returns no handle", cached[4], None)
+
+    # combine: each rank sends back a per-rank scaling of what it received (rows past m are padding)
+    out_dtype = torch.bfloat16 if fp8 else dtype
+    rows_all = [(per_token_cast_back(r.recv_x, r.recv_scales, out_dtype) if fp8 else r.recv_x) for r in ref]
+    ys = [_combine_input(rows, r, out_dtype) for r, rows in enumerate(rows_all)]
+    y = torch.empty(worst or m, case.hidden, dtype=out_dtype)
+    y[:m] = ys[rank]
+    if worst:
+        y[m:] = float("nan")  # padding rows must not leak into the sum
+    gen = torch.Generator().manual_seed(case.seed + 17)
+    biases = [[torch.randn(inputs[s].x.size(0), case.hidden, generator=gen).to(out_dtype) for _ in range(case.bias)]
+              for s in range(num_ranks)]
+    bias = None if not case.bias else (biases[rank][0].to(dev) if case.bias == 1 else
+                                       tuple(b.to(dev) for b in biases[rank]))
+    w_in = None
+    if case.with_topk:
+        w_in = torch.zeros(worst or m, case.topk)
+        w_in[:m] = ref[rank].recv_topk_weights
+    combined, combined_w, _ = buf.combine(y.to(dev), handle, topk_weights=w_in.to(dev) if w_in is not None else None,
+                                          bias=bias)
+    want = reference.combine(ys, ref, [i.x.size(0) for i in inputs],
+                             [r.recv_topk_weights for r in ref] if case.with_topk else None,
+                             biases if case.bias else None, out_dtype)
+    res.expect("combined_x", combined, want[rank][0])
+    if case.with_topk:
+        res.expect("combined_topk_weights", combined_w, want[rank][1])
+
+    # round trip: sending back exactly what arrived gives x times the number of ranks the token went to
+    if not fp8 and not worst:
+        back, _, _ = buf.combine(recv_x, handle)
+        k = in_rank.sum(1, keepdim=True).float().cpu()
+        res.expect("round trip", back, (inputs[rank].x.float() * k).to(dtype))
+    return res
+
+
+@dataclass(frozen=True)
+class LowLatencyCase:
+    num_tokens: object = 8  # per rank, <= max_tokens
+    max_tokens: int = 16
+    hidden: int = 256
+    num_experts: int = 8
+    topk: int = 2
+    routing: str = "uniform"
+    use_fp8: bool = True
+    round_scale: bool = False
+    use_ue8m0: bool = False
+    hook: bool = False
+    zero_copy: bool = False
+    use_out: bool = False
+    seed: int = 0
+
+    def label(self) -> str:
+        return (f"LL N={self.num_tokens}/T={self.max_tokens} H={self.hidden} E={self.num_experts} K={self.topk} "
+                f"{self.routing} fp8={self.use_fp8} round={self.round_scale} ue8m0={self.use_ue8m0} "
+                f"hook={self.hook} zero_copy={self.zero_copy} out={self.use_out}")
+
+
+def check_low_latency(ctx, buf, case: LowLatencyCase) -> CaseResult:
+    """Low-latency dispatch and combine on ``buf`` against the reference."""
+    res = CaseResult(case.label())
+    num_ranks, rank, dev = ctx.world_size, ctx.rank, ctx.device
+    e_local = case.num_experts // num_ranks
+    inputs = make_inputs(case.seed, num_ranks, case.num_tokens, case.hidden, case.num_experts, case.topk,
+                         case.routing, torch.bfloat16)
+    mine = inputs[rank].to(dev)
+    recv_x, recv_count, handle, _, hook = buf.low_latency_dispatch(
+        mine.x, mine.topk_idx, case.max_tokens, case.num_experts, use_fp8=case.use_fp8,
+        round_scale=case.round_scale, use_ue8m0=case.use_ue8m0, return_recv_hook=case.hook)
+    res.expect_eq("hook returned", hook is not None, case.hook)
+    if hook is not None:
+        hook()
+    ref = reference.low_latency_dispatch([i.x for i in inputs], [i.topk_idx for i in inputs], case.num_experts,
+                                         case.use_fp8, case.round_scale, case.use_ue8m0)
+    mine_ref = ref[rank]
+    data, scales = recv_x if case.use_fp8 else (recv_x, None)
+    res.expect_eq("recv_x shape", tuple(data.shape), (e_local, num_ranks * case.max_tokens, case.hidden))
+    res.expect("recv_count", recv_count, torch.tensor(mine_ref.count, dtype=torch.int32))
+    for e in range(e_local):
+        c = mine_ref.count[e]
+        res.expect(f"recv_x[{e}]", data[e, :c], mine_ref.x[e])
+        if scales is not None:
+            res.expect(f"recv_scales[{e}]", scales[e, :c], mine_ref.scales[e])
+        res.expect(f"src_info[{e}]", handle.src_info[e, :c].long(), mine_ref.src_idx[e])
+        for s in range(num_ranks):
+            begin = int((mine_ref.src_rank[e] < s).sum())
+            cnt = int((mine_ref.src_rank[e] == s).sum())
+            res.expect_eq(f"layout_range[{e}, {s}]", tuple(int(v) for v in handle.layout_range[e, s]), (begin, cnt))
+
+    # combine: expert stand-in = dequantised rows scaled per expert; padding rows NaN
+    ys = []
+    for r in range(num_ranks):
+        d = ref[r]
+        per_e = []
+        for e in range(e_local):
+            rows = d.x[e]
+            if case.use_fp8:
+                rows = per_token_cast_back(rows, d.scales[e], torch.bfloat16) if rows.numel() else rows.to(torch.bfloat16)
+            per_e.append((rows.float() * (1.0 + 0.125 * e)).to(torch.bfloat16))
+        ys.append(per_e)
+    y = torch.full((e_local, num_ranks * case.max_tokens, case.hidden), float("nan"), dtype=torch.bfloat16)
+    for e in range(e_local):
+        y[e, :mine_ref.count[e]] = ys[rank][e]
+    if case.zero_copy:
+        buf.get_next_low_latency_combine_buffer(handle).copy_(y.to(dev))
+        x_in = None
+    else:
+        x_in = y.to(dev)
+    out = torch.full((mine.x.size(0), case.hidden), float("nan"), dtype=torch.bfloat16, device=dev) \
+        if case.use_out else None
+    combined, _, hook = buf.low_latency_combine(x_in, mine.topk_idx, mine.topk_weights, handle,
+                                                zero_copy=case.zero_copy, return_recv_hook=case.hook, out=out)
+    if hook is not None:
+        hook()
+    want = reference.low_latency_combine(ys, ref, [i.topk_idx for i in inputs], [i.topk_weights for i in inputs],
+                                         case.num_experts)
+    res.expect("low_latency combined_x", combined, want[rank])
+    if out is not None:
+        res.expect_eq("combine wrote into out", combined.data_ptr() == out.data_ptr(), True)
+    return res
+
+
+def run_cases(ctx, cases: Sequence, transport: str = "alltoall") -> list:
+    """Worker entry: run every case on one Buffer; return ``[(label, failures)]`` for the failing ones."""
+    from ..buffer import Buffer
+
+    buf = Buffer(ctx.group, transport=transport)
+    failed = []
+    try:
+        for case in cases:
+            check = check_low_latency if isinstance(case, LowLatencyCase) else check_normal
+            try:
+                result = check(ctx, buf, case)
+            except Exception as exc:  # noqa: BLE001 - report which case raised
+                import traceback
+
+                failed.append((case.label(), [f"raised {type(exc).__name__}: {exc}\n{traceback.format_exc()}"]))
+                continue
+            if not result.ok:
+                failed.append((result.label, result.failures))
+    finally:
+        buf.destroy()
+    return failed

@@ -1,0 +1,189 @@
+"""One multi-process launcher for tests, the demo and the benchmarks.
+
+``spawn(fn, world_size, ...)`` starts ``world_size`` processes (the ``spawn`` start method), joins them in
+one ``torch.distributed`` group (``cpu:gloo,cuda:nccl`` on GPUs, ``gloo`` on CPUs) on a free loopback port,
+gives each log line a ``[rank N]`` prefix, calls ``fn(ctx, *args, **kwargs)`` in every process and returns
+the per-rank results in rank order. A worker's exception is re-raised in the parent with the worker's
+traceback; a worker that does not finish in ``timeout_s`` fails the launch with a message naming the ranks
+still running. ``run`` does the same, except that under ``torchrun`` (``RANK``/``WORLD_SIZE`` set) it joins
+the existing job in this process instead of spawning.
+
+``fn`` must be importable by name (a module-level function): the spawn start method pickles it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing as mp
+import queue as queue_mod
+import socket
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from .. import env
+from ..errors import EpcommError, EpcommTimeoutError
+
+log = logging.getLogger(__name__)
+
+
+class WorkerError(EpcommError):
+    """A worker process raised; the message carries its rank and traceback."""
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """What a worker function receives: its rank, the group size, its device and the process group."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    group: Any  # torch.distributed.ProcessGroup
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def resolve_device(device: str, world_size: int) -> str:
+    """``auto`` -> ``cuda`` when there is at least one GPU per rank, else ``cpu``; ``cuda`` is checked."""
+    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device == "auto":
+        return "cuda" if n_gpus >= world_size and world_size > 0 else "cpu"
+    if device == "cuda" and n_gpus < world_size:
+        raise ValueError(f"launcher: device='cuda' needs {world_size} GPUs, this machine has {n_gpus}; "
+                         f"use device='cpu' or fewer ranks")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"launcher: device={device!r} must be 'auto', 'cpu' or 'cuda'")
+    return device
+
+
+def _setup_logging(rank: int) -> None:
+    logging.basicConfig(level=env.log_level(), force=True,
+                        format=f"[rank {rank}] %(asctime)s %(name)s %(levelname)s: %(message)s")
+
+
+def init_worker(rank: int, world_size: int, device_kind: str, timeout_s: float) -> WorkerContext:
+    """Join the process group from the torchrun-style variables already in the environment."""
+    env.set_safe_gpu_defaults()
+    if device_kind == "cuda":
+        local_rank = int((env.distributed_env() or {}).get("LOCAL_RANK") or rank)
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        backend = "cpu:gloo,cuda:nccl"
+        kwargs = {"device_id": device}
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+        kwargs = {}
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    return WorkerContext(rank=rank, world_size=world_size, device=device, group=dist.group.WORLD)
+
+
+def _worker_main(rank: int, world_size: int, port: int, device_kind: str, timeout_s: float,
+                 fn: Callable, args: tuple, kwargs: dict, results: Any) -> None:
+    env.set_distributed_env(rank, world_size, port)
+    _setup_logging(rank)
+    try:
+        ctx = init_worker(rank, world_size, device_kind, timeout_s)
+        out = fn(ctx, *args, **kwargs)
+        results.put((rank, "ok", out))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def spawn(fn: Callable, world_size: int, *args: Any, device: str = "auto", timeout_s: float | None = None,
+          **kwargs: Any) -> list:
+    """Run ``fn(ctx, *args, **kwargs)`` in ``world_size`` new processes; return their results by rank.
+
+    Raises WorkerError (with the worker's traceback) if any worker raised or died, and EpcommTimeoutError
+    naming the unfinished ranks if they did not all finish within ``timeout_s`` (default: 4x
+    ``EPCOMM_TIMEOUT_S``)."""
+    if world_size < 1:
+        raise ValueError(f"spawn: world_size={world_size} must be >= 1")
+    device_kind = resolve_device(device, world_size)
+    timeout_s = float(timeout_s if timeout_s is not None else 4 * env.timeout_s())
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker_main, name=f"epcomm-rank{r}",
+                         args=(r, world_size, port, device_kind, timeout_s, fn, args, kwargs, results))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(out) + len(errors) < world_size:
+            try:
+                rank, status, payload = results.get(timeout=0.5)
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs)
+                        if p.exitcode not in (None, 0) and r not in out and r not in errors]
+                for r in dead:
+                    errors[r] = f"process exited with code {procs[r].exitcode} before reporting a result"
+                if errors:
+                    break
+                if time.monotonic() > deadline:
+                    pending = [r for r in range(world_size) if r not in out]
+                    raise EpcommTimeoutError(f"spawn: ranks {pending} of {world_size} did not finish "
+                                             f"{getattr(fn, '__name__', fn)} within {timeout_s:.0f} s")
+                continue
+            (out if status == "ok" else errors)[rank] = payload
+            if errors:
+                break
+    finally:
+        if errors or len(out) < world_size:
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        first = min(errors)
+        others = sorted(set(errors) - {first})
+        raise WorkerError(f"spawn: rank {first} of {world_size} failed in {getattr(fn, '__name__', fn)}"
+                          + (f" (ranks {others} failed too)" if others else "")
+                          + f":\n{errors[first]}")
+    return [out[r] for r in range(world_size)]
+
+
+def run(fn: Callable, world_size: int | None = None, *args: Any, device: str = "auto",
+        timeout_s: float | None = None, **kwargs: Any) -> list:
+    """Like ``spawn``, but under torchrun joins the running job instead and returns ``[own result]``."""
+    launched = env.distributed_env()
+    if launched is None:
+        return spawn(fn, world_size or 1, *args, device=device, timeout_s=timeout_s, **kwargs)
+    rank, size = int(launched["RANK"]), int(launched["WORLD_SIZE"])
+    if world_size not in (None, size):
+        log.warning("run: --world-size %s ignored, torchrun started %s ranks", world_size, size)
+    _setup_logging(rank)
+    device_kind = "cuda" if (device != "cpu" and torch.cuda.is_available()) else "cpu"
+    ctx = init_worker(rank, size, device_kind, float(timeout_s or 4 * env.timeout_s()))
+    try:
+        return [fn(ctx, *args, **kwargs)]
+    finally:
+        dist.destroy_process_group()

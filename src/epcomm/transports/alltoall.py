@@ -1,0 +1,476 @@
+"""The portable transport: ``torch.distributed.all_to_all_single`` (NCCL on GPUs, gloo on CPUs).
+
+Runs on any hardware and any process group. Written for speed within that limit: no Python loops over
+tokens, payloads moved as raw bytes in as few collectives as possible.
+
+Normal dispatch, exact sizes (one host synchronisation):
+  1. one all_to_all of a ``[R, 1 + E_local]`` int32 table (tokens per rank, tokens per expert);
+  2. one copy of the counts to the host (it also carries the deferred input checks);
+  3. one all_to_all of the token rows (gathered in destination-rank, token order) straight into ``recv_x``;
+  4. one all_to_all of a per-row int32 metadata record (source token, FP8 scales, local top-k ids and
+     weights).
+Normal dispatch with ``num_worst_tokens`` (no host synchronisation, CUDA-graph capturable): every rank
+  sends a fixed ``num_worst_tokens`` rows to every peer (the only bound all ranks know without talking),
+  and the receiver compacts them on the device. It moves ``R * num_worst_tokens`` rows per rank: correct,
+  but the one-sided transports are the fast way to avoid host synchronisation.
+Combine: the reverse all_to_all of the rows (and top-k weights), then an ordered FP32 reduction (a Triton
+  kernel on GPUs, torch on CPUs) that is bit-identical to the reference.
+Low-latency dispatch/combine: fixed-size slots of ``T * min(K, E_local)`` rows per peer, so there is no
+  host synchronisation, shapes are static (CUDA-graph capturable with NCCL) and ``return_recv_hook``
+  really defers the receive: the all_to_alls are issued asynchronously and the hook waits and unpacks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..buffer.handles import DispatchHandle, LowLatencyHandle
+from ..buffer.layout import align_up, low_latency_pair_capacity
+from ..buffer.validate import raise_if_bad_topk
+from ..fp8 import FP8_DTYPE, GROUP, per_token_cast_to_fp8
+from ..kernels import triton_available
+from .base import (Capabilities, CombineRequest, DispatchRequest, DispatchResult, LowLatencyCombineRequest,
+                   LowLatencyCombineResult, LowLatencyDispatchRequest, LowLatencyDispatchResult, Transport)
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A 2-D view of ``t``'s rows as uint8 (what travels; dtype-agnostic for NCCL and gloo)."""
+    t = t if t.dim() == 2 else t.reshape(t.size(0), -1)
+    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
+
+
+def _exclusive_cumsum(t: torch.Tensor, dim: int) -> torch.Tensor:
+    return torch.cumsum(t, dim=dim) - t
+
+
+def reduce_rows(buf: torch.Tensor, slot: torch.Tensor, bias: tuple, out_dtype: torch.dtype) -> torch.Tensor:
+    """Ordered reduction ``out[t] = sum_r float(buf[slot[t, r]]) + bias``, bit-identical on every device."""
+    if buf.is_cuda and buf.size(1) >= 64 and triton_available():
+        from ..kernels.reduce import reduce_rows as reduce_rows_triton
+
+        return reduce_rows_triton(buf, slot, bias, out_dtype)
+    n, num_slots = slot.shape
+    acc = torch.zeros(n, buf.size(1), dtype=torch.float32, device=buf.device)
+    if buf.size(0) > 0:
+        for r in range(num_slots):
+            s = slot[:, r].long()
+            rows = buf.index_select(0, s.clamp(min=0)).float()
+            acc += torch.where((s >= 0).unsqueeze(1), rows, torch.zeros((), device=buf.device))
+    for b in bias:
+        acc += b.float()
+    return acc.to(out_dtype)
+
+
+@dataclass(frozen=True)
+class _NormalState:
+    send_idx: torch.Tensor  # [S] int64 token of every sent row (exact mode)
+    send_counts: Optional[tuple]  # rows to each rank (exact mode)
+    slot: torch.Tensor  # [N, R] int64: row of (token, rank) in the combine receive buffer, -1 if absent
+    capacity: int  # padded mode: rows per peer (0 in exact mode)
+    recv_dst: Optional[torch.Tensor]  # padded mode: [R * C] output row of every received slot (W = unused)
+
+
+@dataclass(frozen=True)
+class _LowLatencyState:
+    capacity: int  # rows per peer
+    send_slot: torch.Tensor  # [N, K] int64 slot of each (token, k) in the send area, -1 if none
+    recv_dst: torch.Tensor  # [R * C] int64 flat output row of each received slot (E_local*R*T = unused)
+
+
+class AllToAllTransport(Transport):
+    """Dispatch/combine over ``all_to_all_single``; see the module docstring."""
+
+    name = "alltoall"
+
+    def __init__(self, group, device: torch.device, buffer_id: int) -> None:
+        super().__init__(group, device, buffer_id)
+        self._errors = torch.zeros(2, dtype=torch.int32, device=device)  # [worst-token overflow, LL overflow]
+        self._zero_copy: dict = {}
+
+    @classmethod
+    def capabilities(cls) -> Capabilities:
+        return Capabilities(
+            name=cls.name, devices=("cpu", "cuda"), one_sided=False, sync_free_normal=True,
+            graph_capturable_low_latency=True, needs_p2p=False, needs_p2p_atomics=False,
+            description="torch.distributed all_to_all_single (NCCL or gloo); runs on any hardware")
+
+    # ------------------------------------------------------------------ helpers
+    def _a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits=None, in_splits=None, async_op=False):
+        return dist.all_to_all_single(_as_bytes(out), _as_bytes(inp), out_splits, in_splits, group=self.group,
+                                      async_op=async_op)
+
+    def pending_errors(self) -> list[str]:
+        overflow_worst, overflow_ll = (int(v) for v in self._errors.tolist())
+        self._errors.zero_()
+        errors = []
+        if overflow_worst:
+            errors.append(f"rank {self.rank}: {overflow_worst} received rows did not fit num_worst_tokens; pass a "
+                          f"num_worst_tokens at least the largest number of tokens a rank can receive")
+        if overflow_ll:
+            errors.append(f"rank {self.rank}: {overflow_ll} low-latency rows did not fit their slots; expert ids "
+                          f"within a token must be distinct and x.size(0) <= num_max_dispatch_tokens_per_rank")
+        return errors
+
+    def _metadata(self, send_idx: torch.Tensor, dest: torch.Tensor, x_scales, topk_idx, topk_weights,
+                  e_local: int) -> torch.Tensor:
+        """Per-row int32 record: [source token | scales | local top-k ids | top-k weights]."""
+        cols = [send_idx.to(torch.int32).unsqueeze(1)]
+        if x_scales is not None:
+            cols.append(x_scales.index_select(0, send_idx).view(torch.int32))
+        if topk_idx is not None:
+            idx = topk_idx.index_select(0, send_idx).long()
+            local = idx - (dest * e_local).unsqueeze(1)
+            mine = (idx >= 0) & (local >= 0) & (local < e_local)
+            cols.append(torch.where(mine, local, -1).to(torch.int32))
+            if topk_weights is not None:
+                w = topk_weights.index_select(0, send_idx)
+                cols.append(torch.where(mine, w, 0.0).view(torch.int32))
+        return torch.cat(cols, dim=1)
+
+    @staticmethod
+    def _unpack_metadata(meta: torch.Tensor, x_scales, topk_idx, topk_weights):
+        col = 1
+        recv_scales = recv_idx = recv_w = None
+        if x_scales is not None:
+            ns = x_scales.size(1)
+            recv_scales = meta[:, col:col + ns].contiguous().view(x_scales.dtype)
+            col += ns
+        if topk_idx is not None:
+            k = topk_idx.size(1)
+            recv_idx = meta[:, col:col + k].to(torch.int64)
+            col += k
+            if topk_weights is not None:
+                recv_w = meta[:, col:col + k].contiguous().view(torch.float32)
+        return meta[:, 0].contiguous(), recv_scales, recv_idx, recv_w
+
+    # ------------------------------------------------------------------ normal mode
+    def dispatch(self, req: DispatchRequest) -> DispatchResult:
+        if req.handle is not None:
+            return self._cached_dispatch(req)
+        num_ranks, e_local = self.num_ranks, req.num_experts // self.num_ranks
+        x, dev = req.x, req.x.device
+        counts = torch.zeros(num_ranks, 1 + e_local, dtype=torch.int32, device=dev)
+        counts[:, 0] = req.num_tokens_per_rank
+        if req.num_tokens_per_expert is not None:
+            counts[:, 1:] = req.num_tokens_per_expert.view(num_ranks, e_local)
+        recv_counts = torch.empty_like(counts)
+        self._a2a(recv_counts, counts)
+        recv_per_expert = recv_counts[:, 1:].sum(0, dtype=torch.int32)
+        if req.num_worst_tokens:
+            return self._padded_dispatch(req, recv_counts, recv_per_expert)
+
+        itr = req.is_token_in_rank
+        checks = torch.stack([req.bad_topk if req.bad_topk is not None else torch.zeros((), dtype=torch.int32,
+                                                                                        device=dev),
+                              (itr.sum(0, dtype=torch.int32) != counts[:, 0]).sum(dtype=torch.int32)])
+        host = torch.cat([counts[:, 0], recv_counts[:, 0], recv_per_expert, checks, self._errors]).tolist()
+        send_counts = host[:num_ranks]
+        recv_counts_h = host[num_ranks:2 * num_ranks]
+        per_expert = host[2 * num_ranks:2 * num_ranks + e_local]
+        bad_topk, bad_layout = host[2 * num_ranks + e_local:2 * num_ranks + e_local + 2]
+        if any(host[-2:]):
+            raise RuntimeError("Buffer.dispatch: an earlier call failed on the device: " + "; ".join(self.pending_errors()))
+        raise_if_bad_topk("Buffer.dispatch", bad_topk, req.num_experts)
+        if bad_layout:
+            raise ValueError("Buffer.dispatch: num_tokens_per_rank does not match is_token_in_rank; pass both from "
+                             "the same get_dispatch_layout call")
+        num_send, num_recv = sum(send_counts), sum(recv_counts_h)
+
+        pos = _nonzero_static(itr.t(), num_send)  # [S, 2]: (destination rank, token), rank-major
+        dest, send_idx = pos[:, 0], pos[:, 1]
+        slot = torch.full((x.size(0), num_ranks), -1, dtype=torch.int64, device=dev)
+        slot[send_idx, dest] = torch.arange(num_send, device=dev)
+
+        recv_x = torch.empty(num_recv, x.size(1), dtype=x.dtype, device=dev)
+        self._a2a(recv_x, _as_bytes(x).index_select(0, send_idx), recv_counts_h, send_counts)
+        meta = self._metadata(send_idx, dest, req.x_scales, req.topk_idx, req.topk_weights, e_local)
+        recv_meta = torch.empty(num_recv, meta.size(1), dtype=torch.int32, device=dev)
+        self._a2a(recv_meta, meta, recv_counts_h, send_counts)
+        recv_src_idx, recv_scales, recv_idx, recv_w = self._unpack_metadata(recv_meta, req.x_scales, req.topk_idx,
+                                                                             req.topk_weights)
+        recv_src_rank = torch.repeat_interleave(torch.arange(num_ranks, dtype=torch.int32, device=dev),
+                                                recv_counts[:, 0], output_size=num_recv)
+        handle = DispatchHandle(
+            buffer_id=self.buffer_id, transport=self.name, num_ranks=num_ranks, num_experts=req.num_experts,
+            num_tokens=x.size(0), hidden=x.size(1), is_token_in_rank=itr, num_tokens_per_rank=tuple(send_counts),
+            num_recv_tokens=num_recv, num_recv_tokens_per_rank=tuple(recv_counts_h),
+            num_recv_tokens_per_expert=recv_per_expert, recv_src_rank=recv_src_rank, recv_src_idx=recv_src_idx,
+            state=_NormalState(send_idx=send_idx, send_counts=tuple(send_counts), slot=slot, capacity=0,
+                               recv_dst=None))
+        per_expert_list = ([align_up(c, req.expert_alignment) for c in per_expert]
+                           if req.topk_idx is not None else [])
+        return DispatchResult(recv_x, recv_scales, recv_idx, recv_w, per_expert_list, handle)
+
+    def _cached_dispatch(self, req: DispatchRequest) -> DispatchResult:
+        h = req.handle
+        st: _NormalState = h.state
+        x = req.x
+        if st.capacity:
+            recv_x, recv_scales = self._padded_rows(x, req.x_scales, h)
+        else:
+            recv_x = torch.empty(h.num_recv_tokens, x.size(1), dtype=x.dtype, device=x.device)
+            self._a2a(recv_x, _as_bytes(x).index_select(0, st.send_idx), list(h.num_recv_tokens_per_rank),
+                      list(st.send_counts))
+            recv_scales = None
+            if req.x_scales is not None:
+                recv_scales = torch.empty(h.num_recv_tokens, req.x_scales.size(1), dtype=req.x_scales.dtype,
+                                          device=x.device)
+                self._a2a(recv_scales, req.x_scales.index_select(0, st.send_idx), list(h.num_recv_tokens_per_rank),
+                          list(st.send_counts))
+        return DispatchResult(recv_x, recv_scales, None, None, None, h)
+
+    def _padded_dispatch(self, req: DispatchRequest, recv_counts: torch.Tensor, recv_per_expert: torch.Tensor
+                         ) -> DispatchResult:
+        num_ranks, e_local = self.num_ranks, req.num_experts // self.num_ranks
+        x, dev, cap = req.x, req.x.device, req.num_worst_tokens
+        n = x.size(0)
+        itr = req.is_token_in_rank
+        if req.bad_topk is not None:
+            self._errors[0] += req.bad_topk  # reported at the next check; values are clamped meanwhile
+        pos = torch.cumsum(itr, dim=0, dtype=torch.int64) - 1  # [N, R] position among this rank's tokens to r
+        fits = itr & (pos < cap)
+        self._errors[0] += (itr & ~fits).sum(dtype=torch.int32)
+        ranks = torch.arange(num_ranks, device=dev)
+        slot = torch.where(fits, ranks * cap + pos, -1)  # [N, R]
+        # receiver side: row j of source s lands at prefix[s] + j when j < count[s]
+        count = recv_counts[:, 0].long()
+        prefix = _exclusive_cumsum(count, 0)
+        j = torch.arange(cap, device=dev)
+        out_row = prefix.unsqueeze(1) + j
+        valid = (j < count.unsqueeze(1)) & (out_row < cap)
+        self._errors[0] += ((j < count.unsqueeze(1)) & (out_row >= cap)).sum(dtype=torch.int32)
+        recv_dst = torch.where(valid, out_row, cap).flatten()  # [R * C]; cap = discard row
+        state = _NormalState(send_idx=torch.empty(0, dtype=torch.int64, device=dev), send_counts=None, slot=slot,
+                             capacity=cap, recv_dst=recv_dst)
+        src_rank = torch.where(valid, ranks.unsqueeze(1), -1).flatten().to(torch.int32)
+        handle = DispatchHandle(
+            buffer_id=self.buffer_id, transport=self.name, num_ranks=num_ranks, num_experts=req.num_experts,
+            num_tokens=n, hidden=x.size(1), is_token_in_rank=itr, num_tokens_per_rank=None, num_recv_tokens=cap,
+            num_recv_tokens_per_rank=None, num_recv_tokens_per_expert=recv_per_expert,
+            recv_src_rank=_scatter_rows(src_rank.unsqueeze(1), recv_dst, cap, -1).flatten(),
+            recv_src_idx=torch.empty(0), num_worst_tokens=cap, state=state)
+        recv_x, recv_scales = self._padded_rows(x, req.x_scales, handle)
+        # metadata travels per destination (local ids differ by destination)
+        meta_cols = 1 + (req.x_scales.size(1) if req.x_scales is not None else 0) + \
+            (req.topk_idx.size(1) * (2 if req.topk_weights is not None else 1) if req.topk_idx is not None else 0)
+        send_meta = torch.empty(num_ranks * cap + 1, meta_cols, dtype=torch.int32, device=dev)
+        tokens = torch.arange(n, device=dev)
+        for r in range(num_ranks):
+            dest = torch.full((n,), r, dtype=torch.int64, device=dev)
+            meta_r = self._metadata(tokens, dest, req.x_scales, req.topk_idx, req.topk_weights, e_local)
+            send_meta.index_copy_(0, torch.where(slot[:, r] >= 0, slot[:, r], num_ranks * cap), meta_r)
+        recv_meta = torch.empty(num_ranks * cap, meta_cols, dtype=torch.int32, device=dev)
+        self._a2a(recv_meta, send_meta[:num_ranks * cap])
+        fill = torch.zeros(1, meta_cols, dtype=torch.int32, device=dev)
+        fill[0, 0] = -1
+        k = req.topk_idx.size(1) if req.topk_idx is not None else 0
+        first_idx = 1 + (req.x_scales.size(1) if req.x_scales is not None else 0)
+        fill[0, first_idx:first_idx + k] = -1  # unused rows: recv_topk_idx -1, weights 0
+        meta = _scatter_rows(recv_meta, recv_dst, cap, fill)
+        recv_src_idx, _, recv_idx, recv_w = self._unpack_metadata(meta, req.x_scales, req.topk_idx, req.topk_weights)
+        handle = _replace(handle, recv_src_idx=recv_src_idx)
+        return DispatchResult(recv_x, recv_scales, recv_idx, recv_w, [], handle)
+
+    def _padded_rows(self, x: torch.Tensor, x_scales, h: DispatchHandle):
+        """Move ``x`` (and scales) through fixed ``C`` rows per peer; compact into ``[W, ...]``."""
+        st: _NormalState = h.state
+        num_ranks, cap, dev = self.num_ranks, st.capacity, x.device
+        outs = []
+        for t in (x, x_scales):
+            if t is None:
+                outs.append(None)
+                continue
+            rows = _as_bytes(t.contiguous())  # shuffles run on bytes: index ops lack some dtypes (FP8) on some devices
+            send = torch.empty(num_ranks * cap + 1, rows.size(1), dtype=torch.uint8, device=dev)
+            for r in range(num_ranks):
+                send.index_copy_(0, torch.where(st.slot[:, r] >= 0, st.slot[:, r], num_ranks * cap), rows)
+            recv = torch.empty(num_ranks * cap, rows.size(1), dtype=torch.uint8, device=dev)
+            self._a2a(recv, send[:num_ranks * cap])
+            outs.append(_scatter_rows(recv, st.recv_dst, cap, None).view(t.dtype))
+        return outs[0], outs[1]
+
+    def combine(self, req: CombineRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        h: DispatchHandle = req.handle
+        st: _NormalState = h.state
+        x, dev, num_ranks = req.x, req.x.device, self.num_ranks
+        parts = [x] + ([req.topk_weights] if req.topk_weights is not None else [])
+        back = []
+        for t in parts:
+            if st.capacity:  # padded: row j of peer s goes back to slot j of s
+                gather = torch.where(st.recv_dst < st.capacity, st.recv_dst, 0)
+                send = t.index_select(0, gather) if t.size(0) else torch.zeros(
+                    num_ranks * st.capacity, t.size(1), dtype=t.dtype, device=dev)
+                recv = torch.empty(num_ranks * st.capacity, t.size(1), dtype=t.dtype, device=dev)
+                self._a2a(recv, send)
+            else:
+                recv = torch.empty(len(st.send_idx), t.size(1), dtype=t.dtype, device=dev)
+                self._a2a(recv, t.contiguous(), list(st.send_counts), list(h.num_recv_tokens_per_rank))
+            back.append(recv)
+        combined = reduce_rows(back[0], st.slot, req.bias, x.dtype)
+        combined_w = reduce_rows(back[1], st.slot, (), torch.float32) if len(back) > 1 else None
+        return combined, combined_w
+
+    # ------------------------------------------------------------------ low-latency mode
+    def low_latency_dispatch(self, req: LowLatencyDispatchRequest) -> LowLatencyDispatchResult:
+        num_ranks, num_experts = self.num_ranks, req.num_experts
+        e_local, t_max = num_experts // num_ranks, req.num_max_dispatch_tokens_per_rank
+        x, dev = req.x, req.x.device
+        n, hidden = x.shape
+        k = req.topk_idx.size(1)
+        cap = low_latency_pair_capacity(t_max, k, e_local)
+        num_rows = e_local * num_ranks * t_max
+
+        # the row each token sends: payload bytes | scales bytes | source token (int32)
+        tokens = torch.arange(n, dtype=torch.int32, device=dev)
+        if req.use_fp8:
+            x_fp8, scales = per_token_cast_to_fp8(x, req.round_scale, req.use_ue8m0)
+            parts = [_as_bytes(x_fp8), _as_bytes(scales), _as_bytes(tokens.unsqueeze(1))]
+        else:
+            scales = None
+            parts = [_as_bytes(x), _as_bytes(tokens.unsqueeze(1))]
+        token_rows = torch.cat(parts, dim=1)
+        row_bytes = token_rows.size(1)
+
+        # order (token, slot) pairs by (global expert, token): destination-major, then expert, then token
+        idx = req.topk_idx.long()
+        valid = (idx >= 0) & (idx < num_experts)
+        if req.bad_topk is not None:
+            self._errors[1] += req.bad_topk
+        flat = torch.arange(n * k, device=dev)
+        key = torch.where(valid, idx * max(n, 1) + flat.view(n, k) // k, num_experts * max(n, 1) + flat.view(n, k))
+        order = torch.sort(key.flatten(), stable=True).indices
+        g_sorted = torch.where(valid, idx, num_experts).flatten()[order]
+        per_expert = torch.zeros(num_experts + 1, dtype=torch.int32, device=dev)
+        per_expert.index_add_(0, g_sorted, torch.ones_like(g_sorted, dtype=torch.int32))
+        per_expert = per_expert[:num_experts]
+        rank_start = _exclusive_cumsum(per_expert.view(num_ranks, e_local).sum(1).long(), 0)
+        dest_sorted = torch.clamp(g_sorted // e_local, max=num_ranks - 1)
+        j = torch.arange(n * k, device=dev) - rank_start[dest_sorted]
+        ok = (g_sorted < num_experts) & (j < cap)
+        self._errors[1] += ((g_sorted < num_experts) & (j >= cap)).sum(dtype=torch.int32)
+        slot_sorted = torch.where(ok, dest_sorted * cap + j, num_ranks * cap)
+        send_slot = torch.empty(n * k, dtype=torch.int64, device=dev)
+        send_slot[order] = torch.where(ok, slot_sorted, -1)
+        send_buf = torch.empty(num_ranks * cap + 1, row_bytes, dtype=torch.uint8, device=dev)
+        send_buf.index_copy_(0, slot_sorted, token_rows.index_select(0, order // k))
+
+        recv_cnt = torch.empty(num_ranks, e_local, dtype=torch.int32, device=dev)
+        works = [self._a2a(recv_cnt, per_expert.view(num_ranks, e_local).contiguous(), async_op=True)]
+        recv_buf = torch.empty(num_ranks * cap, row_bytes, dtype=torch.uint8, device=dev)
+        works.append(self._a2a(recv_buf, send_buf[:num_ranks * cap], async_op=True))
+
+        # outputs exist now; the hook (or the code below) fills them
+        dtype = FP8_DTYPE if req.use_fp8 else x.dtype
+        recv_x_full = torch.empty(num_rows + 1, hidden, dtype=dtype, device=dev)
+        recv_x = recv_x_full[:num_rows].view(e_local, num_ranks * t_max, hidden)
+        recv_scales = None
+        if scales is not None:
+            ns = scales.size(1)
+            recv_scales = torch.empty(e_local, ns, num_ranks * t_max, dtype=scales.dtype, device=dev).transpose(1, 2)
+        src_info = torch.full((num_rows + 1,), -1, dtype=torch.int32, device=dev)
+        recv_count = torch.empty(e_local, dtype=torch.int32, device=dev)
+        layout_range = torch.empty(e_local, num_ranks, 2, dtype=torch.int32, device=dev)
+        recv_dst = torch.empty(num_ranks * cap, dtype=torch.int64, device=dev)
+
+        def receive() -> None:
+            for w in works:
+                w.wait()
+            cnt = recv_cnt.long()
+            cum = torch.cumsum(cnt, dim=1)  # [R, E_local] inclusive, per source
+            jj = torch.arange(cap, device=dev).expand(num_ranks, cap).contiguous()
+            e = torch.searchsorted(cum, jj, right=True).clamp(max=e_local - 1)
+            ok_rows = jj < cum[:, -1:]
+            within = jj - (cum.gather(1, e) - cnt.gather(1, e))
+            begin = _exclusive_cumsum(cnt, 0)  # [R, E_local]: first row of source s in expert e
+            dst = torch.where(ok_rows, e * (num_ranks * t_max) + begin.gather(1, e) + within, num_rows).flatten()
+            recv_dst.copy_(dst)
+            off = 0
+            recv_x_full.view(torch.uint8).view(num_rows + 1, -1).index_copy_(
+                0, dst, recv_buf[:, off:off + hidden * recv_x.element_size()])
+            off += hidden * recv_x.element_size()
+            if recv_scales is not None:
+                nb = recv_scales.size(2) * 4
+                flat_scales = torch.empty(num_rows + 1, nb, dtype=torch.uint8, device=dev)
+                flat_scales.index_copy_(0, dst, recv_buf[:, off:off + nb])
+                recv_scales.copy_(flat_scales[:num_rows].view(recv_scales.dtype).view(e_local, num_ranks * t_max, -1))
+                off += nb
+            src_info.view(torch.uint8).view(num_rows + 1, 4).index_copy_(0, dst, recv_buf[:, off:off + 4])
+            recv_count.copy_(cnt.sum(0))
+            layout_range[:, :, 0] = begin.t()
+            layout_range[:, :, 1] = cnt.t()
+
+        handle = LowLatencyHandle(
+            buffer_id=self.buffer_id, transport=self.name, num_max_dispatch_tokens_per_rank=t_max, hidden=hidden,
+            num_experts=num_experts, num_ranks=num_ranks, num_tokens=n, num_topk=k,
+            src_info=src_info[:num_rows].view(e_local, num_ranks * t_max), layout_range=layout_range,
+            recv_count=recv_count,
+            state=_LowLatencyState(capacity=cap, send_slot=send_slot.view(n, k), recv_dst=recv_dst))
+        if req.return_recv_hook:
+            return LowLatencyDispatchResult(recv_x, recv_scales, recv_count, handle, receive)
+        receive()
+        return LowLatencyDispatchResult(recv_x, recv_scales, recv_count, handle, None)
+
+    def low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
+        e_local = handle.num_experts // handle.num_ranks
+        shape = (e_local, handle.num_ranks * handle.num_max_dispatch_tokens_per_rank, handle.hidden)
+        buf = self._zero_copy.get(shape)
+        if buf is None:
+            buf = self._zero_copy[shape] = torch.empty(shape, dtype=torch.bfloat16, device=self.device)
+        return buf
+
+    def low_latency_combine(self, req: LowLatencyCombineRequest) -> LowLatencyCombineResult:
+        h: LowLatencyHandle = req.handle
+        st: _LowLatencyState = h.state
+        y = self.low_latency_combine_buffer(h) if req.zero_copy else req.x
+        num_rows = y.size(0) * y.size(1)
+        y_flat = y.reshape(num_rows, y.size(2))
+        dev = y.device
+        gather = torch.where(st.recv_dst < num_rows, st.recv_dst, 0)
+        back = torch.empty(self.num_ranks * st.capacity, y.size(2), dtype=y.dtype, device=dev)
+        work = self._a2a(back, y_flat.index_select(0, gather), async_op=True)
+        n = req.topk_idx.size(0)
+        out = req.out if req.out is not None else torch.empty(n, y.size(2), dtype=torch.bfloat16, device=dev)
+
+        def receive() -> None:
+            work.wait()
+            acc = torch.zeros(n, y.size(2), dtype=torch.float32, device=dev)
+            zero = torch.zeros((), dtype=torch.float32, device=dev)
+            for kk in range(st.send_slot.size(1)):
+                s = st.send_slot[:, kk]
+                rows = back.index_select(0, s.clamp(min=0)).float()
+                prod = req.topk_weights[:, kk:kk + 1] * rows
+                acc = acc + torch.where((s >= 0).unsqueeze(1), prod, zero)
+            out.copy_(acc)
+
+        if req.return_recv_hook:
+            return LowLatencyCombineResult(out, receive)
+        receive()
+        return LowLatencyCombineResult(out, None)
+
+
+def _nonzero_static(mask: torch.Tensor, size: int) -> torch.Tensor:
+    """``torch.nonzero`` with a known result size (no host synchronisation where torch supports it)."""
+    try:
+        return torch.nonzero_static(mask, size=size)
+    except (AttributeError, NotImplementedError, RuntimeError):
+        return torch.nonzero(mask)
+
+
+def _scatter_rows(src: torch.Tensor, dst: torch.Tensor, num_rows: int, fill) -> torch.Tensor:
+    """``out[dst[i]] = src[i]`` into ``[num_rows, ...]``; ``dst == num_rows`` discards. ``fill`` (a row, a
+    scalar or None for uninitialised) sets rows nothing lands on."""
+    out = torch.empty(num_rows + 1, *src.shape[1:], dtype=src.dtype, device=src.device)
+    if fill is not None:
+        out[:] = fill
+    out.index_copy_(0, dst, src)
+    return out[:num_rows]
+
+
+def _replace(handle, **changes):
+    import dataclasses
+
+    return dataclasses.replace(handle, **changes)

@@ -1,0 +1,154 @@
+"""The small interface every transport implements, and the capabilities it reports.
+
+The Buffer validates inputs, manages streams and events and checks handles; a transport only moves data.
+Requests carry already-validated, normalised arguments."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Optional
+
+import torch
+
+from ..buffer.config import Config
+from ..buffer.handles import DispatchHandle, LowLatencyHandle
+from ..buffer.layout import compute_dispatch_layout
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a transport can do and what it needs from the hardware."""
+
+    name: str
+    devices: tuple  # ("cpu", "cuda") subsets
+    one_sided: bool  # peers write into each other's memory from kernels
+    sync_free_normal: bool  # cached / num_worst_tokens normal dispatch makes no host synchronisation
+    graph_capturable_low_latency: bool
+    needs_p2p: bool
+    needs_p2p_atomics: bool
+    description: str
+
+
+@dataclass(frozen=True)
+class DispatchRequest:
+    x: torch.Tensor
+    x_scales: Optional[torch.Tensor]
+    topk_idx: Optional[torch.Tensor]
+    topk_weights: Optional[torch.Tensor]
+    num_tokens_per_rank: Optional[torch.Tensor]
+    is_token_in_rank: Optional[torch.Tensor]
+    num_tokens_per_expert: Optional[torch.Tensor]
+    num_experts: int
+    expert_alignment: int
+    num_worst_tokens: int
+    handle: Optional[DispatchHandle]
+    config: Config
+    bad_topk: Optional[torch.Tensor]  # device count of invalid topk entries, checked at the next host sync
+
+
+@dataclass(frozen=True)
+class DispatchResult:
+    recv_x: torch.Tensor
+    recv_scales: Optional[torch.Tensor]
+    recv_topk_idx: Optional[torch.Tensor]
+    recv_topk_weights: Optional[torch.Tensor]
+    num_recv_tokens_per_expert_list: Optional[list]
+    handle: DispatchHandle
+
+
+@dataclass(frozen=True)
+class CombineRequest:
+    x: torch.Tensor
+    handle: DispatchHandle
+    topk_weights: Optional[torch.Tensor]
+    bias: tuple
+    config: Config
+
+
+@dataclass(frozen=True)
+class LowLatencyDispatchRequest:
+    x: torch.Tensor
+    topk_idx: torch.Tensor
+    num_max_dispatch_tokens_per_rank: int
+    num_experts: int
+    use_fp8: bool
+    round_scale: bool
+    use_ue8m0: bool
+    return_recv_hook: bool
+    bad_topk: Optional[torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LowLatencyDispatchResult:
+    recv_x: torch.Tensor  # [E_local, R * T, H]
+    recv_scales: Optional[torch.Tensor]
+    recv_count: torch.Tensor  # [E_local] int32
+    handle: LowLatencyHandle
+    hook: Optional[Callable[[], None]]
+
+
+@dataclass(frozen=True)
+class LowLatencyCombineRequest:
+    x: torch.Tensor
+    topk_idx: torch.Tensor
+    topk_weights: torch.Tensor
+    handle: LowLatencyHandle
+    zero_copy: bool
+    return_recv_hook: bool
+    out: Optional[torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LowLatencyCombineResult:
+    combined_x: torch.Tensor
+    hook: Optional[Callable[[], None]]
+
+
+class Transport(abc.ABC):
+    """One way of moving dispatch/combine traffic between the ranks of a group."""
+
+    name: ClassVar[str]
+
+    def __init__(self, group: Any, device: torch.device, buffer_id: int) -> None:
+        import torch.distributed as dist
+
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.num_ranks = dist.get_world_size(group)
+        self.device = device
+        self.buffer_id = buffer_id
+
+    @classmethod
+    @abc.abstractmethod
+    def capabilities(cls) -> Capabilities:
+        """What this transport can do."""
+
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank)``; see ``Buffer``."""
+        return compute_dispatch_layout(topk_idx, num_experts, self.num_ranks)
+
+    @abc.abstractmethod
+    def dispatch(self, req: DispatchRequest) -> DispatchResult: ...
+
+    @abc.abstractmethod
+    def combine(self, req: CombineRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]: ...
+
+    @abc.abstractmethod
+    def low_latency_dispatch(self, req: LowLatencyDispatchRequest) -> LowLatencyDispatchResult: ...
+
+    @abc.abstractmethod
+    def low_latency_combine(self, req: LowLatencyCombineRequest) -> LowLatencyCombineResult: ...
+
+    @abc.abstractmethod
+    def low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
+        """The ``[E_local, R * T, H]`` bf16 tensor a zero-copy combine reads."""
+
+    def pending_errors(self) -> list[str]:
+        """Errors recorded on the device without a host sync (for example an overflowing
+        ``num_worst_tokens``), as messages; reading them synchronises. Clears them."""
+        return []
+
+    def destroy(self) -> None:
+        """Release communication resources (collective where the transport holds shared memory)."""
