@@ -54,7 +54,9 @@ def format_table(rows: Sequence[dict], columns: Optional[Sequence[str]] = None) 
     columns = list(columns or rows[0].keys())
 
     def fmt(v):
-        return f"{v:.1f}" if isinstance(v, float) else str(v)
+        if not isinstance(v, float):
+            return str(v)
+        return f"{v:.0f}" if abs(v) >= 100 else f"{v:.1f}" if abs(v) >= 1 else f"{v:.3g}"
 
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows]

@@ -12,11 +12,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .numerics import f32_to_bf16_rne
+
 
 @triton.jit
 def _reduce_rows_kernel(buf_ptr, slot_ptr, b0_ptr, b1_ptr, out_ptr, hidden, buf_stride, b0_stride, b1_stride,
                         out_stride, NUM_SLOTS: tl.constexpr, HAS_B0: tl.constexpr, HAS_B1: tl.constexpr,
-                        BLOCK: tl.constexpr):
+                        OUT_BF16: tl.constexpr, BLOCK: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     col_mask = cols < hidden
@@ -30,7 +32,11 @@ def _reduce_rows_kernel(buf_ptr, slot_ptr, b0_ptr, b1_ptr, out_ptr, hidden, buf_
         acc += tl.load(b0_ptr + token * b0_stride + cols, mask=col_mask, other=0.0).to(tl.float32)
     if HAS_B1:
         acc += tl.load(b1_ptr + token * b1_stride + cols, mask=col_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + token * out_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=col_mask)
+    if OUT_BF16:
+        result = f32_to_bf16_rne(acc)
+    else:
+        result = acc.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + token * out_stride + cols, result, mask=col_mask)
 
 
 def reduce_rows(buf: torch.Tensor, slot: torch.Tensor, bias: tuple = (), out_dtype: Optional[torch.dtype] = None,
@@ -53,6 +59,7 @@ def reduce_rows(buf: torch.Tensor, slot: torch.Tensor, bias: tuple = (), out_dty
     _reduce_rows_kernel[grid](
         buf, slot, b0 if b0 is not None else buf, b1 if b1 is not None else buf, out, hidden, buf.stride(0),
         b0.stride(0) if b0 is not None else 0, b1.stride(0) if b1 is not None else 0, out.stride(0),
-        NUM_SLOTS=num_slots, HAS_B0=b0 is not None, HAS_B1=b1 is not None, BLOCK=block,
+        NUM_SLOTS=num_slots, HAS_B0=b0 is not None, HAS_B1=b1 is not None,
+        OUT_BF16=out.dtype == torch.bfloat16, BLOCK=block,
         num_warps=4 if block >= 512 else 1)
     return out

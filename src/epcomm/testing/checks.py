@@ -289,7 +289,8 @@ def run_cases(ctx, cases: Sequence, transport: str = "alltoall") -> list:
     failed = []
     try:
         for case in cases:
-            check = check_low_latency if isinstance(case, LowLatencyCase) else check_normal
+            check = (check_low_latency if isinstance(case, LowLatencyCase) else
+                     check_graph if isinstance(case, GraphCase) else check_normal)
             try:
                 result = check(ctx, buf, case)
             except Exception as exc:  # noqa: BLE001 - report which case raised
@@ -302,3 +303,81 @@ def run_cases(ctx, cases: Sequence, transport: str = "alltoall") -> list:
     finally:
         buf.destroy()
     return failed
+
+
+@dataclass(frozen=True)
+class GraphCase:
+    """A step captured once in a CUDA graph and replayed with new data: normal mode (layout, dispatch with
+    ``num_worst_tokens``, expert stand-in, combine) or low-latency mode (dispatch, stand-in, combine)."""
+
+    low_latency: bool = False
+    num_tokens: int = 64
+    hidden: int = 256
+    num_experts: int = 16
+    topk: int = 4
+    replays: int = 3
+    seed: int = 40
+
+    def label(self) -> str:
+        return (f"graph {'LL' if self.low_latency else 'normal'} N={self.num_tokens} H={self.hidden} "
+                f"E={self.num_experts} K={self.topk}")
+
+
+def check_graph(ctx, buf, case: GraphCase) -> CaseResult:
+    """Capture once, replay ``case.replays`` times with fresh inputs, compare each replay to the reference."""
+    res = CaseResult(case.label())
+    if ctx.device.type != "cuda":
+        res.failures.append("graph cases need CUDA")
+        return res
+    num_ranks, rank, dev = ctx.world_size, ctx.rank, ctx.device
+    data = [make_inputs(case.seed + i, num_ranks, case.num_tokens, case.hidden, case.num_experts, case.topk,
+                        "uniform", torch.bfloat16) for i in range(case.replays + 1)]
+    x_s, idx_s, w_s = (t.to(dev).clone() for t in (data[0][rank].x, data[0][rank].topk_idx,
+                                                   data[0][rank].topk_weights))
+    worst = case.num_tokens * num_ranks
+
+    def step():
+        if case.low_latency:
+            recv, _, handle, _, _ = buf.low_latency_dispatch(x_s, idx_s, case.num_tokens, case.num_experts,
+                                                             use_fp8=False)
+            combined, _, _ = buf.low_latency_combine(recv * 2, idx_s, w_s, handle)
+            return recv, combined
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx_s, case.num_experts)
+        recv_x, recv_idx, recv_w, _, handle, _ = buf.dispatch(
+            x_s, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            topk_idx=idx_s, topk_weights=w_s, num_worst_tokens=worst)
+        combined, combined_w, _ = buf.combine(recv_x * 2, handle, topk_weights=recv_w)
+        return recv_x, combined, combined_w, recv_idx, in_rank
+
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for i in range(1, case.replays + 1):
+        mine = data[i][rank]
+        x_s.copy_(mine.x)
+        idx_s.copy_(mine.topk_idx)
+        w_s.copy_(mine.topk_weights)
+        graph.replay()
+        torch.cuda.synchronize()
+        xs, idxs, ws = [d.x for d in data[i]], [d.topk_idx for d in data[i]], [d.topk_weights for d in data[i]]
+        if case.low_latency:
+            ref = reference.low_latency_dispatch(xs, idxs, case.num_experts, use_fp8=False)
+            for e in range(case.num_experts // num_ranks):
+                res.expect(f"replay {i} recv_x[{e}]", outs[0][e, :ref[rank].count[e]], ref[rank].x[e])
+            ys = [[(xe.float() * 2).to(torch.bfloat16) for xe in r.x] for r in ref]
+            want = reference.low_latency_combine(ys, ref, idxs, ws, case.num_experts)
+            res.expect(f"replay {i} combined", outs[1], want[rank])
+        else:
+            ref = reference.dispatch(xs, idxs, case.num_experts, ws)
+            m = ref[rank].recv_x.size(0)
+            res.expect(f"replay {i} recv_x", outs[0][:m], ref[rank].recv_x)
+            res.expect(f"replay {i} recv_topk_idx", outs[3][:m], ref[rank].recv_topk_idx)
+            k = outs[4].sum(1, keepdim=True).float().cpu()
+            res.expect(f"replay {i} combined", outs[1], (mine.x.float() * 2 * k).to(torch.bfloat16))
+            res.expect(f"replay {i} combined weights", outs[2], mine.topk_weights)
+    return res

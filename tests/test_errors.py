@@ -1,0 +1,127 @@
+"""Bad input raises a clear error that starts with the function name; nothing is silently dropped."""
+
+import pytest
+import torch
+
+from epcomm import Buffer, Config
+from epcomm.errors import EpcommError
+from epcomm.testing import spawn
+
+
+def _bad_calls(ctx):
+    """Run every bad call on a 2-rank group; return {name: (exception type, message)}."""
+    buf = Buffer(ctx.group)
+    other = Buffer(ctx.group)
+    n, h, e = 6, 128, 8
+    x = torch.randn(n, h).to(torch.bfloat16)
+    idx = torch.tensor([[0, 1]] * n)
+    w = torch.rand(n, 2)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, e)
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                  topk_idx=idx, topk_weights=w)
+    _, _, _, _, handle, _ = buf.dispatch(x, **layout)
+    ll_recv, _, ll_handle, _, _ = buf.low_latency_dispatch(x, idx, 8, e)
+    calls = {
+        "dispatch int x": lambda: buf.dispatch(x.to(torch.int32), **layout),
+        "dispatch 1-D x": lambda: buf.dispatch(x[0], **layout),
+        "dispatch fp8 without scales": lambda: buf.dispatch((x.to(torch.float8_e4m3fn),), **layout),
+        "dispatch scales wrong rows": lambda: buf.dispatch(
+            (x.to(torch.float8_e4m3fn), torch.ones(n + 1, 1)), **layout),
+        "dispatch no layout": lambda: buf.dispatch(x, topk_idx=idx),
+        "dispatch topk out of range": lambda: buf.dispatch(x, **{**layout, "topk_idx": idx + 7}),
+        "dispatch topk float": lambda: buf.dispatch(x, **{**layout, "topk_idx": idx.float()}),
+        "dispatch topk rows": lambda: buf.dispatch(x, **{**layout, "topk_idx": idx[:-1], "topk_weights": w[:-1]}),
+        "dispatch weights dtype": lambda: buf.dispatch(x, **{**layout, "topk_weights": w.double()}),
+        "dispatch layout mismatch": lambda: buf.dispatch(x, **{**layout, "num_tokens_per_rank": per_rank + 1}),
+        "dispatch alignment 0": lambda: buf.dispatch(x, **layout, expert_alignment=0),
+        "dispatch cached with topk": lambda: buf.dispatch(x, handle=handle, topk_idx=idx),
+        "dispatch handle of other buffer": lambda: other.dispatch(x, handle=handle),
+        "dispatch handle wrong rows": lambda: buf.dispatch(x[:-1], handle=handle),
+        "layout out of range": lambda: buf.get_dispatch_layout(idx - 2, e),
+        "layout experts not divisible": lambda: buf.get_dispatch_layout(idx, 7),
+        "combine wrong rows": lambda: buf.combine(torch.zeros(handle.num_recv_tokens + 1, h, dtype=torch.bfloat16),
+                                                  handle),
+        "combine other buffer": lambda: other.combine(torch.zeros(handle.num_recv_tokens, h, dtype=torch.bfloat16),
+                                                      handle),
+        "combine bad bias": lambda: buf.combine(torch.zeros(handle.num_recv_tokens, h, dtype=torch.bfloat16), handle,
+                                                bias=torch.zeros(n + 1, h)),
+        "combine ll handle": lambda: buf.combine(torch.zeros(handle.num_recv_tokens, h, dtype=torch.bfloat16),
+                                                 ll_handle),
+        "ll too many tokens": lambda: buf.low_latency_dispatch(x, idx, n - 1, e),
+        "ll hidden not 128": lambda: buf.low_latency_dispatch(x[:, :100], idx, 8, e),
+        "ll experts not divisible": lambda: buf.low_latency_dispatch(x, idx, 8, 5),
+        "ll ue8m0 without round": lambda: buf.low_latency_dispatch(x, idx, 8, e, use_ue8m0=True),
+        "ll out of range": lambda: buf.low_latency_dispatch(x, idx + e, 8, e),
+        "ll combine wrong shape": lambda: buf.low_latency_combine(ll_recv[0][:1].to(torch.bfloat16), idx, w,
+                                                                  ll_handle),
+        "ll combine other buffer": lambda: other.low_latency_combine(ll_recv[0].to(torch.bfloat16), idx, w, ll_handle),
+        "ll combine logfmt": lambda: buf.low_latency_combine(ll_recv[0].to(torch.bfloat16), idx, w, ll_handle,
+                                                             use_logfmt=True),
+        "ll combine bad out": lambda: buf.low_latency_combine(ll_recv[0].to(torch.bfloat16), idx, w, ll_handle,
+                                                              out=torch.empty(n, h)),
+    }
+    seen = {}
+    for name, call in calls.items():
+        try:
+            call()
+            seen[name] = (None, "no exception")
+        except Exception as exc:  # noqa: BLE001
+            seen[name] = (type(exc).__name__, str(exc))
+    other.destroy()
+    buf.destroy()
+    try:
+        buf.dispatch(x, handle=handle)
+        seen["use after destroy"] = (None, "no exception")
+    except EpcommError as exc:
+        seen["use after destroy"] = (type(exc).__name__, str(exc))
+    return seen
+
+
+EXPECTED_PREFIX = {
+    "dispatch": "Buffer.dispatch:", "layout": "Buffer.get_dispatch_layout:", "combine": "Buffer.combine:",
+    "ll combine": "Buffer.low_latency_combine:", "ll": "Buffer.low_latency_dispatch:", "use": "Buffer.dispatch:",
+}
+
+
+def _prefix(name: str) -> str:
+    for key in sorted(EXPECTED_PREFIX, key=len, reverse=True):
+        if name.startswith(key):
+            return EXPECTED_PREFIX[key]
+    raise KeyError(name)
+
+
+@pytest.fixture(scope="module")
+def bad_calls():
+    return spawn(_bad_calls, 2, device="cpu")[0]
+
+
+def test_every_bad_call_raises_with_function_name(bad_calls):
+    problems = [f"{name}: {kind} {msg}" for name, (kind, msg) in bad_calls.items()
+                if kind is None or not msg.startswith(_prefix(name))]
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("name, fragment", [
+    ("dispatch topk out of range", "outside [-1, 8)"),
+    ("layout out of range", "outside [-1, 8)"),
+    ("layout experts not divisible", "multiple of the group size 2"),
+    ("ll too many tokens", "more than num_max_dispatch_tokens_per_rank"),
+    ("dispatch handle of other buffer", "another Buffer"),
+    ("ll combine other buffer", "another Buffer"),
+    ("dispatch layout mismatch", "does not match"),
+    ("dispatch no layout", "get_dispatch_layout"),
+    ("ll ue8m0 without round", "round_scale=True"),
+    ("use after destroy", "destroyed"),
+])
+def test_messages_say_how_to_fix(bad_calls, name, fragment):
+    assert fragment in bad_calls[name][1]
+
+
+def test_config_and_num_sms_validation():
+    with pytest.raises(ValueError, match="^Config: num_sms=3"):
+        Config(3)
+    with pytest.raises(ValueError, match="^Config: num_max_nvl_chunked_recv_tokens"):
+        Config(20, 8, 4)
+    with pytest.raises(ValueError, match="^Buffer.set_num_sms"):
+        Buffer.set_num_sms(5)
+    assert Config(24).num_channels == 12

@@ -1,0 +1,49 @@
+"""The multi-process launcher: results by rank, worker errors re-raised, stuck workers time out."""
+
+import time
+
+import pytest
+import torch.distributed as dist
+
+from epcomm.errors import EpcommTimeoutError
+from epcomm.testing import WorkerError, spawn
+
+
+def _rank_info(ctx, scale):
+    return (ctx.rank * scale, ctx.world_size, dist.get_world_size(), str(ctx.device))
+
+
+def _fail_on_rank_one(ctx):
+    if ctx.rank == 1:
+        raise ValueError("boom from worker")
+    dist.barrier()  # rank 0 would wait for ever without the launcher's clean-up
+    return "unreachable"
+
+
+def _sleep_forever(ctx):
+    time.sleep(3600)
+
+
+def test_results_in_rank_order():
+    assert spawn(_rank_info, 3, 10, device="cpu") == [(0, 3, 3, "cpu"), (10, 3, 3, "cpu"), (20, 3, 3, "cpu")]
+
+
+def test_worker_error_is_reraised_with_traceback():
+    with pytest.raises(WorkerError, match="rank 1 of 2") as info:
+        spawn(_fail_on_rank_one, 2, device="cpu", timeout_s=60)
+    assert "ValueError: boom from worker" in str(info.value)
+    assert "_fail_on_rank_one" in str(info.value)
+
+
+def test_stuck_worker_times_out():
+    t0 = time.monotonic()
+    with pytest.raises(EpcommTimeoutError, match=r"ranks \[0, 1\] of 2 did not finish _sleep_forever"):
+        spawn(_sleep_forever, 2, device="cpu", timeout_s=8)
+    assert time.monotonic() - t0 < 40
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="world_size=0"):
+        spawn(_rank_info, 0, 1)
+    with pytest.raises(ValueError, match="device='cuda' needs"):
+        spawn(_rank_info, 64, 1, device="cuda")
