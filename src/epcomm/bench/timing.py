@@ -39,14 +39,19 @@ def _barrier(group, device: torch.device) -> None:
 
 
 def time_op(fn: Callable[[], object], group, device: torch.device, iters: int = 20, warmup: int = 5,
-            flush_l2: bool = True) -> Timing:
-    """Time ``fn()`` (which must be collective when it communicates) on every rank of ``group``."""
+            flush_l2: bool = True, setup: Callable[[], object] | None = None) -> Timing:
+    """Time ``fn()`` (which must be collective when it communicates) on every rank of ``group``.
+    ``setup()``, if given, runs before each iteration, outside the timed region."""
     for _ in range(warmup):
+        if setup is not None:
+            setup()
         fn()
     cuda = device.type == "cuda"
     scratch = torch.empty(256 << 20, dtype=torch.uint8, device=device) if cuda and flush_l2 else None
     times = []
     for _ in range(iters):
+        if setup is not None:
+            setup()
         if scratch is not None:
             scratch.zero_()  # evict the previous iteration's data from L2
         _barrier(group, device)

@@ -1,0 +1,187 @@
+"""``python -m epcomm bench dispatch``: normal-mode dispatch and combine, side by side in one run.
+
+For each routing (uniform, skewed) it measures, at the given shape (default 4096 tokens per rank, hidden
+7168, top-8, 256 experts):
+  * every requested epcomm transport: dispatch FP8, dispatch BF16, combine BF16 (whole calls, with the
+    layout given as DeepEP's benchmarks do), the cached dispatch (handle reuse: no layout exchange), and
+    ``get_dispatch_layout``;
+  * the plain NCCL pipeline a user would write (``epcomm.bench.baseline``), layout included;
+  * the copy-engine ceiling: every rank copies its rows for every peer straight into the peer's memory
+    with ``copy_`` (one stream per peer), the same bytes as the dispatch.
+GB/s (DeepEP) = mean bytes of rows received per rank, its own included, over the median time; NVLink GB/s
+counts only rows that cross GPUs."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import torch
+
+from ..testing import run
+from .report import format_table, write_results
+from .timing import time_op
+from .traffic import normal_traffic, row_bytes
+
+
+@dataclass(frozen=True)
+class DispatchBenchOptions:
+    tokens: int
+    hidden: int
+    topk: int
+    experts: int
+    routings: tuple
+    transports: tuple
+    iters: int
+    num_sms: int
+
+
+def _copy_engine_ceiling(ctx, in_rank: torch.Tensor, hidden_bytes: int, iters: int):
+    """Time copying every rank's outgoing rows into its peers' memory with the copy engine."""
+    try:
+        from ..shmem import SymmetricHeap
+    except ImportError:
+        return None
+    num_ranks = ctx.world_size
+    counts = in_rank.sum(0).tolist()
+    all_counts = [None] * num_ranks
+    torch.distributed.all_gather_object(all_counts, counts, group=ctx.group)
+    recv_rows = [sum(all_counts[s][r] for s in range(num_ranks)) for r in range(num_ranks)]
+    heap = SymmetricHeap(ctx.group, max(recv_rows) * hidden_bytes + (1 << 20))
+    dst = heap.empty((max(recv_rows), hidden_bytes), torch.uint8)
+    src = torch.empty(in_rank.size(0), hidden_bytes, dtype=torch.uint8, device=ctx.device).random_()
+    streams = [torch.cuda.Stream(ctx.device) for _ in range(num_ranks)]
+    # rank s writes its rows for rank r after the rows of ranks < s
+    offsets = [sum(all_counts[p][r] for p in range(ctx.rank)) for r in range(num_ranks)]
+    peers = [heap.peer_tensor(dst, r) for r in range(num_ranks)]
+    rows = [src[: counts[r]] for r in range(num_ranks)]
+
+    def copy_all():
+        cur = torch.cuda.current_stream()
+        for r in range(num_ranks):
+            peer = (ctx.rank + r) % num_ranks
+            streams[peer].wait_stream(cur)
+            with torch.cuda.stream(streams[peer]):
+                peers[peer][offsets[peer]:offsets[peer] + counts[peer]].copy_(rows[peer])
+        for s in streams:
+            cur.wait_stream(s)
+
+    timing = time_op(copy_all, ctx.group, ctx.device, iters=iters, warmup=3)
+    heap.destroy()
+    return timing
+
+
+def bench_worker(ctx, opts: DispatchBenchOptions) -> list:
+    from ..buffer import Buffer
+    from ..fp8 import per_token_cast_to_fp8
+    from ..testing.routing import make_inputs
+    from .baseline import baseline_combine, baseline_dispatch
+
+    Buffer.set_num_sms(opts.num_sms)
+    rows = []
+    shape = f"{opts.tokens}x{opts.hidden} top{opts.topk}/{opts.experts}"
+    for routing in opts.routings:
+        inputs = make_inputs(7, ctx.world_size, opts.tokens, opts.hidden, opts.experts, opts.topk, routing)
+        traffic = normal_traffic([i.topk_idx for i in inputs], opts.experts)
+        mine = inputs[ctx.rank].to(ctx.device)
+        x, idx, w = mine.x, mine.topk_idx, mine.topk_weights
+        x_fp8 = per_token_cast_to_fp8(x)
+        del inputs
+
+        def add(impl, op, timing, kind):
+            if timing is None:
+                return
+            rows.append({
+                "routing": routing, "impl": impl, "op": op, "shape": shape, "ranks": ctx.world_size,
+                "time_us": timing.median_us, "min_us": timing.min_us,
+                "GB/s (DeepEP)": timing.gbps(traffic.mean_recv_bytes(opts.hidden, kind)) if kind else float("nan"),
+                "NVLink GB/s": timing.gbps(traffic.mean_remote_bytes(opts.hidden, kind)) if kind else float("nan"),
+            })
+
+        def t(fn):
+            return time_op(fn, ctx.group, ctx.device, iters=opts.iters, warmup=3)
+
+        for transport in opts.transports:
+            buf = Buffer(ctx.group, transport=transport)
+            name = f"epcomm-{buf.transport}"
+            per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, opts.experts)
+            layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                          topk_idx=idx, topk_weights=w)
+            recv_x, _, _, _, handle, _ = buf.dispatch(x, **layout)
+            add(name, "get_dispatch_layout", t(lambda: buf.get_dispatch_layout(idx, opts.experts)), None)
+            add(name, "dispatch FP8", t(lambda: buf.dispatch(x_fp8, **layout)), "fp8")
+            add(name, "dispatch BF16", t(lambda: buf.dispatch(x, **layout)), "bf16")
+            add(name, "dispatch BF16 cached", t(lambda: buf.dispatch(x, handle=handle)), "bf16")
+            add(name, "combine BF16", t(lambda: buf.combine(recv_x, handle)), "bf16")
+
+            def layout_and_dispatch():
+                pr, _, pe, ir, _ = buf.get_dispatch_layout(idx, opts.experts)
+                buf.dispatch(x_fp8, num_tokens_per_rank=pr, is_token_in_rank=ir, num_tokens_per_expert=pe,
+                             topk_idx=idx, topk_weights=w)
+
+            add(name, "layout + dispatch FP8", t(layout_and_dispatch), "fp8")
+            del recv_x, handle
+            buf.destroy()
+
+        add("nccl-baseline", "dispatch FP8",
+            t(lambda: baseline_dispatch(x_fp8[0], x_fp8[1], idx, w, opts.experts, ctx.group)), "fp8")
+        add("nccl-baseline", "dispatch BF16",
+            t(lambda: baseline_dispatch(x, None, idx, w, opts.experts, ctx.group)), "bf16")
+        b_recv, _, _, _, b_handle = baseline_dispatch(x, None, idx, w, opts.experts, ctx.group)
+        add("nccl-baseline", "combine BF16", t(lambda: baseline_combine(b_recv, b_handle, ctx.group)), "bf16")
+        del b_recv, b_handle
+        if ctx.device.type == "cuda":
+            from ..buffer.layout import compute_dispatch_layout
+
+            in_rank = compute_dispatch_layout(idx, opts.experts, ctx.world_size)[2]
+            for kind in ("fp8", "bf16"):
+                add("copy-engine", f"ceiling {kind.upper()}",
+                    _copy_engine_ceiling(ctx, in_rank, row_bytes(opts.hidden, kind), opts.iters), kind)
+    return rows
+
+
+def _plot(rows, path):
+    import matplotlib.pyplot as plt
+
+    ops = [r for r in rows if r["routing"] == "uniform" and r["GB/s (DeepEP)"] == r["GB/s (DeepEP)"]]
+    labels = [f"{r['impl']}\n{r['op']}" for r in ops]
+    fig, ax = plt.subplots(figsize=(max(6, len(ops) * 0.9), 4))
+    ax.bar(range(len(ops)), [r["GB/s (DeepEP)"] for r in ops])
+    ax.set_xticks(range(len(ops)), labels, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("GB/s (DeepEP convention)")
+    ax.set_title(f"dispatch/combine, {ops[0]['ranks']} ranks, {ops[0]['shape']}" if ops else "")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..transports import TRANSPORTS
+
+    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    parser = argparse.ArgumentParser(prog="python -m epcomm bench dispatch", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-size", type=int, default=max(n_gpus, 2))
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--routings", default="uniform,skewed")
+    parser.add_argument("--transports", default=",".join(TRANSPORTS), help="comma-separated epcomm transports")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--num-sms", type=int, default=24)
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--name", default=None, help="result file name (default bench_dispatch_<N>ranks)")
+    args = parser.parse_args(argv)
+    opts = DispatchBenchOptions(args.tokens, args.hidden, args.topk, args.experts, tuple(args.routings.split(",")),
+                                tuple(args.transports.split(",")), args.iters, args.num_sms)
+    rows = run(bench_worker, args.world_size, opts)[0]
+    name = args.name or f"bench_dispatch_{rows[0]['ranks']}ranks"
+    notes = ("GB/s (DeepEP) = mean over ranks of the bytes of all rows a rank receives (its own included) / median "
+             "time of the per-iteration max across ranks. NVLink GB/s counts only rows that cross GPUs. Row bytes: "
+             "BF16 2H, FP8 H + 4H/128. epcomm dispatch rows exclude the layout call (DeepEP's convention); "
+             "'layout + dispatch' and the NCCL baseline include it. Copy-engine: each rank copy_()s its rows "
+             "for every peer into that peer's memory, one stream per peer.")
+    paths = write_results(rows, name, args.out, "bench dispatch", notes, _plot)
+    print(format_table(rows, ["routing", "impl", "op", "time_us", "GB/s (DeepEP)", "NVLink GB/s"]))
+    print("\nwritten: " + ", ".join(paths))
+    return 0

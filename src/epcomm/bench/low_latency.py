@@ -1,0 +1,145 @@
+"""``python -m epcomm bench low-latency``: decode-sized dispatch/combine.
+
+For each token count (default 1, 8, 32, 128, 256 per rank) at hidden 7168, top-8, 288 experts, FP8
+dispatch and BF16 combine, for every requested transport: plain calls, the hook halves (send returns,
+``hook()`` receives), and a CUDA-graph replay of dispatch + combine (GPUs). Per-call time is the median of
+the per-iteration max across ranks. GB/s counts per selected (token, expert): dispatch H + 4H/128 + 16
+bytes, combine 2H."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import torch
+
+from ..testing import run
+from .report import format_table, write_results
+from .timing import time_graph, time_op
+from .traffic import low_latency_bytes, low_latency_pairs
+
+
+@dataclass(frozen=True)
+class LowLatencyBenchOptions:
+    token_counts: tuple
+    hidden: int
+    topk: int
+    experts: int
+    transports: tuple
+    iters: int
+
+
+def bench_worker(ctx, opts: LowLatencyBenchOptions) -> list:
+    from ..buffer import Buffer
+    from ..testing.routing import make_inputs
+
+    rows = []
+    max_tokens = max(opts.token_counts)
+    for transport in opts.transports:
+        buf = Buffer(ctx.group, transport=transport)
+        impl = f"epcomm-{buf.transport}"
+        for n in opts.token_counts:
+            inputs = make_inputs(11, ctx.world_size, n, opts.hidden, opts.experts, opts.topk)
+            pairs = low_latency_pairs([i.topk_idx for i in inputs])
+            disp_b, comb_b = low_latency_bytes(opts.hidden, True)
+            mine = inputs[ctx.rank].to(ctx.device)
+            x, idx, w = mine.x, mine.topk_idx, mine.topk_weights
+
+            def dispatch(hook=False):
+                return buf.low_latency_dispatch(x, idx, max_tokens, opts.experts, use_fp8=True,
+                                                return_recv_hook=hook)
+
+            recv, _, handle, _, _ = dispatch()
+            y = torch.randn(recv[0].shape, device=ctx.device).to(torch.bfloat16)
+
+            def combine(hook=False):
+                return buf.low_latency_combine(y, idx, w, handle, return_recv_hook=hook)
+
+            def t(fn, setup=None):
+                return time_op(fn, ctx.group, ctx.device, iters=opts.iters, warmup=3, flush_l2=False, setup=setup)
+
+            pending = {}
+
+            def send_dispatch():
+                pending["hook"] = dispatch(hook=True)[4]
+
+            def send_combine():
+                pending["hook"] = combine(hook=True)[2]
+
+            def recv():
+                pending.pop("hook")()
+
+            measured = [
+                ("dispatch", t(dispatch), pairs * disp_b),
+                ("combine", t(combine), pairs * comb_b),
+                ("dispatch send (hook)", t(send_dispatch), None),
+                ("dispatch recv (hook)", t(recv, setup=send_dispatch), None),
+                ("combine send (hook)", t(send_combine), None),
+                ("combine recv (hook)", t(recv, setup=send_combine), None),
+            ]
+            if ctx.device.type == "cuda":
+                def step():
+                    r, _, h, _, _ = buf.low_latency_dispatch(x, idx, max_tokens, opts.experts, use_fp8=True)
+                    buf.low_latency_combine(y, idx, w, h)
+
+                try:
+                    measured.append(("dispatch + combine (graph)", time_graph(step, ctx.group, ctx.device,
+                                                                              iters=opts.iters * 2),
+                                     pairs * (disp_b + comb_b)))
+                except Exception as exc:  # noqa: BLE001 - record that the transport cannot be captured
+                    rows.append({"impl": impl, "tokens": n, "op": "dispatch + combine (graph)",
+                                 "time_us": float("nan"), "GB/s": float("nan"), "note": f"capture failed: {exc}"})
+            for op, timing, nbytes in measured:
+                rows.append({"impl": impl, "tokens": n, "op": op, "time_us": timing.median_us,
+                             "GB/s": timing.gbps(nbytes) if nbytes else float("nan"), "note": ""})
+        buf.destroy()
+    for r in rows:
+        r.update(ranks=ctx.world_size, hidden=opts.hidden, topk=opts.topk, experts=opts.experts)
+    return rows
+
+
+def _plot(rows, path):
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for impl in sorted({r["impl"] for r in rows}):
+        for op in ("dispatch", "combine", "dispatch + combine (graph)"):
+            pts = [(r["tokens"], r["time_us"]) for r in rows if r["impl"] == impl and r["op"] == op
+                   and r["time_us"] == r["time_us"]]
+            if pts:
+                ax.plot(*zip(*sorted(pts)), marker="o", label=f"{impl} {op}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens per rank")
+    ax.set_ylabel("time (us)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..transports import TRANSPORTS
+
+    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    parser = argparse.ArgumentParser(prog="python -m epcomm bench low-latency", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-size", type=int, default=max(n_gpus, 2))
+    parser.add_argument("--tokens", default="1,8,32,128,256", help="tokens per rank, comma-separated")
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=288)
+    parser.add_argument("--transports", default=",".join(TRANSPORTS))
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--name", default=None)
+    args = parser.parse_args(argv)
+    opts = LowLatencyBenchOptions(tuple(int(v) for v in args.tokens.split(",")), args.hidden, args.topk,
+                                  args.experts, tuple(args.transports.split(",")), args.iters)
+    rows = run(bench_worker, args.world_size, opts)[0]
+    name = args.name or f"bench_low_latency_{rows[0]['ranks']}ranks"
+    notes = ("Per-call time: median over iterations of the max across ranks (CUDA events). GB/s per selected "
+             "(token, expert): dispatch H + 4H/128 + 16 bytes, combine 2H. Hook rows time the send call and the "
+             "hook() call separately. Graph rows replay a captured dispatch + combine.")
+    paths = write_results(rows, name, args.out, "bench low-latency", notes, _plot)
+    print(format_table(rows, ["impl", "tokens", "op", "time_us", "GB/s", "note"]))
+    print("\nwritten: " + ", ".join(paths))
+    return 0
