@@ -88,3 +88,20 @@ def set_safe_gpu_defaults() -> None:
     for name, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                         ("NVSHMEM_DISABLE_NVLS", "1")):
         os.environ.setdefault(name, value)
+
+
+# Variables that belong to CUDA and NCCL, not to epcomm: read here only to report them (topology probe, doctor).
+_NCCL_REPORTED = ("NCCL_P2P_DISABLE", "NCCL_P2P_LEVEL", "NCCL_SHM_DISABLE", "NCCL_IB_DISABLE", "NCCL_NVLS_ENABLE",
+                  "NCCL_SOCKET_IFNAME", "NCCL_NET")
+
+
+def cuda_visible_devices() -> str | None:
+    """``CUDA_VISIBLE_DEVICES`` as set, or None (reported by the topology probe, never changed)."""
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def nccl_settings() -> dict[str, str]:
+    """The NCCL variables that shape intranode and network paths (``NCCL_P2P_DISABLE``, ``NCCL_P2P_LEVEL``,
+    ``NCCL_SHM_DISABLE``, ``NCCL_IB_DISABLE``, ``NCCL_NVLS_ENABLE``, ``NCCL_SOCKET_IFNAME``, ``NCCL_NET``)
+    that are set, by name; ``epcomm doctor`` prints them next to its hints."""
+    return {name: os.environ[name] for name in _NCCL_REPORTED if name in os.environ}

@@ -63,7 +63,7 @@ class Buffer:
         self.low_latency_mode = low_latency_mode
         self.device = torch.device(device) if device is not None else _default_device(self.group)
         self.id = next(_buffer_ids)
-        self.runtime, reason = create_transport(env.transport_override() or transport, self.group, self.device,
+        self.runtime, reason = create_transport(transport, self.group, self.device,
                                                 self.id, num_nvl_bytes=self.num_nvl_bytes,
                                                 num_rdma_bytes=self.num_rdma_bytes)
         self.transport = self.runtime.name

@@ -281,30 +281,6 @@ def check_low_latency(ctx, buf, case: LowLatencyCase) -> CaseResult:
     return res
 
 
-def run_cases(ctx, cases: Sequence, transport: str = "alltoall") -> list:
-    """Worker entry: run every case on one Buffer; return ``[(label, failures)]`` for the failing ones."""
-    from ..buffer import Buffer
-
-    buf = Buffer(ctx.group, transport=transport)
-    failed = []
-    try:
-        for case in cases:
-            check = (check_low_latency if isinstance(case, LowLatencyCase) else
-                     check_graph if isinstance(case, GraphCase) else check_normal)
-            try:
-                result = check(ctx, buf, case)
-            except Exception as exc:  # noqa: BLE001 - report which case raised
-                import traceback
-
-                failed.append((case.label(), [f"raised {type(exc).__name__}: {exc}\n{traceback.format_exc()}"]))
-                continue
-            if not result.ok:
-                failed.append((result.label, result.failures))
-    finally:
-        buf.destroy()
-    return failed
-
-
 @dataclass(frozen=True)
 class GraphCase:
     """A step captured once in a CUDA graph and replayed with new data: normal mode (layout, dispatch with
@@ -381,3 +357,25 @@ def check_graph(ctx, buf, case: GraphCase) -> CaseResult:
             res.expect(f"replay {i} combined", outs[1], (mine.x.float() * 2 * k).to(torch.bfloat16))
             res.expect(f"replay {i} combined weights", outs[2], mine.topk_weights)
     return res
+
+
+def run_cases(ctx, cases: Sequence, transport: str = "alltoall") -> list:
+    """Worker entry: run every case on one Buffer; return ``[(label, failures)]`` for the failing ones.
+
+    A case that raises is not caught: the ranks would no longer agree on which collective comes next, so
+    the exception ends the worker and the launcher stops every rank (the message names the case)."""
+    from ..buffer import Buffer
+
+    buf = Buffer(ctx.group, transport=transport)
+    failed = []
+    for case in cases:
+        check = (check_low_latency if isinstance(case, LowLatencyCase) else
+                 check_graph if isinstance(case, GraphCase) else check_normal)
+        try:
+            result = check(ctx, buf, case)
+        except Exception as exc:
+            raise RuntimeError(f"case {case.label()!r} raised on rank {ctx.rank}") from exc
+        if not result.ok:
+            failed.append((result.label, result.failures))
+    buf.destroy()
+    return failed

@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import logging
 import multiprocessing as mp
+import os
 import queue as queue_mod
 import socket
 import time
@@ -78,6 +79,9 @@ def _setup_logging(rank: int) -> None:
 def init_worker(rank: int, world_size: int, device_kind: str, timeout_s: float) -> WorkerContext:
     """Join the process group from the torchrun-style variables already in the environment."""
     env.set_safe_gpu_defaults()
+    # one process per rank on one host: share the cores instead of oversubscribing them (spinning OpenMP
+    # threads of several processes on the same cores can slow CPU work by orders of magnitude)
+    torch.set_num_threads(max(1, min(8, (os.cpu_count() or 1) // max(1, world_size))))
     if device_kind == "cuda":
         local_rank = int((env.distributed_env() or {}).get("LOCAL_RANK") or rank)
         device = torch.device("cuda", local_rank % torch.cuda.device_count())

@@ -67,7 +67,7 @@ def reduce_rows(buf: torch.Tensor, slot: torch.Tensor, bias: tuple, out_dtype: t
 
 @dataclass(frozen=True)
 class _NormalState:
-    send_idx: torch.Tensor  # [S] int64 token of every sent row (exact mode)
+    send_idx: torch.Tensor  # token of every row of the send area ([S] exact, [R * C] padded)
     send_counts: Optional[tuple]  # rows to each rank (exact mode)
     slot: torch.Tensor  # [N, R] int64: row of (token, rank) in the combine receive buffer, -1 if absent
     capacity: int  # padded mode: rows per peer (0 in exact mode)
@@ -115,25 +115,53 @@ class AllToAllTransport(Transport):
                           f"within a token must be distinct and x.size(0) <= num_max_dispatch_tokens_per_rank")
         return errors
 
-    def _metadata(self, send_idx: torch.Tensor, dest: torch.Tensor, x_scales, topk_idx, topk_weights,
-                  e_local: int) -> torch.Tensor:
-        """Per-row int32 record: [source token | scales | local top-k ids | top-k weights]."""
-        cols = [send_idx.to(torch.int32).unsqueeze(1)]
-        if x_scales is not None:
-            cols.append(x_scales.index_select(0, send_idx).view(torch.int32))
-        if topk_idx is not None:
-            idx = topk_idx.index_select(0, send_idx).long()
-            local = idx - (dest * e_local).unsqueeze(1)
+    def _send_plan(self, req: DispatchRequest, counts: torch.Tensor, capacity: int):
+        """Where every (token, destination) pair goes in the send area, computed on the device.
+
+        Exact mode (``capacity == 0``): rank ``r``'s rows start after the rows of ranks ``< r``.
+        Padded mode: rank ``r``'s rows start at ``r * capacity``; pairs past the capacity are counted as
+        overflow. Returns ``slot [N, R]`` (row in the send area or -1), ``send_idx`` (token of every row;
+        rows nothing lands on point at token 0) and ``meta`` (the int32 record of every row)."""
+        num_ranks, e_local = self.num_ranks, req.num_experts // self.num_ranks
+        itr, dev = req.is_token_in_rank, req.x.device
+        n = itr.size(0)
+        pos = torch.cumsum(itr, dim=0, dtype=torch.int64) - 1
+        ranks = torch.arange(num_ranks, device=dev)
+        if capacity:
+            base, rows = ranks * capacity, num_ranks * capacity
+            fits = itr & (pos < capacity)
+            self._errors[0] += (itr & ~fits).sum(dtype=torch.int32)
+        else:
+            base, rows = _exclusive_cumsum(counts[:, 0].long(), 0), n * num_ranks
+            fits = itr
+        slot = torch.where(fits, base + pos, -1)
+        dest = torch.where(fits, slot, rows).flatten()  # row ``rows`` is a discard row
+        tokens = torch.arange(n, device=dev).unsqueeze(1).expand(n, num_ranks)
+        send_idx = torch.zeros(rows + 1, dtype=torch.int64, device=dev)
+        send_idx.index_copy_(0, dest, tokens.reshape(-1))
+        # per-(token, destination) record: [source token | source rank | scales | local top-k ids | weights]
+        cols = [tokens.to(torch.int32).unsqueeze(2),
+                torch.full((n, num_ranks, 1), self.rank, dtype=torch.int32, device=dev)]
+        if req.x_scales is not None:
+            sc = req.x_scales.contiguous().view(torch.int32)
+            cols.append(sc.unsqueeze(1).expand(n, num_ranks, sc.size(1)))
+        if req.topk_idx is not None:
+            idx = req.topk_idx.long().unsqueeze(1)  # [N, 1, K]
+            local = idx - (ranks * e_local).view(1, num_ranks, 1)
             mine = (idx >= 0) & (local >= 0) & (local < e_local)
             cols.append(torch.where(mine, local, -1).to(torch.int32))
-            if topk_weights is not None:
-                w = topk_weights.index_select(0, send_idx)
-                cols.append(torch.where(mine, w, 0.0).view(torch.int32))
-        return torch.cat(cols, dim=1)
+            if req.topk_weights is not None:
+                cols.append(torch.where(mine, req.topk_weights.unsqueeze(1), 0.0).view(torch.int32))
+        width = sum(c.size(2) for c in cols)
+        pairs = torch.cat(cols, dim=2).view(n * num_ranks, width)
+        meta = torch.empty(rows + 1, pairs.size(1), dtype=torch.int32, device=dev)
+        meta.index_copy_(0, dest, pairs)
+        return slot, send_idx[:rows], meta[:rows]
 
     @staticmethod
     def _unpack_metadata(meta: torch.Tensor, x_scales, topk_idx, topk_weights):
-        col = 1
+        """Split received records into (src token, src rank, scales, local top-k ids, weights)."""
+        col = 2
         recv_scales = recv_idx = recv_w = None
         if x_scales is not None:
             ns = x_scales.size(1)
@@ -145,14 +173,14 @@ class AllToAllTransport(Transport):
             col += k
             if topk_weights is not None:
                 recv_w = meta[:, col:col + k].contiguous().view(torch.float32)
-        return meta[:, 0].contiguous(), recv_scales, recv_idx, recv_w
+        return meta[:, 0], meta[:, 1], recv_scales, recv_idx, recv_w
 
     # ------------------------------------------------------------------ normal mode
     def dispatch(self, req: DispatchRequest) -> DispatchResult:
         if req.handle is not None:
             return self._cached_dispatch(req)
         num_ranks, e_local = self.num_ranks, req.num_experts // self.num_ranks
-        x, dev = req.x, req.x.device
+        x, dev, itr = req.x, req.x.device, req.is_token_in_rank
         counts = torch.zeros(num_ranks, 1 + e_local, dtype=torch.int32, device=dev)
         counts[:, 0] = req.num_tokens_per_rank
         if req.num_tokens_per_expert is not None:
@@ -160,12 +188,14 @@ class AllToAllTransport(Transport):
         recv_counts = torch.empty_like(counts)
         self._a2a(recv_counts, counts)
         recv_per_expert = recv_counts[:, 1:].sum(0, dtype=torch.int32)
-        if req.num_worst_tokens:
-            return self._padded_dispatch(req, recv_counts, recv_per_expert)
+        capacity = req.num_worst_tokens
+        # everything that needs no host value is enqueued before the one synchronisation below
+        slot, send_idx, meta = self._send_plan(req, counts, capacity)
+        if capacity:
+            return self._padded_dispatch(req, recv_counts, recv_per_expert, slot, send_idx, meta)
 
-        itr = req.is_token_in_rank
-        checks = torch.stack([req.bad_topk if req.bad_topk is not None else torch.zeros((), dtype=torch.int32,
-                                                                                        device=dev),
+        zero = torch.zeros((), dtype=torch.int32, device=dev)
+        checks = torch.stack([req.bad_topk if req.bad_topk is not None else zero,
                               (itr.sum(0, dtype=torch.int32) != counts[:, 0]).sum(dtype=torch.int32)])
         host = torch.cat([counts[:, 0], recv_counts[:, 0], recv_per_expert, checks, self._errors]).tolist()
         send_counts = host[:num_ranks]
@@ -173,27 +203,21 @@ class AllToAllTransport(Transport):
         per_expert = host[2 * num_ranks:2 * num_ranks + e_local]
         bad_topk, bad_layout = host[2 * num_ranks + e_local:2 * num_ranks + e_local + 2]
         if any(host[-2:]):
-            raise RuntimeError("Buffer.dispatch: an earlier call failed on the device: " + "; ".join(self.pending_errors()))
+            raise RuntimeError("Buffer.dispatch: an earlier call failed on the device: "
+                               + "; ".join(self.pending_errors()))
         raise_if_bad_topk("Buffer.dispatch", bad_topk, req.num_experts)
         if bad_layout:
             raise ValueError("Buffer.dispatch: num_tokens_per_rank does not match is_token_in_rank; pass both from "
                              "the same get_dispatch_layout call")
         num_send, num_recv = sum(send_counts), sum(recv_counts_h)
-
-        pos = _nonzero_static(itr.t(), num_send)  # [S, 2]: (destination rank, token), rank-major
-        dest, send_idx = pos[:, 0], pos[:, 1]
-        slot = torch.full((x.size(0), num_ranks), -1, dtype=torch.int64, device=dev)
-        slot[send_idx, dest] = torch.arange(num_send, device=dev)
+        send_idx = send_idx[:num_send]
 
         recv_x = torch.empty(num_recv, x.size(1), dtype=x.dtype, device=dev)
         self._a2a(recv_x, _as_bytes(x).index_select(0, send_idx), recv_counts_h, send_counts)
-        meta = self._metadata(send_idx, dest, req.x_scales, req.topk_idx, req.topk_weights, e_local)
         recv_meta = torch.empty(num_recv, meta.size(1), dtype=torch.int32, device=dev)
-        self._a2a(recv_meta, meta, recv_counts_h, send_counts)
-        recv_src_idx, recv_scales, recv_idx, recv_w = self._unpack_metadata(recv_meta, req.x_scales, req.topk_idx,
-                                                                             req.topk_weights)
-        recv_src_rank = torch.repeat_interleave(torch.arange(num_ranks, dtype=torch.int32, device=dev),
-                                                recv_counts[:, 0], output_size=num_recv)
+        self._a2a(recv_meta, meta[:num_send], recv_counts_h, send_counts)
+        recv_src_idx, recv_src_rank, recv_scales, recv_idx, recv_w = self._unpack_metadata(
+            recv_meta, req.x_scales, req.topk_idx, req.topk_weights)
         handle = DispatchHandle(
             buffer_id=self.buffer_id, transport=self.name, num_ranks=num_ranks, num_experts=req.num_experts,
             num_tokens=x.size(0), hidden=x.size(1), is_token_in_rank=itr, num_tokens_per_rank=tuple(send_counts),
@@ -208,90 +232,62 @@ class AllToAllTransport(Transport):
     def _cached_dispatch(self, req: DispatchRequest) -> DispatchResult:
         h = req.handle
         st: _NormalState = h.state
-        x = req.x
-        if st.capacity:
-            recv_x, recv_scales = self._padded_rows(x, req.x_scales, h)
-        else:
-            recv_x = torch.empty(h.num_recv_tokens, x.size(1), dtype=x.dtype, device=x.device)
-            self._a2a(recv_x, _as_bytes(x).index_select(0, st.send_idx), list(h.num_recv_tokens_per_rank),
-                      list(st.send_counts))
-            recv_scales = None
-            if req.x_scales is not None:
-                recv_scales = torch.empty(h.num_recv_tokens, req.x_scales.size(1), dtype=req.x_scales.dtype,
-                                          device=x.device)
-                self._a2a(recv_scales, req.x_scales.index_select(0, st.send_idx), list(h.num_recv_tokens_per_rank),
-                          list(st.send_counts))
-        return DispatchResult(recv_x, recv_scales, None, None, None, h)
+        recv = []
+        for t in (req.x, req.x_scales):
+            if t is None:
+                recv.append(None)
+            elif st.capacity:
+                recv.append(self._padded_rows(t, st))
+            else:
+                out = torch.empty(h.num_recv_tokens, t.size(1), dtype=t.dtype, device=t.device)
+                self._a2a(out, _as_bytes(t.contiguous()).index_select(0, st.send_idx),
+                          list(h.num_recv_tokens_per_rank), list(st.send_counts))
+                recv.append(out)
+        return DispatchResult(recv[0], recv[1], None, None, None, h)
 
-    def _padded_dispatch(self, req: DispatchRequest, recv_counts: torch.Tensor, recv_per_expert: torch.Tensor
-                         ) -> DispatchResult:
-        num_ranks, e_local = self.num_ranks, req.num_experts // self.num_ranks
-        x, dev, cap = req.x, req.x.device, req.num_worst_tokens
-        n = x.size(0)
-        itr = req.is_token_in_rank
+    def _padded_dispatch(self, req: DispatchRequest, recv_counts: torch.Tensor, recv_per_expert: torch.Tensor,
+                         slot: torch.Tensor, send_idx: torch.Tensor, meta: torch.Tensor) -> DispatchResult:
+        """``num_worst_tokens`` mode: fixed ``W`` rows per peer, compacted on the receiver; no host sync."""
+        num_ranks, cap, x = self.num_ranks, req.num_worst_tokens, req.x
+        dev = x.device
         if req.bad_topk is not None:
-            self._errors[0] += req.bad_topk  # reported at the next check; values are clamped meanwhile
-        pos = torch.cumsum(itr, dim=0, dtype=torch.int64) - 1  # [N, R] position among this rank's tokens to r
-        fits = itr & (pos < cap)
-        self._errors[0] += (itr & ~fits).sum(dtype=torch.int32)
-        ranks = torch.arange(num_ranks, device=dev)
-        slot = torch.where(fits, ranks * cap + pos, -1)  # [N, R]
-        # receiver side: row j of source s lands at prefix[s] + j when j < count[s]
+            self._errors[0] += req.bad_topk  # reported at the next check
+        # receiver side: row j from source s lands at prefix[s] + j when j < count[s]
         count = recv_counts[:, 0].long()
         prefix = _exclusive_cumsum(count, 0)
         j = torch.arange(cap, device=dev)
         out_row = prefix.unsqueeze(1) + j
-        valid = (j < count.unsqueeze(1)) & (out_row < cap)
-        self._errors[0] += ((j < count.unsqueeze(1)) & (out_row >= cap)).sum(dtype=torch.int32)
-        recv_dst = torch.where(valid, out_row, cap).flatten()  # [R * C]; cap = discard row
-        state = _NormalState(send_idx=torch.empty(0, dtype=torch.int64, device=dev), send_counts=None, slot=slot,
-                             capacity=cap, recv_dst=recv_dst)
-        src_rank = torch.where(valid, ranks.unsqueeze(1), -1).flatten().to(torch.int32)
+        arrived = j < count.unsqueeze(1)
+        valid = arrived & (out_row < cap)
+        self._errors[0] += (arrived & ~valid).sum(dtype=torch.int32)
+        recv_dst = torch.where(valid, out_row, cap).flatten()  # [R * W]; W = discard row
+        state = _NormalState(send_idx=send_idx, send_counts=None, slot=slot, capacity=cap, recv_dst=recv_dst)
+        recv_x = self._padded_rows(x, state)
+        recv_scales = self._padded_rows(req.x_scales, state) if req.x_scales is not None else None
+        recv_meta = torch.empty(num_ranks * cap, meta.size(1), dtype=torch.int32, device=dev)
+        self._a2a(recv_meta, meta)
+        fill = torch.zeros(1, meta.size(1), dtype=torch.int32, device=dev)
+        fill[0, :2] = -1  # rows nothing lands on: source -1, top-k ids -1, weights 0
+        k = req.topk_idx.size(1) if req.topk_idx is not None else 0
+        first_idx = 2 + (req.x_scales.size(1) if req.x_scales is not None else 0)
+        fill[0, first_idx:first_idx + k] = -1
+        recv_meta = _scatter_rows(recv_meta, recv_dst, cap, fill)
+        recv_src_idx, recv_src_rank, _, recv_idx, recv_w = self._unpack_metadata(
+            recv_meta, req.x_scales, req.topk_idx, req.topk_weights)
         handle = DispatchHandle(
             buffer_id=self.buffer_id, transport=self.name, num_ranks=num_ranks, num_experts=req.num_experts,
-            num_tokens=n, hidden=x.size(1), is_token_in_rank=itr, num_tokens_per_rank=None, num_recv_tokens=cap,
-            num_recv_tokens_per_rank=None, num_recv_tokens_per_expert=recv_per_expert,
-            recv_src_rank=_scatter_rows(src_rank.unsqueeze(1), recv_dst, cap, -1).flatten(),
-            recv_src_idx=torch.empty(0), num_worst_tokens=cap, state=state)
-        recv_x, recv_scales = self._padded_rows(x, req.x_scales, handle)
-        # metadata travels per destination (local ids differ by destination)
-        meta_cols = 1 + (req.x_scales.size(1) if req.x_scales is not None else 0) + \
-            (req.topk_idx.size(1) * (2 if req.topk_weights is not None else 1) if req.topk_idx is not None else 0)
-        send_meta = torch.empty(num_ranks * cap + 1, meta_cols, dtype=torch.int32, device=dev)
-        tokens = torch.arange(n, device=dev)
-        for r in range(num_ranks):
-            dest = torch.full((n,), r, dtype=torch.int64, device=dev)
-            meta_r = self._metadata(tokens, dest, req.x_scales, req.topk_idx, req.topk_weights, e_local)
-            send_meta.index_copy_(0, torch.where(slot[:, r] >= 0, slot[:, r], num_ranks * cap), meta_r)
-        recv_meta = torch.empty(num_ranks * cap, meta_cols, dtype=torch.int32, device=dev)
-        self._a2a(recv_meta, send_meta[:num_ranks * cap])
-        fill = torch.zeros(1, meta_cols, dtype=torch.int32, device=dev)
-        fill[0, 0] = -1
-        k = req.topk_idx.size(1) if req.topk_idx is not None else 0
-        first_idx = 1 + (req.x_scales.size(1) if req.x_scales is not None else 0)
-        fill[0, first_idx:first_idx + k] = -1  # unused rows: recv_topk_idx -1, weights 0
-        meta = _scatter_rows(recv_meta, recv_dst, cap, fill)
-        recv_src_idx, _, recv_idx, recv_w = self._unpack_metadata(meta, req.x_scales, req.topk_idx, req.topk_weights)
-        handle = _replace(handle, recv_src_idx=recv_src_idx)
+            num_tokens=x.size(0), hidden=x.size(1), is_token_in_rank=req.is_token_in_rank, num_tokens_per_rank=None,
+            num_recv_tokens=cap, num_recv_tokens_per_rank=None, num_recv_tokens_per_expert=recv_per_expert,
+            recv_src_rank=recv_src_rank, recv_src_idx=recv_src_idx, num_worst_tokens=cap, state=state)
         return DispatchResult(recv_x, recv_scales, recv_idx, recv_w, [], handle)
 
-    def _padded_rows(self, x: torch.Tensor, x_scales, h: DispatchHandle):
-        """Move ``x`` (and scales) through fixed ``C`` rows per peer; compact into ``[W, ...]``."""
-        st: _NormalState = h.state
-        num_ranks, cap, dev = self.num_ranks, st.capacity, x.device
-        outs = []
-        for t in (x, x_scales):
-            if t is None:
-                outs.append(None)
-                continue
-            rows = _as_bytes(t.contiguous())  # shuffles run on bytes: index ops lack some dtypes (FP8) on some devices
-            send = torch.empty(num_ranks * cap + 1, rows.size(1), dtype=torch.uint8, device=dev)
-            for r in range(num_ranks):
-                send.index_copy_(0, torch.where(st.slot[:, r] >= 0, st.slot[:, r], num_ranks * cap), rows)
-            recv = torch.empty(num_ranks * cap, rows.size(1), dtype=torch.uint8, device=dev)
-            self._a2a(recv, send[:num_ranks * cap])
-            outs.append(_scatter_rows(recv, st.recv_dst, cap, None).view(t.dtype))
-        return outs[0], outs[1]
+    def _padded_rows(self, t: torch.Tensor, st: "_NormalState") -> torch.Tensor:
+        """Move rows of ``t`` through fixed ``C`` slots per peer and compact them into ``[W, ...]``."""
+        rows = _as_bytes(t.contiguous())  # shuffles run on bytes: index ops lack some dtypes (FP8)
+        recv = torch.empty(self.num_ranks * st.capacity, rows.size(1), dtype=torch.uint8, device=t.device)
+        send = rows.index_select(0, st.send_idx) if rows.size(0) else torch.empty_like(recv)  # no tokens: all padding
+        self._a2a(recv, send)
+        return _scatter_rows(recv, st.recv_dst, st.capacity, None).view(t.dtype)
 
     def combine(self, req: CombineRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         h: DispatchHandle = req.handle
@@ -452,14 +448,6 @@ class AllToAllTransport(Transport):
         return LowLatencyCombineResult(out, None)
 
 
-def _nonzero_static(mask: torch.Tensor, size: int) -> torch.Tensor:
-    """``torch.nonzero`` with a known result size (no host synchronisation where torch supports it)."""
-    try:
-        return torch.nonzero_static(mask, size=size)
-    except (AttributeError, NotImplementedError, RuntimeError):
-        return torch.nonzero(mask)
-
-
 def _scatter_rows(src: torch.Tensor, dst: torch.Tensor, num_rows: int, fill) -> torch.Tensor:
     """``out[dst[i]] = src[i]`` into ``[num_rows, ...]``; ``dst == num_rows`` discards. ``fill`` (a row, a
     scalar or None for uninitialised) sets rows nothing lands on."""
@@ -469,8 +457,3 @@ def _scatter_rows(src: torch.Tensor, dst: torch.Tensor, num_rows: int, fill) -> 
     out.index_copy_(0, dst, src)
     return out[:num_rows]
 
-
-def _replace(handle, **changes):
-    import dataclasses
-
-    return dataclasses.replace(handle, **changes)
