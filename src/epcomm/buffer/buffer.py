@@ -39,7 +39,8 @@ class Buffer:
         low_latency_mode, num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl,
         explicitly_destroy: accepted for DeepEP compatibility; epcomm always supports both modes in one
             Buffer and is always destroyed explicitly with ``destroy()`` (or at process exit).
-        transport: ``auto`` (default), ``nvlink``, ``p2p`` or ``alltoall``.
+        transport: ``auto`` (default), ``nvlink``, ``p2p`` or ``alltoall``; or a ``Transport`` subclass to use
+            as given, without the topology checks (custom transports, interpreter tests).
         device: the device to communicate on (default: the current CUDA device for NCCL groups, else CPU).
     """
 

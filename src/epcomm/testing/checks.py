@@ -359,14 +359,14 @@ def check_graph(ctx, buf, case: GraphCase) -> CaseResult:
     return res
 
 
-def run_cases(ctx, cases: Sequence, transport: str = "alltoall") -> list:
+def run_cases(ctx, cases: Sequence, transport="alltoall", buffer_kwargs: Optional[dict] = None) -> list:
     """Worker entry: run every case on one Buffer; return ``[(label, failures)]`` for the failing ones.
 
     A case that raises is not caught: the ranks would no longer agree on which collective comes next, so
     the exception ends the worker and the launcher stops every rank (the message names the case)."""
     from ..buffer import Buffer
 
-    buf = Buffer(ctx.group, transport=transport)
+    buf = Buffer(ctx.group, transport=transport, **(buffer_kwargs or {}))
     failed = []
     for case in cases:
         check = (check_low_latency if isinstance(case, LowLatencyCase) else

@@ -10,8 +10,9 @@ from .. import env
 from ..errors import TransportUnavailableError
 from .alltoall import AllToAllTransport
 from .base import Capabilities, Transport
+from .nvlink import NVLinkTransport, P2PTransport
 
-TRANSPORTS = {"alltoall": AllToAllTransport}
+TRANSPORTS = {"alltoall": AllToAllTransport, "nvlink": NVLinkTransport, "p2p": P2PTransport}
 CHOICES = ("auto", "nvlink", "p2p", "alltoall")
 
 
@@ -24,8 +25,10 @@ def create_transport(name: str, group, device: torch.device, buffer_id: int, **s
     transport the hardware cannot run, or that this build lacks, raises TransportUnavailableError naming the
     missing capability and the ranks. ``sizes`` (num_nvl_bytes, num_rdma_bytes) reach the transports whose
     constructors take them."""
+    if isinstance(name, type) and issubclass(name, Transport):  # a transport class, used as given
+        return _construct(name, group, device, buffer_id, sizes), f"transport class {name.__name__} given"
     if name not in CHOICES:
-        raise ValueError(f"Buffer: transport={name!r} is not one of {CHOICES}")
+        raise ValueError(f"Buffer: transport={name!r} is not one of {CHOICES} (or a Transport subclass)")
     override = env.transport_override()
     requested, source = (override, f"EPCOMM_TRANSPORT={override}") if override else (name, f"transport={name!r}")
     if requested == "alltoall":
@@ -49,4 +52,5 @@ def _construct(cls, group, device: torch.device, buffer_id: int, sizes: dict) ->
     return cls(group, device, buffer_id, **{k: v for k, v in sizes.items() if takes_all or k in params})
 
 
-__all__ = ["Capabilities", "Transport", "AllToAllTransport", "TRANSPORTS", "create_transport"]
+__all__ = ["Capabilities", "Transport", "AllToAllTransport", "NVLinkTransport", "P2PTransport", "TRANSPORTS",
+           "create_transport"]

@@ -33,6 +33,7 @@ from ..buffer.layout import align_up, low_latency_pair_capacity
 from ..buffer.validate import raise_if_bad_topk
 from ..fp8 import FP8_DTYPE, GROUP, per_token_cast_to_fp8
 from ..kernels import triton_available
+from .plan import exclusive_cumsum, send_plan
 from .base import (Capabilities, CombineRequest, DispatchRequest, DispatchResult, LowLatencyCombineRequest,
                    LowLatencyCombineResult, LowLatencyDispatchRequest, LowLatencyDispatchResult, Transport)
 
@@ -41,10 +42,6 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A 2-D view of ``t``'s rows as uint8 (what travels; dtype-agnostic for NCCL and gloo)."""
     t = t if t.dim() == 2 else t.reshape(t.size(0), -1)
     return t if t.dtype == torch.uint8 else t.view(torch.uint8)
-
-
-def _exclusive_cumsum(t: torch.Tensor, dim: int) -> torch.Tensor:
-    return torch.cumsum(t, dim=dim) - t
 
 
 def reduce_rows(buf: torch.Tensor, slot: torch.Tensor, bias: tuple, out_dtype: torch.dtype) -> torch.Tensor:
@@ -115,49 +112,6 @@ class AllToAllTransport(Transport):
                           f"within a token must be distinct and x.size(0) <= num_max_dispatch_tokens_per_rank")
         return errors
 
-    def _send_plan(self, req: DispatchRequest, counts: torch.Tensor, capacity: int):
-        """Where every (token, destination) pair goes in the send area, computed on the device.
-
-        Exact mode (``capacity == 0``): rank ``r``'s rows start after the rows of ranks ``< r``.
-        Padded mode: rank ``r``'s rows start at ``r * capacity``; pairs past the capacity are counted as
-        overflow. Returns ``slot [N, R]`` (row in the send area or -1), ``send_idx`` (token of every row;
-        rows nothing lands on point at token 0) and ``meta`` (the int32 record of every row)."""
-        num_ranks, e_local = self.num_ranks, req.num_experts // self.num_ranks
-        itr, dev = req.is_token_in_rank, req.x.device
-        n = itr.size(0)
-        pos = torch.cumsum(itr, dim=0, dtype=torch.int64) - 1
-        ranks = torch.arange(num_ranks, device=dev)
-        if capacity:
-            base, rows = ranks * capacity, num_ranks * capacity
-            fits = itr & (pos < capacity)
-            self._errors[0] += (itr & ~fits).sum(dtype=torch.int32)
-        else:
-            base, rows = _exclusive_cumsum(counts[:, 0].long(), 0), n * num_ranks
-            fits = itr
-        slot = torch.where(fits, base + pos, -1)
-        dest = torch.where(fits, slot, rows).flatten()  # row ``rows`` is a discard row
-        tokens = torch.arange(n, device=dev).unsqueeze(1).expand(n, num_ranks)
-        send_idx = torch.zeros(rows + 1, dtype=torch.int64, device=dev)
-        send_idx.index_copy_(0, dest, tokens.reshape(-1))
-        # per-(token, destination) record: [source token | source rank | scales | local top-k ids | weights]
-        cols = [tokens.to(torch.int32).unsqueeze(2),
-                torch.full((n, num_ranks, 1), self.rank, dtype=torch.int32, device=dev)]
-        if req.x_scales is not None:
-            sc = req.x_scales.contiguous().view(torch.int32)
-            cols.append(sc.unsqueeze(1).expand(n, num_ranks, sc.size(1)))
-        if req.topk_idx is not None:
-            idx = req.topk_idx.long().unsqueeze(1)  # [N, 1, K]
-            local = idx - (ranks * e_local).view(1, num_ranks, 1)
-            mine = (idx >= 0) & (local >= 0) & (local < e_local)
-            cols.append(torch.where(mine, local, -1).to(torch.int32))
-            if req.topk_weights is not None:
-                cols.append(torch.where(mine, req.topk_weights.unsqueeze(1), 0.0).view(torch.int32))
-        width = sum(c.size(2) for c in cols)
-        pairs = torch.cat(cols, dim=2).view(n * num_ranks, width)
-        meta = torch.empty(rows + 1, pairs.size(1), dtype=torch.int32, device=dev)
-        meta.index_copy_(0, dest, pairs)
-        return slot, send_idx[:rows], meta[:rows]
-
     @staticmethod
     def _unpack_metadata(meta: torch.Tensor, x_scales, topk_idx, topk_weights):
         """Split received records into (src token, src rank, scales, local top-k ids, weights)."""
@@ -190,7 +144,7 @@ class AllToAllTransport(Transport):
         recv_per_expert = recv_counts[:, 1:].sum(0, dtype=torch.int32)
         capacity = req.num_worst_tokens
         # everything that needs no host value is enqueued before the one synchronisation below
-        slot, send_idx, meta = self._send_plan(req, counts, capacity)
+        slot, send_idx, meta, _ = send_plan(req, counts, capacity, self.rank, self.num_ranks, self._errors)
         if capacity:
             return self._padded_dispatch(req, recv_counts, recv_per_expert, slot, send_idx, meta)
 
@@ -254,7 +208,7 @@ class AllToAllTransport(Transport):
             self._errors[0] += req.bad_topk  # reported at the next check
         # receiver side: row j from source s lands at prefix[s] + j when j < count[s]
         count = recv_counts[:, 0].long()
-        prefix = _exclusive_cumsum(count, 0)
+        prefix = exclusive_cumsum(count, 0)
         j = torch.arange(cap, device=dev)
         out_row = prefix.unsqueeze(1) + j
         arrived = j < count.unsqueeze(1)
@@ -343,7 +297,7 @@ class AllToAllTransport(Transport):
         per_expert = torch.zeros(num_experts + 1, dtype=torch.int32, device=dev)
         per_expert.index_add_(0, g_sorted, torch.ones_like(g_sorted, dtype=torch.int32))
         per_expert = per_expert[:num_experts]
-        rank_start = _exclusive_cumsum(per_expert.view(num_ranks, e_local).sum(1).long(), 0)
+        rank_start = exclusive_cumsum(per_expert.view(num_ranks, e_local).sum(1).long(), 0)
         dest_sorted = torch.clamp(g_sorted // e_local, max=num_ranks - 1)
         j = torch.arange(n * k, device=dev) - rank_start[dest_sorted]
         ok = (g_sorted < num_experts) & (j < cap)
@@ -381,7 +335,7 @@ class AllToAllTransport(Transport):
             e = torch.searchsorted(cum, jj, right=True).clamp(max=e_local - 1)
             ok_rows = jj < cum[:, -1:]
             within = jj - (cum.gather(1, e) - cnt.gather(1, e))
-            begin = _exclusive_cumsum(cnt, 0)  # [R, E_local]: first row of source s in expert e
+            begin = exclusive_cumsum(cnt, 0)  # [R, E_local]: first row of source s in expert e
             dst = torch.where(ok_rows, e * (num_ranks * t_max) + begin.gather(1, e) + within, num_rows).flatten()
             recv_dst.copy_(dst)
             off = 0

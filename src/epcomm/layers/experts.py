@@ -1,0 +1,147 @@
+"""The local experts: SwiGLU MLPs over the rows a rank received, as one grouped GEMM or a loop.
+
+Two layouts arrive from the communication:
+
+* normal mode: ``recv_x [M, H]`` with ``recv_topk_idx [M, K]`` local expert ids (-1: not here). The
+  (row, slot) pairs are sorted by expert, the rows gathered (``[T, H]``, T = pairs), the experts run on
+  contiguous groups and each output row is scaled by its routing weight and summed back into its row.
+* low-latency mode: ``recv_x [E_local, C, H]`` with ``recv_count [E_local]`` valid rows per expert (C = R * T
+  slots, the rest padding). The grouped path compacts the valid rows into at most
+  ``R * T * min(K, E_local)`` rows plus alignment (sync-free, fixed size) and runs one grouped GEMM; the
+  fallback is a batched matmul over the padded slabs (padding rows are zero, so their outputs are zero).
+
+For the grouped GEMM every expert's group is padded with zero rows to a multiple of ``ALIGN`` = 8.
+
+``torch._grouped_mm(a [T, K], b [G, K, N], offs=int32 cumulative ends [G])`` is used where available:
+CUDA, bfloat16, SM90+ in auto mode (it also runs on CPUs in recent torch, which the tests use). Nothing
+here synchronises with the host except the normal-mode loop, which reads the host counts the dispatch
+already returned.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .ops import swiglu
+
+# Rows of each expert group given to torch._grouped_mm are padded to a multiple of ALIGN (16 bytes of bf16):
+# its weight gradient contracts over the rows, and the CUDA kernels want 16-byte-aligned group starts there.
+ALIGN = 8
+
+
+def grouped_mm_available() -> bool:
+    return hasattr(torch, "_grouped_mm")
+
+
+def choose_grouped_gemm(requested, device: torch.device, dtype: torch.dtype, hidden: int, ffn: int) -> tuple[bool, str]:
+    """Whether to use ``torch._grouped_mm`` and why (``requested``: None = auto, True, False)."""
+    if requested is False:
+        return False, "grouped_gemm=False"
+    aligned = hidden % 8 == 0 and ffn % 8 == 0
+    if requested is True:
+        if not grouped_mm_available():
+            raise RuntimeError(f"MoE: grouped_gemm=True but torch {torch.__version__} has no torch._grouped_mm; "
+                               f"set grouped_gemm=None (auto) or False")
+        if not aligned:
+            raise ValueError(f"MoE: grouped_gemm=True needs hidden and ffn_hidden divisible by 8 (16-byte rows); "
+                             f"got {hidden}, {ffn}")
+        return True, "grouped_gemm=True"
+    if not grouped_mm_available():
+        return False, "auto: torch._grouped_mm missing"
+    if device.type != "cuda" or dtype != torch.bfloat16:
+        return False, f"auto: grouped GEMM only on CUDA with bf16 (here {device.type}, {dtype})"
+    if torch.cuda.get_device_capability(device) < (9, 0):
+        return False, "auto: torch._grouped_mm needs SM90+"
+    if not aligned:
+        return False, "auto: hidden/ffn_hidden not divisible by 8"
+    return True, "auto: torch._grouped_mm"
+
+
+def grouped_swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of the row groups of ``x [T, H]`` (group g = rows ``offs[g-1] .. offs[g]-1``) with expert g's
+    ``w13 [G, 2F, H]``, ``w2 [G, H, F]``. Rows past ``offs[-1]`` are undefined."""
+    gate_up = torch._grouped_mm(x, w13.transpose(1, 2), offs=offs)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offs)
+
+
+def loop_swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+    """SwiGLU of consecutive row groups of sizes ``counts`` (host ints) of ``x [T, H]``. Every expert runs,
+    also on zero rows, so the control flow (and what autograd saves) is the same on every rank."""
+    chunks = torch.split(x, list(counts), dim=0)
+    return torch.cat([swiglu(c, w13[e], w2[e]) for e, c in enumerate(chunks)], dim=0)
+
+
+def _align(t, alignment: int = ALIGN):
+    return (t + alignment - 1) // alignment * alignment
+
+
+def normal_experts(recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, recv_topk_weights: torch.Tensor,
+                   counts: Sequence[int], counts_device: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
+                   grouped: bool) -> torch.Tensor:
+    """``out[m] = sum over k with recv_topk_idx[m, k] >= 0 of recv_topk_weights[m, k] * expert(recv_x[m])``,
+    summed in float32 and cast once to ``recv_x.dtype``. ``counts``: host per-expert pair counts (the
+    dispatch's list), ``counts_device``: the same on the device (for the grouped GEMM offsets)."""
+    m, k = recv_topk_idx.shape
+    e_local = w13.size(0)
+    total = int(sum(counts))
+    flat = recv_topk_idx.reshape(-1)
+    key = torch.where(flat >= 0, flat, e_local)
+    experts, order = torch.sort(key, stable=True)  # (row, slot) pairs grouped by expert, row order inside
+    experts, order = experts[:total], order[:total]
+    rows = torch.div(order, k, rounding_mode="floor")
+    x_sorted = recv_x.index_select(0, rows)
+    if grouped:
+        y = _padded_grouped_swiglu(x_sorted, experts, counts, counts_device, w13, w2)
+    else:
+        y = loop_swiglu(x_sorted, w13, w2, counts)
+    weights = recv_topk_weights.reshape(-1).index_select(0, order)
+    contrib = y.float() * weights.unsqueeze(1)
+    out = torch.zeros(m, recv_x.size(1), dtype=torch.float32, device=recv_x.device).index_add(0, rows, contrib)
+    return out.to(recv_x.dtype)
+
+
+def _padded_grouped_swiglu(x_sorted, experts, counts, counts_device, w13, w2) -> torch.Tensor:
+    """``grouped_swiglu`` with every expert's rows padded (zeros) to a multiple of ``ALIGN``."""
+    padded_total = sum(int(_align(c)) for c in counts)
+    hidden = w2.size(1)
+    if padded_total == 0:
+        return x_sorted.new_zeros(0, hidden)
+    cnt = counts_device.long()
+    acnt = _align(cnt)
+    start, astart = torch.cumsum(cnt, 0) - cnt, torch.cumsum(acnt, 0) - acnt
+    dest = astart[experts] + torch.arange(x_sorted.size(0), device=x_sorted.device) - start[experts]
+    x_pad = torch.zeros(padded_total, x_sorted.size(1), dtype=x_sorted.dtype, device=x_sorted.device)
+    x_pad = x_pad.index_copy(0, dest, x_sorted)
+    y_pad = grouped_swiglu(x_pad, w13, w2, torch.cumsum(acnt, 0).to(torch.int32))
+    return y_pad.index_select(0, dest)
+
+
+def low_latency_experts(xe: torch.Tensor, recv_count: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
+                        grouped: bool, max_rows: int) -> torch.Tensor:
+    """Expert outputs ``[E_local, C, H]`` for ``xe [E_local, C, H]`` whose rows past ``recv_count[e]`` are
+    zero; output padding rows are zero. ``max_rows``: most valid rows in total (``R * T * min(K, E_local)``).
+    No host synchronisation (CUDA-graph capturable)."""
+    g, c, h = xe.shape
+    if not grouped:
+        gate, up = torch.bmm(xe, w13.transpose(1, 2)).chunk(2, dim=-1)
+        return torch.bmm(F.silu(gate) * up, w2.transpose(1, 2))
+    cap = min(g * int(_align(c)), max_rows + (ALIGN - 1) * g)
+    count = recv_count.long()
+    acount = _align(count)
+    aoffs = torch.cumsum(acount, dim=0)
+    i = torch.arange(cap, device=xe.device)
+    e = torch.searchsorted(aoffs, i, right=True)
+    e_c = e.clamp(max=g - 1)
+    j = i - (aoffs - acount)[e_c]
+    valid = ((e < g) & (j < count[e_c])).unsqueeze(1)
+    src = (e_c * c + j).clamp(0, g * c - 1)
+    flat = xe.reshape(g * c, h)
+    zero = torch.zeros((), dtype=xe.dtype, device=xe.device)
+    x_c = torch.where(valid, flat.index_select(0, src), zero)
+    y_c = torch.where(valid, grouped_swiglu(x_c, w13, w2, aoffs.to(torch.int32)), zero)
+    out = torch.zeros(g * c, h, dtype=y_c.dtype, device=xe.device).index_add(0, src, y_c)
+    return out.view(g, c, h)

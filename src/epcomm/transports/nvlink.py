@@ -1,0 +1,446 @@
+"""One-sided transports: Triton kernels that write tokens straight into peers' symmetric memory.
+
+``nvlink`` (GPUs with P2P access over NVLink) and ``p2p`` (P2P access without native P2P atomics or
+without NVLink) share this implementation: its protocol uses only single-writer flags and device-local
+atomics, never remote atomics, so it is correct on both; they differ in the capabilities they report.
+
+Normal dispatch (``epcomm.kernels.ep``):
+  1. ``exchange_counts``: every rank puts its count table (tokens per rank, token count, tokens per
+     expert) into every peer's symmetric matrix, then a barrier. One kernel, no NCCL.
+  2. Exact mode reads the matrix to the host once (the receive size, DeepEP's per-expert list).
+     ``num_worst_tokens`` and cached handles skip this: no host synchronisation, CUDA-graph capturable.
+  3. Rounds (one when the traffic fits the buffer): ``dispatch_push`` reads every token once and stores it
+     with its record into the receive area of each destination rank (token-major, ``num_sms`` programs),
+     the last program publishes; ``dispatch_copyout`` waits for every source and copies the rows into
+     ``recv_x`` and unpacks scales, local top-k ids and weights. Traffic larger than the buffer is split
+     into rounds over token ranges; each round begins with a barrier.
+Combine: a barrier, then per round ``combine_push`` returns every row to its source rank's area, and the
+source waits and reduces with the ordered FP32 kernel (``epcomm.kernels.reduce``), bit-identical to the
+reference. A round covers a range of source tokens, so every contribution to a token arrives in one round.
+
+Low-latency mode uses the portable transport's implementation for now.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .. import env
+from ..buffer.handles import DispatchHandle
+from ..buffer.layout import align_up
+from ..buffer.validate import raise_if_bad_topk
+from ..errors import BufferTooSmallError, EpcommError, EpcommTimeoutError
+from .alltoall import AllToAllTransport, reduce_rows
+from .base import (Capabilities, CombineRequest, DispatchRequest, DispatchResult, LowLatencyCombineRequest,
+                   LowLatencyCombineResult, LowLatencyDispatchRequest, LowLatencyDispatchResult, Transport)
+from .plan import exclusive_cumsum, send_plan
+
+log = logging.getLogger(__name__)
+
+MAX_LOCAL_EXPERTS = 1024
+DEFAULT_AREA_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class _Rounds:
+    """How a call's traffic is cut: ``cap`` rows per source region, rounds over token ranges of ``cap``."""
+
+    cap: int
+    num_rounds: int
+
+    def token_range(self, j: int, n: int) -> tuple:
+        if self.num_rounds == 1:
+            return 0, n
+        return min(j * self.cap, n), min((j + 1) * self.cap, n)
+
+
+@dataclass(frozen=True)
+class _NVLinkState:
+    counts: torch.Tensor  # [R_src, R_dst] int64 on the device: tokens from src to dst
+    recv_prefix: torch.Tensor  # [R] int32: first recv row of every source
+    pos: torch.Tensor  # [N, R] int64 index of each token among this rank's tokens for that destination
+    cum: torch.Tensor  # [N + 1, R] int64 prefix counts of is_token_in_rank
+    num_tokens_max: Optional[int]  # largest token count of any rank (host), None without host sync
+    max_pair: Optional[int]  # most tokens any rank sends any rank (host), None without host sync
+
+    def rounds(self, row_bytes: int, area_bytes: int, num_ranks: int, worst: int, fn: str) -> "_Rounds":
+        """The round geometry for rows of ``row_bytes``: one round of ``max_pair`` rows per source when it
+        fits the area, else rounds of as many rows as fit (``num_worst_tokens``: one round of that many)."""
+        if worst:
+            if num_ranks * worst * row_bytes > area_bytes:
+                raise BufferTooSmallError(
+                    f"{fn}: num_worst_tokens={worst} needs {num_ranks * worst * row_bytes} bytes of symmetric "
+                    f"buffer, this Buffer has {area_bytes}; pass num_nvl_bytes >= that or a smaller num_worst_tokens")
+            return _Rounds(worst, 1)
+        fit = area_bytes // (num_ranks * row_bytes)
+        if fit < 1:
+            raise BufferTooSmallError(f"{fn}: one row of {row_bytes} bytes per rank does not fit the {area_bytes}-"
+                                      f"byte buffer; pass a larger num_nvl_bytes")
+        if self.max_pair <= fit:
+            return _Rounds(max(self.max_pair, 1), 1)
+        return _Rounds(fit, _ceil_div(self.num_tokens_max, fit))
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class NVLinkTransport(Transport):
+    """Normal-mode dispatch/combine with one-sided Triton kernels; see the module docstring."""
+
+    name = "nvlink"
+
+    def __init__(self, group, device: torch.device, buffer_id: int, num_nvl_bytes: int = 0,
+                 num_rdma_bytes: int = 0) -> None:
+        super().__init__(group, device, buffer_id)
+        from ..kernels import triton_available
+        from ..shmem import SymmetricHeap
+
+        if device.type != "cuda" and not _interpreted():
+            raise EpcommError(f"{type(self).__name__}: needs CUDA devices (or the Triton interpreter for tests)")
+        if not triton_available():
+            raise EpcommError(f"{type(self).__name__}: needs Triton")
+        r = self.num_ranks
+        self.area_bytes = align_up(int(num_nvl_bytes) or DEFAULT_AREA_BYTES, 1 << 12)
+        self.table_words = 2 + MAX_LOCAL_EXPERTS
+        ctrl = r * r * self.table_words * 4 + 4 * 8 * r + 8 * r * 2 + 4096
+        try:
+            self.heap = SymmetricHeap(group, self.area_bytes + ctrl, device)
+        except torch.cuda.OutOfMemoryError as exc:
+            raise BufferTooSmallError(f"{type(self).__name__}: could not allocate {self.area_bytes} bytes of "
+                                      f"symmetric memory ({exc}); pass a smaller num_nvl_bytes") from exc
+        h = self.heap
+        self.mat = h.empty((r, r, self.table_words), torch.int32)
+        self.flags = h.empty((r,), torch.int64)
+        self.arrive = h.empty((r,), torch.int64)
+        self.hdr = h.empty((r, 2), torch.int32)
+        self.area = h.empty((self.area_bytes,), torch.uint8)
+        for t in (self.flags, self.arrive, self.hdr):
+            t.zero_()
+        self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
+        self.counters = torch.zeros(4, dtype=torch.int32, device=device)
+        self.err = torch.zeros(8, dtype=torch.int64, device=device)
+        self._fallback = AllToAllTransport(group, device, buffer_id)  # low-latency mode
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        import torch.distributed as dist
+
+        dist.barrier(group=group)
+        self.r_pow2 = max(2, 1 << (r - 1).bit_length())
+        self.flags_kw = dict(USE_PTX=device.type == "cuda")
+        self.timer_kw = dict(USE_TIMER=device.type == "cuda")
+
+    @classmethod
+    def capabilities(cls) -> Capabilities:
+        return Capabilities(
+            name=cls.name, devices=("cuda",), one_sided=True, sync_free_normal=True,
+            graph_capturable_low_latency=True, needs_p2p=True, needs_p2p_atomics=False,
+            description="one-sided Triton kernels writing into peers' symmetric memory over NVLink")
+
+    # ------------------------------------------------------------------ helpers
+    def _off(self, t: torch.Tensor) -> int:
+        return self.heap.offset_of(t)
+
+    def _timeout(self) -> int:
+        from ..kernels.shmem import timeout_units
+
+        return timeout_units(env.timeout_s(), self.device)
+
+    def _grid(self, config) -> int:
+        return max(1, config.num_sms)
+
+    def _barrier(self) -> None:
+        from ..kernels.ep import barrier_kernel
+
+        barrier_kernel[(1,)](self.heap.peer_bases, self._off(self.flags), self.epoch, self.err, self.rank,
+                             self.num_ranks, self._timeout(), R_POW2=self.r_pow2, **self.flags_kw, **self.timer_kw)
+
+    def _error_message(self, words: list) -> Optional[str]:
+        from ..kernels.shmem_codes import ERROR_NAMES
+
+        code, rank, peer, slot, expected, seen = words[:6]
+        if not code:
+            return None
+        what = "data or a barrier signal"
+        return (f"rank {rank}: {ERROR_NAMES.get(code, code)} waiting for {what} from rank {peer} (expected epoch "
+                f">= {expected}, saw {seen}) after {env.timeout_s():.0f} s; a peer is stuck or did not make the "
+                f"same call")
+
+    def pending_errors(self) -> list[str]:
+        words = self.err.tolist()
+        self.err.zero_()
+        msg = self._error_message(words)
+        return ([msg] if msg else []) + self._fallback.pending_errors()
+
+    def _raise_if(self, words: list, fn: str) -> None:
+        msg = self._error_message(words)
+        if msg:
+            self.err.zero_()
+            raise EpcommTimeoutError(f"{fn}: {msg}")
+
+    # ------------------------------------------------------------------ normal mode
+    def dispatch(self, req: DispatchRequest) -> DispatchResult:
+        from ..kernels.ep import exchange_counts_kernel
+
+        fn = "Buffer.dispatch"
+        num_ranks, rank, dev = self.num_ranks, self.rank, self.device
+        x = req.x
+        n = x.size(0)
+        if req.handle is not None:
+            return self._cached_dispatch(req)
+        e_local = req.num_experts // num_ranks
+        if e_local > MAX_LOCAL_EXPERTS:
+            raise ValueError(f"{fn}: {e_local} experts per rank exceed the {MAX_LOCAL_EXPERTS} this transport supports")
+        itr = req.is_token_in_rank
+        table = torch.zeros(num_ranks, self.table_words, dtype=torch.int32, device=dev)
+        table[:, 0] = req.num_tokens_per_rank
+        table[:, 1] = n
+        if req.num_tokens_per_expert is not None:
+            table[:, 2:2 + e_local] = req.num_tokens_per_expert.view(num_ranks, e_local)
+        exchange_counts_kernel[(1,)](table, self.heap.peer_bases, self._off(self.mat), self._off(self.flags),
+                                     self.epoch, self.err, rank, num_ranks, self._timeout(),
+                                     N_WORDS=num_ranks * self.table_words, R=num_ranks, R_POW2=self.r_pow2,
+                                     BLOCK=1024, **self.flags_kw, **self.timer_kw)
+        # device-side plan, enqueued before the host reads anything
+        slot, _, meta, pos = send_plan(req, table, 0, rank, num_ranks, self._fallback._errors)
+        counts = self.mat[:, :, 0].long()  # [src, dst]
+        recv_from = counts[:, rank]
+        recv_prefix = exclusive_cumsum(recv_from, 0).to(torch.int32)
+        per_expert = self.mat[:, rank, 2:2 + e_local].sum(0, dtype=torch.int32)
+        cum = torch.cat([torch.zeros(1, num_ranks, dtype=torch.int64, device=dev),
+                         torch.cumsum(itr, dim=0, dtype=torch.int64)])
+        worst = req.num_worst_tokens
+        xw, mw = _words(x), meta.size(1)
+        if worst:
+            num_recv, per_expert_list, n_max, max_pair = worst, [], None, None
+            if req.bad_topk is not None:
+                self._fallback._errors[0] += req.bad_topk
+            self._fallback._errors[0] += (recv_from.sum() > worst).to(torch.int32)
+        else:
+            bad = req.bad_topk if req.bad_topk is not None else torch.zeros((), dtype=torch.int32, device=dev)
+            consistency = (itr.sum(0, dtype=torch.int32) != req.num_tokens_per_rank).sum(dtype=torch.int32)
+            host = torch.cat([counts.flatten(), self.mat[:, 0, 1].long(), per_expert.long(),
+                              torch.stack([bad, consistency]).long(), self.err,
+                              self._fallback._errors.long()]).tolist()
+            o = num_ranks * num_ranks
+            counts_h = [host[i * num_ranks:(i + 1) * num_ranks] for i in range(num_ranks)]
+            n_all = host[o:o + num_ranks]
+            per_expert_h = host[o + num_ranks:o + num_ranks + e_local]
+            bad_h, consistency_h = host[o + num_ranks + e_local:o + num_ranks + e_local + 2]
+            err_words = host[o + num_ranks + e_local + 2:o + num_ranks + e_local + 10]
+            self._raise_if(err_words, fn)
+            if any(host[-2:]):
+                raise EpcommError(f"{fn}: an earlier call failed on the device: " + "; ".join(self.pending_errors()))
+            raise_if_bad_topk(fn, bad_h, req.num_experts)
+            if consistency_h:
+                raise ValueError(f"{fn}: num_tokens_per_rank does not match is_token_in_rank; pass both from the "
+                                 f"same get_dispatch_layout call")
+            num_recv = sum(counts_h[s][rank] for s in range(num_ranks))
+            max_pair = max(max(row) for row in counts_h)
+            n_max = max(n_all)
+            per_expert_list = ([align_up(c, req.expert_alignment) for c in per_expert_h]
+                               if req.topk_idx is not None else [])
+        state = _NVLinkState(counts=counts, recv_prefix=recv_prefix, pos=pos, cum=cum, num_tokens_max=n_max,
+                             max_pair=max_pair)
+        rounds = state.rounds((xw + mw) * 4, self.area_bytes, num_ranks, worst, fn)
+        outs = self._alloc_recv(num_recv, x, req.x_scales, req.topk_idx, req.topk_weights is not None, bool(worst))
+        self._run_dispatch(req, slot, meta, state, rounds, outs, num_recv)
+        recv_x, recv_scales, recv_idx, recv_w, recv_src = outs
+        handle = DispatchHandle(
+            buffer_id=self.buffer_id, transport=self.name, num_ranks=num_ranks, num_experts=req.num_experts,
+            num_tokens=n, hidden=x.size(1), is_token_in_rank=itr,
+            num_tokens_per_rank=None if worst else tuple(counts_h[rank]), num_recv_tokens=num_recv,
+            num_recv_tokens_per_rank=None if worst else tuple(counts_h[s][rank] for s in range(num_ranks)),
+            num_recv_tokens_per_expert=per_expert, recv_src_rank=recv_src[:, 1], recv_src_idx=recv_src[:, 0],
+            num_worst_tokens=worst, state=state)
+        return DispatchResult(recv_x, recv_scales, recv_idx, recv_w, per_expert_list, handle)
+
+    def _alloc_recv(self, num_recv: int, x, x_scales, topk_idx, has_w: bool, padded: bool):
+        dev = x.device
+        recv_x = torch.empty(num_recv, x.size(1), dtype=x.dtype, device=dev)
+        recv_scales = (torch.empty(num_recv, x_scales.size(1), dtype=x_scales.dtype, device=dev)
+                       if x_scales is not None else None)
+        recv_idx = recv_w = None
+        if topk_idx is not None:
+            recv_idx = (torch.full if padded else _empty)((num_recv, topk_idx.size(1)), -1, dtype=torch.int64,
+                                                          device=dev)
+            if has_w:
+                recv_w = (torch.zeros if padded else torch.empty)(num_recv, topk_idx.size(1), dtype=torch.float32,
+                                                                  device=dev)
+        recv_src = (torch.full if padded else _empty)((num_recv, 2), -1, dtype=torch.int32, device=dev)
+        return recv_x, recv_scales, recv_idx, recv_w, recv_src
+
+    def _run_dispatch(self, req: DispatchRequest, slot, meta, state: _NVLinkState, rounds: _Rounds, outs,
+                      num_recv: int) -> None:
+        from ..kernels.ep import dispatch_copyout_kernel, dispatch_push_kernel
+
+        num_ranks, rank, dev = self.num_ranks, self.rank, self.device
+        x = req.x
+        n = x.size(0)
+        xw, mw = _words(x), meta.size(1)
+        recv_x, recv_scales, recv_idx, recv_w, recv_src = outs
+        cap = rounds.cap
+        area_off = self._off(self.area)
+        meta_off = area_off + align_up(num_ranks * cap * xw * 4, 256)
+        area_rows = self.area[:num_ranks * cap * xw * 4].view(torch.int32).view(num_ranks * cap, xw)
+        meta_rows = self.area[meta_off - area_off:meta_off - area_off + num_ranks * cap * mw * 4].view(
+            torch.int32).view(num_ranks * cap, mw)
+        ns = req.x_scales.size(1) if req.x_scales is not None else 0
+        k = req.topk_idx.size(1) if req.topk_idx is not None else 0
+        itr = req.is_token_in_rank
+        x_words = x.view(torch.int32) if n else torch.empty(1, xw, dtype=torch.int32, device=dev)
+        dummy = self.counters
+        grid = self._grid(req.config)
+        vec = xw % 4 == 0
+        for j in range(rounds.num_rounds):
+            if j:
+                self._barrier()
+            lo, hi = rounds.token_range(j, n)
+            first = state.cum[lo]  # [R]
+            rows = state.cum[hi] - first
+            in_range = torch.zeros(n, 1, dtype=torch.bool, device=dev)
+            in_range[lo:hi] = True
+            area_row = torch.where(itr & in_range, rank * cap + state.pos - first, -1)
+            hdr_vals = torch.stack([first, rows], dim=1).to(torch.int32)
+            dispatch_push_kernel[(grid,)](
+                x_words, meta, slot, area_row, hdr_vals, self.heap.peer_bases, area_off, meta_off,
+                self._off(self.hdr), self._off(self.arrive), self.epoch, self.counters, lo, hi, rank, num_ranks,
+                XW=xw, W=mw, R=num_ranks, R_POW2=self.r_pow2, BLOCK=1024, BLOCK_M=_pow2(mw), VEC=vec, num_warps=8,
+                **self.flags_kw)
+            dispatch_copyout_kernel[(grid,)](
+                area_rows, meta_rows, self.hdr, self.heap.peer_bases, self._off(self.arrive), self.epoch, self.err,
+                state.recv_prefix,
+                recv_x.view(torch.int32) if num_recv else dummy,
+                recv_scales.view(torch.int32) if recv_scales is not None and num_recv else dummy,
+                recv_idx if recv_idx is not None and num_recv else dummy,
+                recv_w if recv_w is not None and num_recv else dummy, recv_src if num_recv else dummy, num_recv, cap, rank,
+                num_ranks, self._timeout(), XW=xw, W=mw, NS=ns, K=k, R=num_ranks, R_POW2=self.r_pow2, BLOCK=1024, BLOCK_K=_pow2(k),
+                BLOCK_S=_pow2(ns), HAS_SCALES=ns > 0, HAS_TOPK=k > 0, HAS_W=recv_w is not None, VEC=vec,
+                num_warps=8, **self.flags_kw, **self.timer_kw)
+
+    def _cached_dispatch(self, req: DispatchRequest) -> DispatchResult:
+        h: DispatchHandle = req.handle
+        st: _NVLinkState = h.state
+        num_ranks = self.num_ranks
+        self._barrier()
+        table = torch.zeros(num_ranks, 1, dtype=torch.int32, device=self.device)
+        table[:, 0] = h.is_token_in_rank.sum(0, dtype=torch.int32)
+        plan_req = DispatchRequest(req.x, req.x_scales, None, None, table[:, 0], h.is_token_in_rank, None,
+                                   num_ranks, 1, h.num_worst_tokens, None, req.config, None)
+        slot, _, meta, _ = send_plan(plan_req, table, 0, self.rank, num_ranks, self._fallback._errors)
+        xw, mw = _words(req.x), meta.size(1)
+        rounds = st.rounds((xw + mw) * 4, self.area_bytes, num_ranks, h.num_worst_tokens, "Buffer.dispatch")
+        outs = self._alloc_recv(h.num_recv_tokens, req.x, req.x_scales, None, False, bool(h.num_worst_tokens))
+        self._run_dispatch(plan_req, slot, meta, st, rounds, outs, h.num_recv_tokens)
+        return DispatchResult(outs[0], outs[1], None, None, None, h)
+
+    def combine(self, req: CombineRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        from ..kernels.ep import combine_push_kernel, wait_arrivals_kernel
+
+        h: DispatchHandle = req.handle
+        st: _NVLinkState = h.state
+        num_ranks, rank, dev = self.num_ranks, self.rank, self.device
+        x = req.x
+        m, n = x.size(0), h.num_tokens
+        xw = _words(x)
+        k = req.topk_weights.size(1) if req.topk_weights is not None else 0
+        row_words = xw + k
+        geometry = st.rounds(row_words * 4, self.area_bytes, num_ranks, h.num_worst_tokens, "Buffer.combine")
+        cap, num_rounds = geometry.cap, geometry.num_rounds
+        area_off = self._off(self.area)
+        w_off = area_off + align_up(num_ranks * cap * xw * 4, 256)
+        buf = self.area[:num_ranks * cap * xw * 4].view(x.dtype).view(num_ranks * cap, -1)
+        wbuf = (self.area[w_off - area_off:w_off - area_off + num_ranks * cap * k * 4].view(torch.float32)
+                .view(num_ranks * cap, k) if k else None)
+        out = torch.empty(n, x.size(1), dtype=x.dtype, device=dev)
+        out_w = torch.empty(n, k, dtype=torch.float32, device=dev) if k else None
+        src_rank = h.recv_src_rank.long()
+        src_tok = h.recv_src_idx.long()
+        valid = src_rank >= 0
+        src_safe = src_rank.clamp(min=0)
+        k_in_src = torch.arange(m, device=dev) - st.recv_prefix.long()[src_safe]
+        x_words = x.view(torch.int32) if m else torch.empty(1, xw, dtype=torch.int32, device=dev)
+        w_in = req.topk_weights.contiguous() if k else self.counters
+        grid = self._grid(req.config)
+        itr = h.is_token_in_rank
+        self._barrier()
+        for j in range(num_rounds):
+            if j:
+                self._barrier()
+            lo, hi = (0, n) if num_rounds == 1 else (min(j * cap, n), min((j + 1) * cap, n))
+            if num_rounds == 1:
+                dst_row = torch.where(valid, rank * cap + k_in_src, -1)
+            else:
+                lo_t, hi_t = j * cap, (j + 1) * cap
+                in_rng = valid & (src_tok >= lo_t) & (src_tok < hi_t)
+                before = torch.zeros(num_ranks, dtype=torch.int64, device=dev)
+                before.index_add_(0, src_safe, (valid & (src_tok < lo_t)).long())
+                dst_row = torch.where(in_rng, rank * cap + k_in_src - before[src_safe], -1)
+            combine_push_kernel[(grid,)](
+                x_words, w_in, src_safe.to(torch.int32), dst_row, self.heap.peer_bases, area_off, w_off,
+                self._off(self.arrive), self.epoch, self.counters[1:], m, rank, num_ranks, XW=xw, K=max(k, 1),
+                R_POW2=self.r_pow2, BLOCK=1024, BLOCK_K=_pow2(k), HAS_W=k > 0, VEC=xw % 4 == 0, num_warps=8,
+                **self.flags_kw)
+            wait_arrivals_kernel[(1,)](self.heap.peer_bases, self._off(self.arrive), self.epoch, self.err, rank,
+                                       num_ranks, self._timeout(), R_POW2=self.r_pow2, **self.timer_kw)
+            if hi > lo:
+                first = st.cum[lo]
+                slot = torch.where(itr[lo:hi], torch.arange(num_ranks, device=dev) * cap + st.pos[lo:hi] - first, -1)
+                bias = tuple(b[lo:hi] for b in req.bias)
+                out[lo:hi] = reduce_rows(buf, slot, bias, x.dtype)
+                if k:
+                    out_w[lo:hi] = reduce_rows(wbuf, slot, (), torch.float32)
+        return out, out_w
+
+    # ------------------------------------------------------------------ low-latency mode (portable for now)
+    def low_latency_dispatch(self, req: LowLatencyDispatchRequest) -> LowLatencyDispatchResult:
+        return self._fallback.low_latency_dispatch(req)
+
+    def low_latency_combine(self, req: LowLatencyCombineRequest) -> LowLatencyCombineResult:
+        return self._fallback.low_latency_combine(req)
+
+    def low_latency_combine_buffer(self, handle):
+        return self._fallback.low_latency_combine_buffer(handle)
+
+    def destroy(self) -> None:
+        self.heap.destroy()
+
+
+class P2PTransport(NVLinkTransport):
+    """The same one-sided protocol for P2P without NVLink or without native P2P atomics (PCIe boards): it
+    needs no remote atomics (single-writer flags only)."""
+
+    name = "p2p"
+
+    @classmethod
+    def capabilities(cls) -> Capabilities:
+        return Capabilities(
+            name=cls.name, devices=("cuda",), one_sided=True, sync_free_normal=True,
+            graph_capturable_low_latency=True, needs_p2p=True, needs_p2p_atomics=False,
+            description="one-sided Triton kernels with single-writer flags, for P2P without NVLink or atomics")
+
+
+def _words(t: torch.Tensor) -> int:
+    nbytes = t.size(1) * t.element_size()
+    if nbytes % 4:
+        raise ValueError(f"Buffer.dispatch: rows of {nbytes} bytes; the one-sided transports need rows that are a "
+                         f"multiple of 4 bytes (hidden a multiple of 8)")
+    return nbytes // 4
+
+
+def _pow2(v: int) -> int:
+    return max(16, 1 << max(0, (max(v, 1) - 1).bit_length()))
+
+
+def _empty(shape, fill, dtype, device):
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _interpreted() -> bool:
+    from ..kernels.shmem import interpreted
+
+    return interpreted()

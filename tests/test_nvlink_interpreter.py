@@ -1,0 +1,38 @@
+"""The one-sided transport's kernels under the Triton interpreter: CPU processes share a symmetric heap in
+shared memory, so the same push/copy-out/combine code paths run without a GPU, checked bit-exact against
+the reference (normal mode; several rounds; num_worst_tokens; FP8; cached handles; bias and weights)."""
+
+import pytest
+
+pytest.importorskip("triton")
+
+from epcomm.testing import spawn  # noqa: E402
+from epcomm.testing.checks import NormalCase, run_cases  # noqa: E402
+from epcomm.transports.nvlink import NVLinkTransport, P2PTransport  # noqa: E402
+
+CASES = [
+    NormalCase(num_tokens=(5, 0, 7), hidden=64, num_experts=6, topk=2, dtype="bf16", bias=2, seed=31),
+    NormalCase(num_tokens=6, hidden=128, num_experts=6, topk=3, dtype="fp8", routing="dropped", seed=32),
+    NormalCase(num_tokens=(4, 6, 1), hidden=32, num_experts=6, topk=2, dtype="fp32", worst=True,
+               expert_alignment=4, seed=33),
+    NormalCase(num_tokens=5, hidden=40, num_experts=6, topk=2, routing="one_rank", with_topk=False, seed=34),
+]
+
+
+def _run(world_size, transport, buffer_kwargs, cases):
+    results = spawn(run_cases, world_size, cases, transport, buffer_kwargs, device="cpu", timeout_s=600)
+    problems = [f"rank {r}: {label}: {fails}" for r, res in enumerate(results) for label, fails in res]
+    assert not problems, "\n".join(problems)
+
+
+def test_one_sided_transport_single_round(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    _run(3, NVLinkTransport, {"num_nvl_bytes": 1 << 20}, CASES)
+
+
+def test_one_sided_transport_in_rounds(monkeypatch):
+    """A buffer too small for one call: the traffic moves in several rounds, results unchanged."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cases = [NormalCase(num_tokens=(9, 3), hidden=64, num_experts=4, topk=2, dtype="bf16", bias=1, seed=35),
+             NormalCase(num_tokens=8, hidden=128, num_experts=4, topk=2, dtype="fp8", seed=36)]
+    _run(2, P2PTransport, {"num_nvl_bytes": 2 * 3 * (128 + 64)}, cases)
