@@ -31,8 +31,8 @@ run_stage() {
 for stage in "${STAGES[@]}"; do
   case "$stage" in
     info) run_stage info bash -c 'nvidia-smi; nvidia-smi topo -m; python3 -c "import torch,triton;print(torch.__version__,triton.__version__,torch.cuda.nccl.version())"' ;;
-    tests) run_stage tests python3 -m pytest ${TESTS:-tests} -m gpu -q -p no:cacheprovider --timeout=600 -rfEs ;;
-    bench-dispatch) run_stage bench-dispatch python3 -m epcomm bench dispatch --world-size "$NGPU" --out "$RES" ;;
+    tests) run_stage tests python3 -m pytest ${TESTS:-tests} -m gpu -q -p no:cacheprovider --timeout=${TEST_TIMEOUT:-300} -rfEs ${PYTEST_ARGS:-} ;;
+    bench-dispatch) run_stage bench-dispatch python3 -m epcomm bench dispatch --world-size "$NGPU" --out "$RES" ${DISPATCH_ARGS:-} ;;
     bench-low-latency) run_stage bench-low-latency python3 -m epcomm bench low-latency --world-size "$NGPU" --out "$RES" ;;
     bench-p2p) run_stage bench-p2p python3 -m epcomm bench p2p --world-size "$NGPU" --out "$RES" ;;
     bench-allgather) run_stage bench-allgather python3 -m epcomm bench allgather --world-size "$NGPU" --out "$RES" ;;

@@ -151,7 +151,14 @@ class NVLinkTransport(Transport):
         return timeout_units(env.timeout_s(), self.device)
 
     def _grid(self, config) -> int:
+        """Programs of the kernels that talk to peers: one per SM the config grants."""
         return max(1, config.num_sms)
+
+    def _copy_grid(self, rows: int) -> int:
+        """Programs of the local copy-out: enough to use the device's bandwidth (it is a local copy of
+        a few microseconds; only the kernels that talk to peers are bounded by ``num_sms``)."""
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 2
+        return max(1, min(sms * 4, -(-rows // 4)))
 
     def _barrier(self) -> None:
         from ..kernels.ep import barrier_kernel
@@ -295,6 +302,8 @@ class NVLinkTransport(Transport):
         x_words = x.view(torch.int32) if n else torch.empty(1, xw, dtype=torch.int32, device=dev)
         dummy = self.counters
         grid = self._grid(req.config)
+        tok = _tokens_per_step(req.config)
+        copy_grid = self._copy_grid(max(num_recv, 1))
         vec = xw % 4 == 0
         for j in range(rounds.num_rounds):
             if j:
@@ -309,16 +318,17 @@ class NVLinkTransport(Transport):
             dispatch_push_kernel[(grid,)](
                 x_words, meta, slot, area_row, hdr_vals, self.heap.peer_bases, area_off, meta_off,
                 self._off(self.hdr), self._off(self.arrive), self.epoch, self.counters, lo, hi, rank, num_ranks,
-                XW=xw, W=mw, R=num_ranks, R_POW2=self.r_pow2, BLOCK=1024, BLOCK_M=_pow2(mw), VEC=vec, num_warps=8,
-                **self.flags_kw)
-            dispatch_copyout_kernel[(grid,)](
+                XW=xw, W=mw, R=num_ranks, R_POW2=self.r_pow2, TOK=tok, BLOCK=1024, BLOCK_M=_pow2(mw), VEC=vec,
+                num_warps=8, **self.flags_kw)
+            dispatch_copyout_kernel[(copy_grid,)](
                 area_rows, meta_rows, self.hdr, self.heap.peer_bases, self._off(self.arrive), self.epoch, self.err,
                 state.recv_prefix,
                 recv_x.view(torch.int32) if num_recv else dummy,
                 recv_scales.view(torch.int32) if recv_scales is not None and num_recv else dummy,
                 recv_idx if recv_idx is not None and num_recv else dummy,
                 recv_w if recv_w is not None and num_recv else dummy, recv_src if num_recv else dummy, num_recv, cap, rank,
-                num_ranks, self._timeout(), XW=xw, W=mw, NS=ns, K=k, R=num_ranks, R_POW2=self.r_pow2, BLOCK=1024, BLOCK_K=_pow2(k),
+                num_ranks, self._timeout(), XW=xw, W=mw, NS=ns, K=k, R=num_ranks, R_POW2=self.r_pow2, ROWS=4,
+                BLOCK=1024, BLOCK_K=_pow2(k),
                 BLOCK_S=_pow2(ns), HAS_SCALES=ns > 0, HAS_TOPK=k > 0, HAS_W=recv_w is not None, VEC=vec,
                 num_warps=8, **self.flags_kw, **self.timer_kw)
 
@@ -383,7 +393,8 @@ class NVLinkTransport(Transport):
             combine_push_kernel[(grid,)](
                 x_words, w_in, src_safe.to(torch.int32), dst_row, self.heap.peer_bases, area_off, w_off,
                 self._off(self.arrive), self.epoch, self.counters[1:], m, rank, num_ranks, XW=xw, K=max(k, 1),
-                R_POW2=self.r_pow2, BLOCK=1024, BLOCK_K=_pow2(k), HAS_W=k > 0, VEC=xw % 4 == 0, num_warps=8,
+                R_POW2=self.r_pow2, TOK=_tokens_per_step(req.config), BLOCK=1024, BLOCK_K=_pow2(k), HAS_W=k > 0,
+                VEC=xw % 4 == 0, num_warps=8,
                 **self.flags_kw)
             wait_arrivals_kernel[(1,)](self.heap.peer_bases, self._off(self.arrive), self.epoch, self.err, rank,
                                        num_ranks, self._timeout(), R_POW2=self.r_pow2, **self.timer_kw)
@@ -430,6 +441,13 @@ def _words(t: torch.Tensor) -> int:
         raise ValueError(f"Buffer.dispatch: rows of {nbytes} bytes; the one-sided transports need rows that are a "
                          f"multiple of 4 bytes (hidden a multiple of 8)")
     return nbytes // 4
+
+
+def _tokens_per_step(config) -> int:
+    """Tokens a program moves per step: ``Config.num_max_nvl_chunked_send_tokens`` rounded down to a power
+    of two, at most 8."""
+    v = max(1, min(8, config.num_max_nvl_chunked_send_tokens))
+    return 1 << (v.bit_length() - 1)
 
 
 def _pow2(v: int) -> int:
