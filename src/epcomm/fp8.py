@@ -1,8 +1,11 @@
 """Per-token, per-128-channel FP8 (e4m3) casts, as DeepEP and DeepGEMM use them.
 
 For each token and each group of 128 channels: ``amax = max(|x|)`` floored at 1e-4,
-``scale = amax / 448`` (or, with ``round_scale``, the power of two ``2**ceil(log2(amax / 448))``),
-``x_fp8 = e4m3(x * (1 / scale))`` where the reciprocal is ``448 / amax`` (exactly ``2**-e`` when rounded).
+``scale = amax * fl32(1 / 448)`` (or, with ``round_scale``, the power of two ``2**ceil(log2(that))``),
+``x_fp8 = e4m3(x * scale_inv)`` with ``scale_inv = 448 / amax`` (a correctly rounded float32 division;
+exactly ``2**-e`` when rounded). Every step is a correctly rounded float32 multiply or tensor-by-tensor
+division, so CPUs, GPUs and Triton kernels agree bit for bit (a division by a Python scalar is not used:
+CUDA turns it into a multiply by the reciprocal).
 With ``use_ue8m0`` the (power-of-two) scales are returned as their biased exponent bytes, four packed per
 int32 little-endian (group ``4i`` in the low byte of word ``i``), as DeepGEMM's UE8M0 layout expects.
 
@@ -26,12 +29,16 @@ def _ceil_log2(v: torch.Tensor) -> torch.Tensor:
     return torch.where(mantissa == 0.5, exponent - 1, exponent).to(torch.int32)
 
 
+FP8_MAX_INV = float(torch.tensor(1.0 / FP8_MAX, dtype=torch.float32))  # fl32(1/448)
+
+
 def fp8_scales(amax: torch.Tensor, round_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``(scale, scale_inv)`` float32 from float32 ``amax`` (already floored)."""
+    scale = amax * FP8_MAX_INV
     if round_scale:
-        e = _ceil_log2(amax / FP8_MAX).to(torch.float32)
+        e = _ceil_log2(scale).to(torch.float32)
         return torch.exp2(e), torch.exp2(-e)
-    return amax / FP8_MAX, FP8_MAX / amax
+    return scale, torch.div(torch.full_like(amax, FP8_MAX), amax)
 
 
 def per_token_cast_to_fp8(x: torch.Tensor, round_scale: bool = False, use_ue8m0: bool = False
@@ -61,7 +68,7 @@ def pack_ue8m0(scale: torch.Tensor) -> torch.Tensor:
     pad = (-g) % 4
     if pad:
         exp_byte = torch.nn.functional.pad(exp_byte, (0, pad))
-    b = exp_byte.view(n, -1, 4)
+    b = exp_byte.view(n, exp_byte.size(1) // 4, 4)
     packed = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
     return packed.to(torch.int32)
 

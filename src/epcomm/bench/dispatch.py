@@ -34,6 +34,7 @@ class DispatchBenchOptions:
     transports: tuple
     iters: int
     num_sms: int
+    configs: tuple = ()  # (num_sms, tokens per step) pairs swept for the one-sided transports
 
 
 def _copy_engine_ceiling(ctx, in_rank: torch.Tensor, hidden_bytes: int, iters: int):
@@ -72,7 +73,7 @@ def _copy_engine_ceiling(ctx, in_rank: torch.Tensor, hidden_bytes: int, iters: i
 
 
 def bench_worker(ctx, opts: DispatchBenchOptions) -> list:
-    from ..buffer import Buffer
+    from ..buffer import Buffer, Config
     from ..fp8 import per_token_cast_to_fp8
     from ..testing.routing import make_inputs
     from .baseline import baseline_combine, baseline_dispatch
@@ -103,24 +104,27 @@ def bench_worker(ctx, opts: DispatchBenchOptions) -> list:
 
         for transport in opts.transports:
             buf = Buffer(ctx.group, transport=transport)
-            name = f"epcomm-{buf.transport}"
+            one_sided = buf.runtime.capabilities().one_sided
             per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, opts.experts)
             layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                           topk_idx=idx, topk_weights=w)
-            recv_x, _, _, _, handle, _ = buf.dispatch(x, **layout)
-            add(name, "get_dispatch_layout", t(lambda: buf.get_dispatch_layout(idx, opts.experts)), None)
-            add(name, "dispatch FP8", t(lambda: buf.dispatch(x_fp8, **layout)), "fp8")
-            add(name, "dispatch BF16", t(lambda: buf.dispatch(x, **layout)), "bf16")
-            add(name, "dispatch BF16 cached", t(lambda: buf.dispatch(x, handle=handle)), "bf16")
-            add(name, "combine BF16", t(lambda: buf.combine(recv_x, handle)), "bf16")
+            for sms, tok in (opts.configs if one_sided and opts.configs else ((opts.num_sms, 6),)):
+                cfg = Config(sms, tok, max(tok, 256))
+                name = f"epcomm-{buf.transport}" + (f" sms={sms} tok={tok}" if one_sided else "")
+                recv_x, _, _, _, handle, _ = buf.dispatch(x, **layout, config=cfg)
+                add(name, "get_dispatch_layout", t(lambda: buf.get_dispatch_layout(idx, opts.experts)), None)
+                add(name, "dispatch FP8", t(lambda: buf.dispatch(x_fp8, **layout, config=cfg)), "fp8")
+                add(name, "dispatch BF16", t(lambda: buf.dispatch(x, **layout, config=cfg)), "bf16")
+                add(name, "dispatch BF16 cached", t(lambda: buf.dispatch(x, handle=handle, config=cfg)), "bf16")
+                add(name, "combine BF16", t(lambda: buf.combine(recv_x, handle, config=cfg)), "bf16")
 
-            def layout_and_dispatch():
-                pr, _, pe, ir, _ = buf.get_dispatch_layout(idx, opts.experts)
-                buf.dispatch(x_fp8, num_tokens_per_rank=pr, is_token_in_rank=ir, num_tokens_per_expert=pe,
-                             topk_idx=idx, topk_weights=w)
+                def layout_and_dispatch():
+                    pr, _, pe, ir, _ = buf.get_dispatch_layout(idx, opts.experts)
+                    buf.dispatch(x_fp8, num_tokens_per_rank=pr, is_token_in_rank=ir, num_tokens_per_expert=pe,
+                                 topk_idx=idx, topk_weights=w, config=cfg)
 
-            add(name, "layout + dispatch FP8", t(layout_and_dispatch), "fp8")
-            del recv_x, handle
+                add(name, "layout + dispatch FP8", t(layout_and_dispatch), "fp8")
+                del recv_x, handle
             buf.destroy()
 
         add("nccl-baseline", "dispatch FP8",
@@ -169,11 +173,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--transports", default=",".join(TRANSPORTS), help="comma-separated epcomm transports")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--num-sms", type=int, default=24)
+    parser.add_argument("--configs", default="24:4",
+                        help="one-sided transports: comma-separated num_sms:tokens_per_step pairs to sweep")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--name", default=None, help="result file name (default bench_dispatch_<N>ranks)")
     args = parser.parse_args(argv)
     opts = DispatchBenchOptions(args.tokens, args.hidden, args.topk, args.experts, tuple(args.routings.split(",")),
-                                tuple(args.transports.split(",")), args.iters, args.num_sms)
+                                tuple(args.transports.split(",")), args.iters, args.num_sms,
+                                tuple(tuple(int(v) for v in c.split(":")) for c in args.configs.split(",") if c))
     rows = run(bench_worker, args.world_size, opts)[0]
     name = args.name or f"bench_dispatch_{rows[0]['ranks']}ranks"
     notes = ("GB/s (DeepEP) = mean over ranks of the bytes of all rows a rank receives (its own included) / median "
