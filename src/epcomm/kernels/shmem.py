@@ -1,0 +1,537 @@
+"""One-sided (NVSHMEM-style) device helpers and the kernels behind ``epcomm.shmem``.
+
+Everything here addresses memory through raw 64-bit addresses: a rank's symmetric heap is mapped into every
+process of the group, so a peer's copy of a heap object is ``peer_base[peer] + offset`` (see
+``epcomm.shmem.SymmetricHeap``). ``addr_to_ptr`` turns such an int64 into a typed Triton pointer. Nothing in
+this module talks to ``torch.distributed``.
+
+Memory-ordering rules (PTX memory model, system scope because the observer is another GPU):
+
+* **Data, then flag.** A producer writes payload with ordinary (weak) stores, possibly from every thread
+  of several programs, then raises a flag that a consumer on another GPU polls. Ordinary stores are not
+  ordered with respect to other threads' stores, so the producer must, in this order:
+  1. ``fence_sys()`` in every thread that wrote payload (``fence.acq_rel.sys``: this thread's earlier
+     writes are ordered before its later ones for every observer in the system);
+  2. ``tl.debug_barrier()`` (``bar.sync``), so the thread that raises the flag has observed every other
+     thread's fenced writes;
+  3. raise the flag with a **release** at system scope (``st_release`` or ``atomic_add_release``). Release
+     is cumulative: it publishes everything the releasing thread has observed, i.e. the whole program's
+     payload.
+  Payload written by *several programs* is published by the last one to arrive (``arrive_last``): each
+  program fences and arrives on a device-local counter with acq_rel (GPU scope); the program that sees the
+  count complete has therefore observed all payload and releases the flag at system scope.
+* **Flag, then data.** The consumer polls with an **acquire** load at system scope (``ld_acquire``); once it
+  sees the expected value, every write the producer released before the flag is visible to the polling
+  thread, and to the program's other threads after the ``bar.sync`` with which Triton broadcasts the
+  polled value. Later kernels on the consumer's stream see the data too (kernel boundary).
+* **Uniform polls.** A poll loop's condition must have the same value in every thread of the program:
+  Triton places ``bar.sync`` inside scalar atomics and reductions, and threads that left a loop at
+  different iterations would deadlock there. ``ld_acquire`` (one thread loads, all get its value) and
+  ``now`` (a reduction over every thread's clock read) are uniform; never poll with per-thread inline PTX.
+* **Who writes which flag.** Every flag has exactly one writer unless it is incremented with
+  ``atomic_add_release`` (remote atomics need native P2P atomics: ``epcomm.shmem.p2p_atomics_supported``).
+  Single-writer flags hold monotonically increasing epochs (``>=`` comparisons), so they never need to be
+  reset and are safe to replay in a CUDA graph: the epoch lives in device memory, it is not a constant
+  baked in at capture.
+* **Kernel boundaries.** A kernel's writes are complete when it ends; a later kernel on the same stream
+  sees them. Kernels that start by releasing a flag (``signal``, ``barrier``) issue ``fence_sys()`` first
+  so that the release also covers what earlier kernels on the stream wrote to peers.
+
+CPU testing: under the Triton interpreter (``TRITON_INTERPRET=1``) inline PTX and ``globaltimer`` do not
+exist, so the helpers that need them take ``USE_PTX`` / ``USE_TIMER`` constexprs. Launchers set both from
+the device of the data (CUDA: True; CPU, i.e. the interpreter: False). Without PTX the release store is an
+atomic exchange with release semantics and the fence is skipped (the interpreter is sequential); without
+the timer a timeout counts polls instead of nanoseconds. The interpreter runs a launch's programs one after another, so no
+kernel here ever makes one program wait for another program of the same launch: cross-program
+completion is detected with ``arrive_last`` (the last program to arrive acts) and waits only ever target
+flags written by other ranks.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import cuda as _cuda_ext
+
+from .shmem_codes import (CMP_CODES, CMP_EQ, CMP_GE, CMP_GT, CMP_LE, CMP_LT, CMP_NE, ERR_BARRIER_TIMEOUT,  # noqa: F401
+                           ERR_DONE_TIMEOUT, ERR_READY_TIMEOUT, ERR_WAIT_TIMEOUT, ERROR_NAMES, ERROR_WORDS, SIGNAL_ADD,
+                           SIGNAL_SET)
+
+# jitted code may only read globals that are tl.constexpr
+_K_ERR_WAIT = tl.constexpr(ERR_WAIT_TIMEOUT)
+_K_ERR_BARRIER = tl.constexpr(ERR_BARRIER_TIMEOUT)
+_K_ERR_READY = tl.constexpr(ERR_READY_TIMEOUT)
+_K_ERR_DONE = tl.constexpr(ERR_DONE_TIMEOUT)
+_K_CMP_GE = tl.constexpr(CMP_GE)
+
+# Under the interpreter a timeout counts polls. One poll there costs about 1-4 ms of Python, so a timeout is
+# only approximate in that mode (about as long as asked, up to a few times longer).
+INTERPRETER_SECONDS_PER_POLL = 1e-3
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Device helpers (import these from other kernels)
+# ---------------------------------------------------------------------------------------------------------
+@triton.jit
+def addr_to_ptr(addr, DTYPE: tl.constexpr):
+    """int64 address (scalar or tensor) -> pointer to ``DTYPE``."""
+    return addr.to(tl.pointer_type(DTYPE))
+
+
+@triton.jit
+def peer_ptr(bases_ptr, peer, byte_offset, DTYPE: tl.constexpr):
+    """Pointer to ``DTYPE`` at ``byte_offset`` in ``peer``'s heap; ``bases_ptr`` is the int64 ``[R]`` table
+    of heap base addresses (``SymmetricHeap.peer_bases``). ``peer`` may be a scalar or a tensor."""
+    base = tl.load(bases_ptr + peer)
+    return (base + byte_offset).to(tl.pointer_type(DTYPE))
+
+
+@triton.jit
+def fence_sys(USE_PTX: tl.constexpr):
+    """``fence.acq_rel.sys`` in every thread: its earlier writes are ordered before its later memory
+    operations for every observer, peer GPUs included. No-op in the interpreter (sequential there)."""
+    if USE_PTX:
+        tl.inline_asm_elementwise("fence.acq_rel.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@triton.jit
+def ld_acquire(ptr):
+    """Acquire load at system scope of a scalar int32/int64 flag: reads made after it see every write the
+    flag's writer released before storing the value. Returns the same value in every thread of the program.
+
+    Written as ``tl.atomic_add(ptr, 0, sem="acquire", scope="sys")``: Triton lowers it to one
+    ``ld.global.sys.acquire`` by a single thread and broadcasts the value through shared memory. That
+    uniformity matters: a per-thread inline-PTX load could give threads different values of a changing flag,
+    their poll loops would exit at different iterations, and the ``bar.sync`` that Triton puts inside
+    scalar atomics and reductions would then deadlock."""
+    return tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+
+
+@triton.jit
+def st_release(ptr, value, USE_PTX: tl.constexpr):
+    """Release store at system scope of an int32/int64 flag (scalar or tensor of pointers). A plain store,
+    not an atomic, so it works towards peers without native P2P atomics. Every thread that holds the
+    element stores the same value (harmless); publish multi-thread payload with fence_sys +
+    tl.debug_barrier first (see the module docstring)."""
+    if USE_PTX:
+        if ptr.dtype.element_ty.primitive_bitwidth == 64:
+            tl.inline_asm_elementwise("st.release.sys.global.b64 [$1], $2; mov.u32 $0, 0;", "=r,l,l",
+                                      [ptr, tl.cast(value, tl.int64)], dtype=tl.int32, is_pure=False, pack=1)
+        else:
+            tl.inline_asm_elementwise("st.release.sys.global.b32 [$1], $2; mov.u32 $0, 0;", "=r,l,r",
+                                      [ptr, tl.cast(value, tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.atomic_xchg(ptr, value, sem="release", scope="sys")
+
+
+@triton.jit
+def atomic_add_release(ptr, value):
+    """``*ptr += value`` as one atomic with release semantics at system scope; returns the old value. On a
+    peer's memory this needs native P2P atomics (NVLink); a scalar atomic is executed by one thread."""
+    return tl.atomic_add(ptr, value, sem="release", scope="sys")
+
+
+@triton.jit
+def signal_flag(flag_addr, value, SIGNAL_OP: tl.constexpr, USE_PTX: tl.constexpr):
+    """Fence (system scope), then release ``value`` into (SIGNAL_SET) or onto (SIGNAL_ADD) the int64 flag at
+    address ``flag_addr``: everything this thread wrote or observed before is visible to whoever acquires
+    the new value. Callers publishing other threads' writes sync with them first (tl.debug_barrier)."""
+    fence_sys(USE_PTX)
+    flag = addr_to_ptr(flag_addr, tl.int64)
+    if SIGNAL_OP == 0:
+        st_release(flag, value, USE_PTX)
+    else:
+        atomic_add_release(flag, value)
+
+
+@triton.jit
+def compare(v, cmp, value):
+    """``v <cmp> value`` for the runtime comparison code ``cmp`` (CMP_EQ .. CMP_LE)."""
+    return tl.where(cmp == 0, v == value,
+                    tl.where(cmp == 1, v != value,
+                             tl.where(cmp == 2, v > value,
+                                      tl.where(cmp == 3, v >= value,
+                                               tl.where(cmp == 4, v < value, v <= value)))))
+
+
+@triton.jit
+def now(USE_TIMER: tl.constexpr):
+    """GPU nanosecond clock (``%globaltimer``), the same value in every thread (the latest of their reads,
+    through a reduction), or 0 without a timer (interpreter). Threads of different warps read the clock at
+    different moments; a timeout decided on unequal values would split the program's control flow."""
+    if USE_TIMER:
+        lanes = tl.zeros([_cuda_ext.num_threads()], tl.int64)  # one element per thread: no replicas
+        t = tl.max(tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,l", [lanes], dtype=tl.int64,
+                                             is_pure=False, pack=1), axis=0)
+    else:
+        t = tl.full([], 0, tl.int64)
+    return t
+
+
+@triton.jit
+def expired(t0, polls, timeout, USE_TIMER: tl.constexpr):
+    """1 once a wait that started at ``t0`` (``now()``) has run past ``timeout`` (ns with the timer, read every
+    64 polls; else ``polls`` against a poll budget), else 0. Uniform across the program's threads."""
+    e = tl.full([], 0, tl.int32)
+    if USE_TIMER:
+        if polls % 64 == 0:
+            e = ((now(USE_TIMER) - t0) > timeout).to(tl.int32)
+    else:
+        e = (polls >= timeout).to(tl.int32)
+    return e
+
+
+@triton.jit
+def record_error(err_ptr, code, rank, peer, slot, expected, seen, cmp):
+    """Claim the int64 error record at ``err_ptr`` (first error wins, via compare-and-swap on word 0) and
+    fill it: ``[code, rank, peer, slot, expected, seen, cmp, 0]``."""
+    old = tl.atomic_cas(err_ptr, tl.cast(0, tl.int64), tl.cast(code, tl.int64), sem="acq_rel", scope="gpu")
+    if old == 0:
+        tl.store(err_ptr + 1, tl.cast(rank, tl.int64))
+        tl.store(err_ptr + 2, tl.cast(peer, tl.int64))
+        tl.store(err_ptr + 3, tl.cast(slot, tl.int64))
+        tl.store(err_ptr + 4, tl.cast(expected, tl.int64))
+        tl.store(err_ptr + 5, tl.cast(seen, tl.int64))
+        tl.store(err_ptr + 6, tl.cast(cmp, tl.int64))
+
+
+@triton.jit
+def wait_until(ptr, cmp, value, timeout, err_ptr, err_code, rank, peer, slot, USE_TIMER: tl.constexpr):
+    """Poll the scalar int32/int64 flag at ``ptr`` (acquire, system scope) until ``*ptr <cmp> value``.
+
+    ``timeout``: nanoseconds of ``%globaltimer`` with ``USE_TIMER``, else a number of polls. On expiry the
+    error record at ``err_ptr`` gets ``[err_code, rank, peer, slot, value, last value seen, cmp]`` and the
+    helper returns 0 instead of hanging; it returns 1 when the condition held. Every thread of the program
+    runs it and sees the same values (``ld_acquire`` and ``now`` are uniform), so all leave the loop
+    together. Other threads' reads of data published before the flag are ordered after the poll by the
+    ``bar.sync`` inside ``ld_acquire``'s broadcast."""
+    seen = ld_acquire(ptr)
+    ok = compare(seen, cmp, value).to(tl.int32)
+    t0 = now(USE_TIMER)
+    polls = tl.full([], 0, tl.int64)
+    late = tl.full([], 0, tl.int32)
+    while (ok == 0) & (late == 0):
+        seen = ld_acquire(ptr)
+        ok = compare(seen, cmp, value).to(tl.int32)
+        polls += 1
+        late = expired(t0, polls, timeout, USE_TIMER)
+    if ok == 0:
+        record_error(err_ptr, err_code, rank, peer, slot, value, seen, cmp)
+    return ok
+
+
+@triton.jit
+def wait_all_ge(base, flags_off, world, value, timeout, err_ptr, err_code, rank, R_POW2: tl.constexpr,
+                USE_TIMER: tl.constexpr):
+    """Wait until the int64 flags ``[world]`` at ``base + flags_off`` (this rank's heap) are all ``>= value``,
+    one after the other (``wait_until`` each, ``peer`` = the flag's index in an error record). Returns 1, or
+    0 after the first timeout (the later flags are then not waited for)."""
+    ok = tl.full([], 1, tl.int32)
+    for q in tl.static_range(R_POW2):
+        if (q < world) & (ok != 0):
+            flag = (base + flags_off + q * 8).to(tl.pointer_type(tl.int64))
+            ok = wait_until(flag, _K_CMP_GE, value, timeout, err_ptr, err_code, rank, q, -1, USE_TIMER)
+    return ok
+
+
+@triton.jit
+def arrive_last(counter_ptr, total):
+    """Count this program as done on the int32 counter at ``counter_ptr`` (device-local, starts at 0) and
+    return 1 in the program that completes the count of ``total`` (0 in the others). That program also
+    resets the counter to 0, so the same counter serves the next launch and CUDA-graph replays. Callers
+    fence their writes first (fence_sys + tl.debug_barrier) when the last program publishes them."""
+    old = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    last = (old == total - 1).to(tl.int32)
+    if last != 0:
+        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+    return last
+
+
+@triton.jit
+def block_barrier(bases_ptr, flags_off, epoch_ptr, err_ptr, rank, world, timeout, err_code,
+                  R_POW2: tl.constexpr, USE_PTX: tl.constexpr, USE_TIMER: tl.constexpr):
+    """Barrier of one program per rank across all ``world`` ranks; returns 1, or 0 after a timeout.
+
+    ``flags_off``: byte offset in every heap of ``int64[world]`` arrival flags; slot ``r`` is written only by
+    rank ``r`` (single writer, no atomics). ``epoch_ptr``: this rank's int64 barrier counter (local device
+    memory, starts at 0). Each call: epoch += 1, release-store the epoch into slot ``rank`` of every peer's
+    flags, then acquire-poll the local flags until all are >= epoch. Epochs only grow, so no flag is ever
+    reset and replays of a captured CUDA graph keep working. Orders this program's earlier writes (and
+    those of earlier kernels on the stream) before every peer's later reads. Only one program of a launch
+    may call it with a given (flags_off, epoch_ptr)."""
+    fence_sys(USE_PTX)
+    tl.debug_barrier()
+    epoch = tl.load(epoch_ptr) + 1
+    peers = tl.arange(0, R_POW2)
+    live = peers < world
+    safe_peers = tl.where(live, peers, rank)  # spare lanes repeat this rank's own slot (same value)
+    remote = peer_ptr(bases_ptr, safe_peers, flags_off + rank * 8, tl.int64)
+    st_release(remote, tl.zeros([R_POW2], tl.int64) + epoch, USE_PTX)
+    ok = wait_all_ge(tl.load(bases_ptr + rank), flags_off, world, epoch, timeout, err_ptr, err_code, rank, R_POW2,
+                     USE_TIMER)
+    tl.store(epoch_ptr, epoch)
+    return ok
+
+
+@triton.jit
+def copy_bytes(src_addr, dst_addr, nbytes, pid, nprog, BLOCK: tl.constexpr, ALIGNED16: tl.constexpr):
+    """Copy ``nbytes`` from address ``src_addr`` to ``dst_addr`` (int64; either may be a peer's), shared by
+    programs ``pid`` of ``nprog``: program p copies blocks p, p + nprog, ... of ``BLOCK`` bytes.
+
+    ``ALIGNED16``: both addresses are multiples of 16 (caller's promise). The body then moves 16-byte
+    vectors (int32 x 4 per thread, no masks) and the last < 16 bytes go byte by byte; otherwise every byte
+    is moved on its own (correct, slow). Plain stores: publish with fence_sys/arrive_last/st_release.
+    ``src_addr``/``dst_addr`` must be int64 values (not pointers): the alignment hint is attached to the
+    int-to-pointer casts made here."""
+    n = tl.cast(nbytes, tl.int64)  # tl.cast, not .to(): Triton turns an int argument equal to 1 into a constant
+    if ALIGNED16:
+        WORDS: tl.constexpr = BLOCK // 4
+        # the alignment hint goes on the int->pointer casts: Triton does not carry an int argument's
+        # divisibility through the cast, and without it every access would be a 4-byte one
+        src_w = tl.multiple_of(src_addr.to(tl.pointer_type(tl.int32)), 16)
+        dst_w = tl.multiple_of(dst_addr.to(tl.pointer_type(tl.int32)), 16)
+        n_words = (n // 16) * 4
+        offs = tl.arange(0, WORDS)
+        num_full = n_words // WORDS
+        blk = pid.to(tl.int64)
+        while blk < num_full:  # a while loop: the interpreter cannot run range() over tensors
+            o = blk * WORDS + offs
+            tl.store(dst_w + o, tl.load(src_w + o))
+            blk += nprog
+        if pid == (num_full % nprog):
+            o = num_full * WORDS + offs
+            m = o < n_words
+            tl.store(dst_w + o, tl.load(src_w + o, mask=m), mask=m)
+            tail = tl.arange(0, 16)
+            ob = n_words * 4 + tail
+            mb = ob < n
+            src_b = src_addr.to(tl.pointer_type(tl.uint8))
+            dst_b = dst_addr.to(tl.pointer_type(tl.uint8))
+            tl.store(dst_b + ob, tl.load(src_b + ob, mask=mb), mask=mb)
+    else:
+        src_b = src_addr.to(tl.pointer_type(tl.uint8))
+        dst_b = dst_addr.to(tl.pointer_type(tl.uint8))
+        offs = tl.arange(0, BLOCK)
+        num_blocks = tl.cdiv(n, BLOCK)
+        blk = pid.to(tl.int64)
+        while blk < num_blocks:
+            o = blk * BLOCK + offs
+            m = o < n
+            tl.store(dst_b + o, tl.load(src_b + o, mask=m), mask=m)
+            blk += nprog
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------------------------------------
+@triton.jit
+def _copy_kernel(src_addr, dst_addr, nbytes, sig_addr, sig_value, counter_ptr, BLOCK: tl.constexpr,
+                 ALIGNED16: tl.constexpr, HAS_SIGNAL: tl.constexpr, SIGNAL_OP: tl.constexpr,
+                 USE_PTX: tl.constexpr):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    copy_bytes(src_addr, dst_addr, nbytes, pid, nprog, BLOCK, ALIGNED16)
+    if HAS_SIGNAL:
+        # data, then flag: every thread fences its stores, the block syncs, the last program releases.
+        fence_sys(USE_PTX)
+        tl.debug_barrier()
+        if arrive_last(counter_ptr, nprog) != 0:
+            signal_flag(sig_addr, sig_value, SIGNAL_OP, USE_PTX)
+
+
+@triton.jit
+def _signal_kernel(sig_addr, value, SIGNAL_OP: tl.constexpr, USE_PTX: tl.constexpr):
+    signal_flag(sig_addr, value, SIGNAL_OP, USE_PTX)
+
+
+@triton.jit
+def _wait_kernel(sig_addr, cmp, value, timeout, err_ptr, rank, slot, USE_TIMER: tl.constexpr):
+    wait_until(addr_to_ptr(sig_addr, tl.int64), cmp, value, timeout, err_ptr, _K_ERR_WAIT, rank, -1, slot,
+               USE_TIMER)
+
+
+@triton.jit
+def _barrier_kernel(bases_ptr, flags_off, epoch_ptr, err_ptr, rank, world, timeout, R_POW2: tl.constexpr,
+                    USE_PTX: tl.constexpr, USE_TIMER: tl.constexpr):
+    block_barrier(bases_ptr, flags_off, epoch_ptr, err_ptr, rank, world, timeout, _K_ERR_BARRIER, R_POW2,
+                  USE_PTX, USE_TIMER)
+
+
+@triton.jit
+def _allgather_kernel(bases_ptr, src_addr, out_off, shard_bytes, ready_off, done_off, state_ptr, err_ptr,
+                      rank, world, timeout, BLOCK: tl.constexpr, ALIGNED16: tl.constexpr, R_POW2: tl.constexpr,
+                      USE_PTX: tl.constexpr, USE_TIMER: tl.constexpr):
+    """Grid (P, R). Program (p, j) copies its share of the local shard into row ``rank`` of the gathered
+    output of rank ``(rank + j) % R`` (j = 0: the local copy). ``state_ptr``: int64[2] local
+    [epoch, arrival counter]. Protocol of call number e (e = epoch + 1, read at program start):
+      1. every program release-stores e into ``ready[rank]`` of every peer: "my previous result has been
+         consumed, you may write call e" (a rank reaches this kernel only after its stream finished the
+         kernels that read the previous result);
+      2. program (p, j != 0) waits until ``ready[dst] >= e`` in its own heap, then copies;
+      3. all programs fence and arrive; the last one stores epoch = e, release-stores e into ``done[rank]``
+         of every peer and waits until its own ``done[q] >= e`` for every q.
+    Every flag has one writer (its index), epochs only grow: graph-replay safe, no remote atomics."""
+    pid = tl.program_id(0)
+    j = tl.program_id(1)
+    nprog = tl.num_programs(0)
+    e = tl.load(state_ptr) + 1
+    peers = tl.arange(0, R_POW2)
+    live = peers < world
+    safe_peers = tl.where(live, peers, rank)
+    ready_remote = peer_ptr(bases_ptr, safe_peers, ready_off + rank * 8, tl.int64)
+    st_release(ready_remote, tl.zeros([R_POW2], tl.int64) + e, USE_PTX)
+    dst = (rank + j) % world
+    base_local = tl.load(bases_ptr + rank)
+    ok = tl.full([], 1, tl.int32)
+    if j != 0:
+        ready_local = (base_local + ready_off + dst * 8).to(tl.pointer_type(tl.int64))
+        ok = wait_until(ready_local, _K_CMP_GE, e, timeout, err_ptr, _K_ERR_READY, rank, dst, -1, USE_TIMER)
+    if ok != 0:
+        dst_addr = tl.load(bases_ptr + dst) + out_off + tl.cast(rank, tl.int64) * shard_bytes
+        copy_bytes(src_addr, dst_addr, shard_bytes, pid, nprog, BLOCK, ALIGNED16)
+    fence_sys(USE_PTX)
+    tl.debug_barrier()
+    if arrive_last(state_ptr + 1, nprog * world) != 0:
+        fence_sys(USE_PTX)
+        tl.store(state_ptr, e)
+        done_remote = peer_ptr(bases_ptr, safe_peers, done_off + rank * 8, tl.int64)
+        st_release(done_remote, tl.zeros([R_POW2], tl.int64) + e, USE_PTX)
+        wait_all_ge(base_local, done_off, world, e, timeout, err_ptr, _K_ERR_DONE, rank, R_POW2, USE_TIMER)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Launchers
+# ---------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CopyConfig:
+    """How the SM-driven copy kernels are launched.
+
+    block_bytes: bytes one program moves per loop iteration (power of two, >= 512); num_warps: warps per
+    program; programs_per_sm: grid = at most this many programs per SM (persistent loop beyond that);
+    min_block_bytes: small copies shrink the block down to this so that they still spread over many SMs."""
+
+    block_bytes: int = 16384
+    num_warps: int = 8
+    programs_per_sm: int = 2
+    min_block_bytes: int = 2048
+
+    def __post_init__(self) -> None:
+        for name in ("block_bytes", "min_block_bytes"):
+            v = getattr(self, name)
+            if v < 512 or v & (v - 1):
+                raise ValueError(f"CopyConfig: {name}={v} must be a power of two >= 512")
+        if self.min_block_bytes > self.block_bytes:
+            raise ValueError(f"CopyConfig: min_block_bytes={self.min_block_bytes} > block_bytes={self.block_bytes}")
+        if self.num_warps not in (1, 2, 4, 8, 16, 32):
+            raise ValueError(f"CopyConfig: num_warps={self.num_warps} must be a power of two <= 32")
+        if self.programs_per_sm < 1:
+            raise ValueError(f"CopyConfig: programs_per_sm={self.programs_per_sm} must be >= 1")
+
+
+_SMS: dict = {}
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (4 for the CPU: the interpreter only needs a few programs)."""
+    key = (device.type, device.index)
+    sms = _SMS.get(key)
+    if sms is None:
+        sms = _SMS[key] = (torch.cuda.get_device_properties(device).multi_processor_count
+                           if device.type == "cuda" else 4)
+    return sms
+
+
+def interpreted() -> bool:
+    """True when this module's kernels run under the Triton interpreter (TRITON_INTERPRET=1 was set when
+    it was imported); CPU tensors can only be used then."""
+    return type(_copy_kernel).__name__ == "InterpretedFunction"
+
+
+def _flags(device: torch.device) -> dict:
+    on_gpu = device.type == "cuda"
+    return {"USE_PTX": on_gpu}
+
+
+def timeout_units(timeout_s: float, device: torch.device) -> int:
+    """What the kernels' ``timeout`` argument means on ``device``: ns of globaltimer on GPUs, polls in
+    the interpreter."""
+    if device.type == "cuda":
+        return max(1, int(timeout_s * 1e9))
+    return max(1, int(timeout_s / INTERPRETER_SECONDS_PER_POLL))
+
+
+@functools.lru_cache(maxsize=4096)
+def copy_grid(nbytes: int, sms: int, config: CopyConfig) -> tuple[int, int, int]:
+    """``(programs, block_bytes, num_warps)`` for an ``nbytes`` copy on a device with ``sms`` SMs: the block
+    shrinks (down to ``config.min_block_bytes``) until the copy covers every SM, and the grid is capped at
+    ``programs_per_sm`` per SM."""
+    block = config.block_bytes
+    while block > config.min_block_bytes and -(-nbytes // block) < sms:
+        block //= 2
+    warps = max(1, min(config.num_warps, block // 512))  # 16 bytes per thread per vector, >= 1 vector
+    programs = max(1, min(-(-max(nbytes, 1) // block), config.programs_per_sm * sms))
+    return programs, block, warps
+
+
+def launch_copy(src_addr: int, dst_addr: int, nbytes: int, device: torch.device, config: CopyConfig,
+                counter: torch.Tensor, signal_addr: int = 0, signal_value: int = 0,
+                signal_op: Optional[int] = None) -> None:
+    """Copy ``nbytes`` from ``src_addr`` to ``dst_addr`` on the current stream of ``device`` (either address
+    may be in a peer's heap). With ``signal_op`` (SIGNAL_SET / SIGNAL_ADD) the kernel then releases
+    ``signal_value`` into the int64 flag at ``signal_addr`` after all of its data. ``counter``: a device int32
+    ``[1]`` that is 0 between launches (the arrival count of the signalling copy; one per stream that may
+    run such copies concurrently)."""
+    if nbytes <= 0 and signal_op is None:
+        return
+    programs, block, warps = copy_grid(nbytes, num_sms(device), config)
+    aligned = src_addr % 16 == 0 and dst_addr % 16 == 0
+    has_signal = signal_op is not None
+    _copy_kernel[(programs,)](
+        src_addr, dst_addr, nbytes, signal_addr, signal_value, counter, BLOCK=block if aligned else min(block, 4096),
+        ALIGNED16=aligned, HAS_SIGNAL=has_signal, SIGNAL_OP=signal_op if has_signal else 0,
+        num_warps=warps if aligned else 4, **_flags(device))
+
+
+def launch_signal(signal_addr: int, value: int, op: int, device: torch.device) -> None:
+    """Release ``value`` into (SIGNAL_SET) or onto (SIGNAL_ADD) the int64 flag at ``signal_addr``."""
+    _signal_kernel[(1,)](signal_addr, value, SIGNAL_OP=op, num_warps=1, **_flags(device))
+
+
+def launch_wait(signal_addr: int, cmp: int, value: int, timeout_s: float, err: torch.Tensor, rank: int, slot: int,
+                device: torch.device) -> None:
+    """Wait on the current stream until the int64 flag at ``signal_addr`` satisfies ``cmp`` against ``value``
+    or ``timeout_s`` passes (then ``err``, int64[ERROR_WORDS], records it)."""
+    _wait_kernel[(1,)](signal_addr, cmp, value, timeout_units(timeout_s, device), err, rank, slot, num_warps=1,
+                       USE_TIMER=device.type == "cuda")
+
+
+def launch_barrier(bases: torch.Tensor, flags_off: int, epoch: torch.Tensor, err: torch.Tensor, rank: int,
+                   world: int, timeout_s: float) -> None:
+    """``block_barrier`` as its own one-program kernel (``bases`` int64 [R], ``epoch`` int64 [1])."""
+    device = bases.device
+    _barrier_kernel[(1,)](bases, flags_off, epoch, err, rank, world, timeout_units(timeout_s, device),
+                          R_POW2=max(2, triton.next_power_of_2(world)), num_warps=1,
+                          USE_TIMER=device.type == "cuda", **_flags(device))
+
+
+def launch_allgather(bases: torch.Tensor, src_addr: int, out_off: int, shard_bytes: int, ready_off: int,
+                     done_off: int, state: torch.Tensor, err: torch.Tensor, rank: int, world: int,
+                     timeout_s: float, config: CopyConfig) -> None:
+    """One-sided all-gather (see ``_allgather_kernel``): ``state`` int64 [2] local [epoch, counter]."""
+    device = bases.device
+    sms = num_sms(device)
+    programs, block, warps = copy_grid(shard_bytes, sms, config)
+    programs = max(1, min(programs, max(1, config.programs_per_sm * sms // world)))
+    aligned = src_addr % 16 == 0 and shard_bytes % 16 == 0 and out_off % 16 == 0
+    _allgather_kernel[(programs, world)](
+        bases, src_addr, out_off, shard_bytes, ready_off, done_off, state, err, rank, world,
+        timeout_units(timeout_s, device), BLOCK=block if aligned else min(block, 4096), ALIGNED16=aligned,
+        R_POW2=max(2, triton.next_power_of_2(world)), num_warps=warps if aligned else 4,
+        USE_TIMER=device.type == "cuda", **_flags(device))
+

@@ -1,0 +1,22 @@
+"""Codes shared by the one-sided kernels (``epcomm.kernels.shmem``) and the host (``epcomm.shmem``); importing
+them needs no Triton."""
+
+# Error record: int64[ERROR_WORDS] in device memory, written once by the first wait that times out:
+# [code, rank, peer, slot, expected, seen, cmp, 0]
+ERROR_WORDS = 8
+ERR_NONE = 0
+ERR_WAIT_TIMEOUT = 1  # wait(): a signal slot did not satisfy the comparison in time
+ERR_BARRIER_TIMEOUT = 2  # barrier(): a peer did not arrive in time (peer = first missing rank)
+ERR_READY_TIMEOUT = 3  # all-gather: a peer did not say it may be written to (previous result consumed)
+ERR_DONE_TIMEOUT = 4  # all-gather: a peer's data did not arrive in time
+ERROR_NAMES = {ERR_WAIT_TIMEOUT: "wait timeout", ERR_BARRIER_TIMEOUT: "barrier timeout",
+               ERR_READY_TIMEOUT: "all-gather ready timeout", ERR_DONE_TIMEOUT: "all-gather done timeout"}
+
+# Comparisons of wait (runtime values, so one compiled kernel serves all of them)
+CMP_EQ, CMP_NE, CMP_GT, CMP_GE, CMP_LT, CMP_LE = range(6)
+CMP_CODES = {"eq": CMP_EQ, "ne": CMP_NE, "gt": CMP_GT, "ge": CMP_GE, "lt": CMP_LT, "le": CMP_LE}
+CMP_SYMBOLS = {"eq": "==", "ne": "!=", "gt": ">", "ge": ">=", "lt": "<", "le": "<="}
+
+SIGNAL_SET = 0
+SIGNAL_ADD = 1
+SIGNAL_OPS = {"set": SIGNAL_SET, "add": SIGNAL_ADD}
