@@ -20,7 +20,7 @@ import torch
 
 from ..testing import run
 from .report import format_table, write_results
-from .timing import time_op
+from .timing import time_graph, time_op
 from .traffic import normal_traffic, row_bytes
 
 
@@ -124,6 +124,28 @@ def bench_worker(ctx, opts: DispatchBenchOptions) -> list:
                                  topk_idx=idx, topk_weights=w, config=cfg)
 
                 add(name, "layout + dispatch FP8", t(layout_and_dispatch), "fp8")
+                if ctx.device.type == "cuda" and buf.runtime.capabilities().sync_free_normal:
+                    worst = 2 * opts.tokens  # a bound on any rank's receive count for these routings
+
+                    def graph_step(fp8=False):
+                        r = buf.dispatch(x_fp8 if fp8 else x, **layout, config=cfg, num_worst_tokens=worst)
+                        return r
+
+                    try:
+                        add(name, "dispatch FP8 (graph, num_worst_tokens)",
+                            time_graph(lambda: graph_step(True), ctx.group, ctx.device, iters=opts.iters), "fp8")
+                        add(name, "dispatch BF16 (graph, num_worst_tokens)",
+                            time_graph(graph_step, ctx.group, ctx.device, iters=opts.iters), "bf16")
+                        g_recv, _, _, _, g_handle, _ = graph_step()
+                        add(name, "combine BF16 (graph, num_worst_tokens)",
+                            time_graph(lambda: buf.combine(g_recv, g_handle, config=cfg), ctx.group, ctx.device,
+                                       iters=opts.iters), "bf16")
+                        del g_recv, g_handle
+                    except Exception as exc:  # noqa: BLE001 - a transport that cannot be captured is reported
+                        rows.append({"routing": routing, "impl": name, "op": f"graph capture failed: {exc}"[:120],
+                                     "shape": shape, "ranks": ctx.world_size, "time_us": float("nan"),
+                                     "min_us": float("nan"), "GB/s (DeepEP)": float("nan"),
+                                     "NVLink GB/s": float("nan")})
                 del recv_x, handle
             buf.destroy()
 

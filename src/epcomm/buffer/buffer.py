@@ -162,7 +162,8 @@ class Buffer:
         fn = "Buffer.get_dispatch_layout"
         self._alive(fn)
         check_num_experts(fn, num_experts, self.group_size)
-        check_topk(fn, topk_idx, num_experts, None, self.device)
+        # on GPUs the values are checked by the dispatch that uses this layout (no extra host sync here)
+        check_topk(fn, topk_idx, num_experts, None, self.device, values_checked_later=True)
         scope = self._scope(previous_event, async_finish, allocate_on_comm_stream)
         with scope:
             per_rank, per_expert, in_rank = self.runtime.get_dispatch_layout(topk_idx, num_experts)
@@ -247,7 +248,8 @@ class Buffer:
                 num_experts = num_tokens_per_expert.numel()
                 check_num_experts(fn, num_experts, self.group_size)
             if topk_idx is not None:
-                bad = check_topk(fn, topk_idx, num_experts, n, self.device, topk_weights)
+                bad = check_topk(fn, topk_idx, num_experts, n, self.device, topk_weights,
+                                 values_checked_later=getattr(self.runtime, "validates_topk", False))
         from ..transports.base import DispatchRequest
 
         req = DispatchRequest(data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,

@@ -53,9 +53,11 @@ def _check_tensor(fn: str, name: str, t: torch.Tensor, device: torch.device, nee
 
 
 def check_topk(fn: str, topk_idx: torch.Tensor, num_experts: int, num_tokens: Optional[int],
-               device: torch.device, topk_weights: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+               device: torch.device, topk_weights: Optional[torch.Tensor] = None,
+               values_checked_later: bool = False) -> Optional[torch.Tensor]:
     """Check shape and dtype now; check the values now on the CPU (or with EPCOMM_VALIDATE=full), else
-    return a device scalar counting bad entries for the caller to check at its next host sync."""
+    return a device scalar counting bad entries for the caller to check at its next host sync, or nothing
+    when ``values_checked_later`` (a kernel that reads the ids anyway checks them)."""
     if not isinstance(topk_idx, torch.Tensor) or topk_idx.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"{fn}: topk_idx must be an int64 (or int32) tensor [num_tokens, num_topk]; got "
                         f"{getattr(topk_idx, 'dtype', type(topk_idx).__name__)}")
@@ -73,6 +75,8 @@ def check_topk(fn: str, topk_idx: torch.Tensor, num_experts: int, num_tokens: Op
             raise ValueError(f"{fn}: topk_weights is on {topk_weights.device}, expected {device}")
     level = env.validate_level()
     if level == "off" or topk_idx.numel() == 0:
+        return None
+    if values_checked_later and topk_idx.device.type != "cpu" and level != "full":
         return None
     bad = count_bad_topk(topk_idx, num_experts)
     if topk_idx.device.type == "cpu" or level == "full" and not _capturing():

@@ -1,17 +1,30 @@
 """Triton kernels of the one-sided normal-mode dispatch and combine (``epcomm.transports.nvlink``).
 
-Memory layout (every rank's symmetric heap, same offsets everywhere):
-  * ``mat``  int32 ``[R_src, R_dst, C]``: every rank's count table, all-gathered by ``exchange_counts``;
-  * ``area`` int32 ``[R * cap, XW]`` rows and ``area_meta`` int32 ``[R * cap, W]`` records: the dispatch
-    receive area, one region of ``cap`` rows per source rank;
-  * ``hdr``  int32 ``[R, 2]``: per source, (first pair index, rows) of the current round;
-  * ``arrive`` int64 ``[R]``: per source, the epoch of the last round it finished writing here.
+Per call the host launches three kernels for a dispatch (exchange, push, copy-out) and four for a combine
+(barrier, push, wait, ordered reduce); everything else (layout checks, positions, metadata records,
+offsets) is computed inside them, because every extra host-side operation costs tens of microseconds.
+
+Symmetric layout (same offsets on every rank):
+  * ``mat``  int32 ``[R_src, R_dst, TW]``: every rank's count table (``[tokens to dst, own token count,
+    tokens per expert of dst]``), all-gathered by ``exchange_kernel``;
+  * ``area`` the receive area: ``[R * cap, XW]`` int32 rows then ``[R * cap, W]`` int32 records, one region
+    of ``cap`` rows per source rank (dispatch); ``[R * cap, XW]`` rows then ``[R * cap, K]`` weights per
+    expert rank (combine);
+  * ``hdr`` int32 ``[R, 2]``: per source, (first pair index, rows) of the current round;
+  * ``arrive`` int64 ``[R]``: per source, the epoch of the last round it finished writing here;
+  * ``flags`` int64 ``[R]``: barrier flags.
+A record is ``[source token, source rank, scales (NS words), local top-k ids (K), weights (K)]``.
+
 Ordering (see ``epcomm.kernels.shmem``): payload is written with plain stores by all programs; each program
-fences (``fence_sys``) and arrives on a local counter; the last one writes the headers and release-stores the
-epoch into ``arrive[rank]`` of every destination (single writer per flag, no remote atomics, so the same code
-runs over PCIe P2P without native atomics). Receivers acquire-poll their ``arrive`` flags with a timeout that
-records an error instead of hanging. Every round starts with a barrier (``block_barrier``) so a sender never
-overwrites an area its receiver has not consumed yet.
+fences (``fence_sys``) and arrives on a local counter; the last one writes the round headers and
+release-stores the epoch into ``arrive[rank]`` of every destination. Flags have one writer each and no
+remote atomics are used, so the same kernels run over PCIe P2P without native atomics. Receivers
+acquire-poll with a timeout that records an error instead of hanging. Every round starts with a barrier so
+that a sender never overwrites an area its receiver has not consumed yet.
+
+Summary vector written by ``exchange_kernel`` (int32, read once by the host in exact mode, kept on the
+device otherwise): ``[num_recv, max_pair, max_tokens, bad_topk, bad_layout, err code, err peer, err seen,
+recv_prefix (R), recv_from (R), sent (R), tokens per local expert (E_local)]``.
 """
 
 from __future__ import annotations
@@ -25,21 +38,106 @@ from .shmem_codes import ERR_BARRIER_TIMEOUT, ERR_DONE_TIMEOUT
 _K_ERR_BARRIER = tl.constexpr(ERR_BARRIER_TIMEOUT)
 _K_ERR_DONE = tl.constexpr(ERR_DONE_TIMEOUT)
 
+SUMMARY_HEAD = 8  # summary words before recv_prefix
+
 
 @triton.jit
-def exchange_counts_kernel(table_ptr, bases_ptr, mat_off, flags_off, epoch_ptr, err_ptr, rank, world, timeout,
-                           N_WORDS: tl.constexpr, R: tl.constexpr, R_POW2: tl.constexpr, BLOCK: tl.constexpr,
-                           USE_PTX: tl.constexpr, USE_TIMER: tl.constexpr):
-    """Put this rank's count table (``n_words`` int32) into slot ``rank`` of every peer's ``mat``, then
-    barrier: afterwards every rank's ``mat`` holds every rank's table. One program."""
-    for peer in tl.static_range(R):
-        dst = (tl.load(bases_ptr + peer) + mat_off + rank * N_WORDS * 4).to(tl.pointer_type(tl.int32))
-        for c0 in tl.static_range(0, N_WORDS, BLOCK):
-            cols = c0 + tl.arange(0, BLOCK)
-            m = cols < N_WORDS
-            tl.store(dst + cols, tl.load(table_ptr + cols, mask=m), mask=m)
+def layout_kernel(topk_ptr, itr_ptr, per_rank_ptr, per_expert_ptr, n, E, E_LOCAL, K: tl.constexpr,
+                  R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    """DeepEP's ``get_dispatch_layout`` in one kernel: ``is_token_in_rank [N, R]`` (int8), and with atomics
+    ``num_tokens_per_rank [R]`` and ``num_tokens_per_expert [E]`` (int32, zeroed by the caller). Entries
+    outside ``[0, E)`` select nothing (they are reported by the dispatch)."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    kc = tl.arange(0, BLOCK_K)
+    live = t < n
+    m = live[:, None] & (kc < K)[None, :]
+    idx = tl.load(topk_ptr + t.to(tl.int64)[:, None] * K + kc[None, :], mask=m, other=-1).to(tl.int32)
+    valid = m & (idx >= 0) & (idx < E)
+    tl.atomic_add(per_expert_ptr + tl.where(valid, idx, 0), tl.full(idx.shape, 1, tl.int32), mask=valid,
+                  sem="relaxed")
+    dest = tl.where(valid, idx // E_LOCAL, R)
+    for r in tl.static_range(R):
+        inr = tl.max((dest == r).to(tl.int32), axis=1)
+        tl.store(itr_ptr + t.to(tl.int64) * R + r, inr.to(tl.int8), mask=live)
+        tl.atomic_add(per_rank_ptr + r, tl.sum(tl.where(live, inr, 0), axis=0), sem="relaxed")
+
+
+@triton.jit
+def exchange_kernel(per_rank_ptr, per_expert_ptr, itr_ptr, topk_ptr, pos_ptr, summary_ptr, mat_ptr, bases_ptr,
+                    mat_off, flags_off, epoch_ptr, err_ptr, n, num_experts, rank, world, timeout,
+                    E_LOCAL: tl.constexpr, TW: tl.constexpr, K: tl.constexpr, R: tl.constexpr,
+                    R_POW2: tl.constexpr, HAS_EXPERTS: tl.constexpr, HAS_TOPK: tl.constexpr,
+                    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, USE_PTX: tl.constexpr,
+                    USE_TIMER: tl.constexpr):
+    """One program: put this rank's count table into every peer's ``mat[rank]``; meanwhile compute
+    ``pos [N, R]`` (index of each token among this rank's tokens for each destination), check the layout
+    and the expert ids; barrier; then write the summary (see the module docstring)."""
+    ecols = tl.arange(0, BLOCK_E)
+    rcols = tl.arange(0, R_POW2)
+    for q in tl.static_range(R):  # every peer q gets this rank's whole table: mat[rank, p, :] for all p
+        base = tl.load(bases_ptr + q) + mat_off
+        for p in tl.static_range(R):
+            dst = (base + ((rank * R + p) * TW) * 4).to(tl.pointer_type(tl.int32))
+            # the table for destination p: [tokens to p, own token count, tokens per expert of p]
+            tl.store(dst, tl.load(per_rank_ptr + p))
+            tl.store(dst + 1, n)
+            if HAS_EXPERTS:
+                em = ecols < E_LOCAL
+                tl.store(dst + 2 + ecols, tl.load(per_expert_ptr + p * E_LOCAL + ecols, mask=em), mask=em)
+    # positions: running count per destination over blocks of tokens
+    tb = tl.arange(0, BLOCK_T)
+    carry = tl.zeros([R_POW2], tl.int32)
+    t0 = 0
+    while t0 < n:
+        t = t0 + tb
+        m = (t < n)[:, None] & (rcols < R)[None, :]
+        v = tl.load(itr_ptr + t.to(tl.int64)[:, None] * R + rcols[None, :], mask=m, other=0).to(tl.int32)
+        incl = tl.cumsum(v, axis=0) + carry[None, :]
+        tl.store(pos_ptr + t.to(tl.int64)[:, None] * R + rcols[None, :], incl - v, mask=m)
+        carry += tl.sum(v, axis=0)
+        t0 += BLOCK_T
+    per_rank = tl.load(per_rank_ptr + rcols, mask=rcols < R, other=0)
+    bad_layout = tl.sum(((carry != per_rank) & (rcols < R)).to(tl.int32), axis=0)
+    bad_topk = tl.zeros([], tl.int32)
+    if HAS_TOPK:
+        kc = tl.arange(0, BLOCK_K)
+        t0 = 0
+        while t0 < n:
+            t = t0 + tb
+            m = (t < n)[:, None] & (kc < K)[None, :]
+            idx = tl.load(topk_ptr + t.to(tl.int64)[:, None] * K + kc[None, :], mask=m, other=-1)
+            bad_topk += tl.sum((m & ((idx < -1) | (idx >= num_experts))).to(tl.int32))
+            t0 += BLOCK_T
     block_barrier(bases_ptr, flags_off, epoch_ptr, err_ptr, rank, world, timeout, _K_ERR_BARRIER, R_POW2,
                   USE_PTX, USE_TIMER)
+    # the whole matrix is here now
+    src = rcols
+    sm = src < R
+    recv_from = tl.load(mat_ptr + (src * R + rank) * TW, mask=sm, other=0)
+    prefix = tl.cumsum(recv_from, axis=0) - recv_from
+    max_pair = tl.zeros([], tl.int32)
+    max_tokens = tl.zeros([], tl.int32)
+    for s in tl.static_range(R):
+        row = tl.load(mat_ptr + (s * R + rcols) * TW, mask=sm, other=0)
+        max_pair = tl.maximum(max_pair, tl.max(row, axis=0))
+        max_tokens = tl.maximum(max_tokens, tl.load(mat_ptr + (s * R) * TW + 1))
+    tl.store(summary_ptr + 0, tl.sum(recv_from, axis=0))
+    tl.store(summary_ptr + 1, max_pair)
+    tl.store(summary_ptr + 2, max_tokens)
+    tl.store(summary_ptr + 3, bad_topk)
+    tl.store(summary_ptr + 4, bad_layout)
+    tl.store(summary_ptr + 5, tl.load(err_ptr).to(tl.int32))
+    tl.store(summary_ptr + 6, tl.load(err_ptr + 2).to(tl.int32))
+    tl.store(summary_ptr + 7, tl.load(err_ptr + 5).to(tl.int32))
+    tl.store(summary_ptr + 8 + src, prefix, mask=sm)
+    tl.store(summary_ptr + 8 + R + src, recv_from, mask=sm)
+    tl.store(summary_ptr + 8 + 2 * R + src, per_rank, mask=sm)
+    if HAS_EXPERTS:
+        em = ecols < E_LOCAL
+        acc = tl.zeros([BLOCK_E], tl.int32)
+        for s in tl.static_range(R):
+            acc += tl.load(mat_ptr + (s * R + rank) * TW + 2 + ecols, mask=em, other=0)
+        tl.store(summary_ptr + 8 + 3 * R + ecols, acc, mask=em)
 
 
 @triton.jit
@@ -51,8 +149,8 @@ def barrier_kernel(bases_ptr, flags_off, epoch_ptr, err_ptr, rank, world, timeou
 
 
 @triton.jit
-def _publish(bases_ptr, hdr_vals_ptr, hdr_off, arrive_off, epoch_ptr, rank, world, R_POW2: tl.constexpr,
-             HAS_HDR: tl.constexpr, USE_PTX: tl.constexpr):
+def _publish(bases_ptr, hdr_first_ptr, hdr_rows_ptr, hdr_off, arrive_off, epoch_ptr, rank, world,
+             R_POW2: tl.constexpr, HAS_HDR: tl.constexpr, FIRST_ZERO: tl.constexpr, USE_PTX: tl.constexpr):
     """Called by the last program: write the round headers, then release the epoch to every peer."""
     fence_sys(USE_PTX)
     epoch = tl.load(epoch_ptr)
@@ -62,8 +160,11 @@ def _publish(bases_ptr, hdr_vals_ptr, hdr_off, arrive_off, epoch_ptr, rank, worl
     base = tl.load(bases_ptr + safe)
     if HAS_HDR:
         h = (base + hdr_off + rank * 8).to(tl.pointer_type(tl.int32))
-        tl.store(h, tl.load(hdr_vals_ptr + safe * 2), mask=live)
-        tl.store(h + 1, tl.load(hdr_vals_ptr + safe * 2 + 1), mask=live)
+        if FIRST_ZERO:
+            tl.store(h, tl.zeros([R_POW2], tl.int32), mask=live)
+        else:
+            tl.store(h, tl.load(hdr_first_ptr + safe), mask=live)
+        tl.store(h + 1, tl.load(hdr_rows_ptr + safe), mask=live)
         fence_sys(USE_PTX)
         tl.debug_barrier()
     flag = (base + arrive_off + rank * 8).to(tl.pointer_type(tl.int64))
@@ -71,25 +172,30 @@ def _publish(bases_ptr, hdr_vals_ptr, hdr_off, arrive_off, epoch_ptr, rank, worl
 
 
 @triton.jit
-def dispatch_push_kernel(x_ptr, meta_ptr, slot_ptr, area_row_ptr, hdr_vals_ptr, bases_ptr, area_off, meta_off,
-                         hdr_off, arrive_off, epoch_ptr, counter_ptr, t_begin, t_end, rank, world,
-                         XW: tl.constexpr, W: tl.constexpr, R: tl.constexpr, R_POW2: tl.constexpr,
-                         TOK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, VEC: tl.constexpr,
+def dispatch_push_kernel(x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_ptr, itr_ptr, pos_ptr,
+                         first_ptr, rows_ptr, bases_ptr, area_off, meta_off, hdr_off, arrive_off, epoch_ptr,
+                         counter_ptr, t_begin, t_end, cap, rank, world, XW: tl.constexpr, W: tl.constexpr,
+                         NS: tl.constexpr, K: tl.constexpr, E_LOCAL: tl.constexpr, R: tl.constexpr,
+                         R_POW2: tl.constexpr, TOK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
+                         BLOCK_K: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr,
+                         HAS_W: tl.constexpr, SINGLE_ROUND: tl.constexpr, VEC: tl.constexpr,
                          USE_PTX: tl.constexpr):
-    """Token-major push: each program takes a contiguous range of tokens, ``TOK`` at a time, reads each row
-    once and stores it (and its metadata record) into every destination whose ``area_row`` is >= 0.
+    """Token-major push of tokens ``[t_begin, t_end)``: each program takes a contiguous range, ``TOK`` tokens
+    at a time, reads each row once and stores it, with its record built here, into every destination the
+    token goes to, at row ``rank * cap + pos[t, r] - first[r]`` of that destination's area.
 
-    x_ptr: int32 ``[N, XW]`` rows; meta_ptr: int32 ``[S, W]`` records in send order; slot_ptr: int64
-    ``[N, R]`` record row of (token, destination) or -1; area_row_ptr: int64 ``[N, R]`` row in the
-    destination's area for this round or -1; hdr_vals_ptr: int32 ``[R, 2]`` this round's (first, rows) per
-    destination."""
+    x_ptr: int32 ``[N, XW]``; scales_ptr: int32 words, ``[N, NS]`` with the given strides; topk_ptr ``[N, K]``
+    (int64 or int32); w_ptr float32 ``[N, K]``; itr_ptr int8 ``[N, R]``; pos_ptr int32 ``[N, R]``;
+    first_ptr/rows_ptr int32 ``[R]``: this round's first pair index and rows per destination (with
+    SINGLE_ROUND, first is 0 and rows_ptr is num_tokens_per_rank)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     per = tl.cdiv(tl.cdiv(t_end - t_begin, nprog), TOK) * TOK
     lo = t_begin + pid * per
     hi = tl.minimum(lo + per, t_end)
-    mcols = tl.arange(0, BLOCK_M)
     toks = tl.arange(0, TOK)
+    scols = tl.arange(0, BLOCK_S)
+    kc = tl.arange(0, BLOCK_K)
     t0 = lo
     while t0 < hi:  # (a while loop: the interpreter cannot run for loops with run-time bounds)
         t = (t0 + toks).to(tl.int64)
@@ -101,35 +207,60 @@ def dispatch_push_kernel(x_ptr, meta_ptr, slot_ptr, area_row_ptr, hdr_vals_ptr, 
             cm = cols < XW
             v = tl.load(x_ptr + t[:, None] * XW + cols[None, :], mask=live[:, None] & cm[None, :])
             for r in tl.static_range(R):
-                a = tl.load(area_row_ptr + t * R + r, mask=live, other=-1)
-                dst = (tl.load(bases_ptr + r) + area_off + a * (XW * 4)).to(tl.pointer_type(tl.int32))
-                tl.store(dst[:, None] + cols[None, :], v, mask=(a >= 0)[:, None] & cm[None, :])
+                go = live & (tl.load(itr_ptr + t * R + r, mask=live, other=0) != 0)
+                if SINGLE_ROUND:
+                    a = rank * cap + tl.load(pos_ptr + t * R + r, mask=go, other=0)
+                else:
+                    a = rank * cap + tl.load(pos_ptr + t * R + r, mask=go, other=0) - tl.load(first_ptr + r)
+                dst = (tl.load(bases_ptr + r) + area_off + a.to(tl.int64) * (XW * 4)).to(tl.pointer_type(tl.int32))
+                tl.store(dst[:, None] + cols[None, :], v, mask=go[:, None] & cm[None, :])
+        if HAS_SCALES:
+            sm = live[:, None] & (scols < NS)[None, :]
+            sv = tl.load(scales_ptr + t[:, None] * s_stride_t + scols[None, :] * s_stride_c, mask=sm)
+        if HAS_TOPK:
+            km = live[:, None] & (kc < K)[None, :]
+            idx = tl.load(topk_ptr + t[:, None] * K + kc[None, :], mask=km, other=-1).to(tl.int32)
+            if HAS_W:
+                wv = tl.load(w_ptr + t[:, None] * K + kc[None, :], mask=km, other=0.0)
         for r in tl.static_range(R):
-            a = tl.load(area_row_ptr + t * R + r, mask=live, other=-1)
-            s = tl.load(slot_ptr + t * R + r, mask=a >= 0, other=0)
-            mm = (a >= 0)[:, None] & (mcols < W)[None, :]
-            mv = tl.load(meta_ptr + s[:, None] * W + mcols[None, :], mask=mm)
-            dst = (tl.load(bases_ptr + r) + meta_off + a * (W * 4)).to(tl.pointer_type(tl.int32))
-            tl.store(dst[:, None] + mcols[None, :], mv, mask=mm)
+            go = live & (tl.load(itr_ptr + t * R + r, mask=live, other=0) != 0)
+            if SINGLE_ROUND:
+                a = rank * cap + tl.load(pos_ptr + t * R + r, mask=go, other=0)
+            else:
+                a = rank * cap + tl.load(pos_ptr + t * R + r, mask=go, other=0) - tl.load(first_ptr + r)
+            rec = (tl.load(bases_ptr + r) + meta_off + a.to(tl.int64) * (W * 4)).to(tl.pointer_type(tl.int32))
+            tl.store(rec, t.to(tl.int32), mask=go)
+            tl.store(rec + 1, tl.zeros([TOK], tl.int32) + rank, mask=go)
+            if HAS_SCALES:
+                tl.store(rec[:, None] + 2 + scols[None, :], sv, mask=go[:, None] & (scols < NS)[None, :])
+            if HAS_TOPK:
+                local = idx - r * E_LOCAL
+                mine = (idx >= 0) & (local >= 0) & (local < E_LOCAL)
+                gm = go[:, None] & (kc < K)[None, :]
+                tl.store(rec[:, None] + 2 + NS + kc[None, :], tl.where(mine, local, -1), mask=gm)
+                if HAS_W:
+                    wr = tl.where(mine, wv, 0.0).to(tl.int32, bitcast=True)
+                    tl.store(rec[:, None] + 2 + NS + K + kc[None, :], wr, mask=gm)
         t0 += TOK
     fence_sys(USE_PTX)
     tl.debug_barrier()
     if arrive_last(counter_ptr, nprog) != 0:
-        _publish(bases_ptr, hdr_vals_ptr, hdr_off, arrive_off, epoch_ptr, rank, world, R_POW2, True, USE_PTX)
+        _publish(bases_ptr, first_ptr, rows_ptr, hdr_off, arrive_off, epoch_ptr, rank, world, R_POW2, True,
+                 SINGLE_ROUND, USE_PTX)
 
 
 @triton.jit
-def dispatch_copyout_kernel(area_ptr, meta_ptr, hdr_ptr, bases_ptr, arrive_off, epoch_ptr, err_ptr, recv_prefix_ptr,
-                            out_x_ptr, out_scales_ptr, out_idx_ptr, out_w_ptr, out_src_ptr, out_rows, cap, rank, world,
-                            timeout, XW: tl.constexpr, W: tl.constexpr, NS: tl.constexpr, K: tl.constexpr,
+def dispatch_copyout_kernel(area_ptr, meta_ptr, hdr_ptr, bases_ptr, arrive_off, epoch_ptr, err_ptr, prefix_ptr,
+                            out_x_ptr, out_scales_ptr, out_idx_ptr, out_w_ptr, out_src_ptr, out_rows, cap, rank,
+                            world, timeout, XW: tl.constexpr, W: tl.constexpr, NS: tl.constexpr, K: tl.constexpr,
                             R: tl.constexpr, R_POW2: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
                             BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SCALES: tl.constexpr,
                             HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr, VEC: tl.constexpr,
                             USE_PTX: tl.constexpr, USE_TIMER: tl.constexpr):
     """Wait for every source's round, then copy its rows from the area into the outputs and unpack the
     records: ``out_src`` int32 ``[M, 2]`` (source token, source rank), scales, int64 local top-k ids,
-    float32 weights. Source ``s``'s rows of this round land at ``recv_prefix[s] + first``; rows past
-    ``out_rows`` (an overflowing ``num_worst_tokens``, reported by the host side) are dropped. Programs take
+    float32 weights. Source ``s``'s rows of this round land at ``prefix[s] + first``; rows past
+    ``out_rows`` (an overflowing ``num_worst_tokens``, reported on the host side) are dropped. Programs take
     ``ROWS`` rows at a time, cycling over every source's rows (a local copy: launch many programs)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -142,7 +273,7 @@ def dispatch_copyout_kernel(area_ptr, meta_ptr, hdr_ptr, bases_ptr, arrive_off, 
     for s in tl.static_range(R):
         first = tl.load(hdr_ptr + s * 2)
         rows = tl.load(hdr_ptr + s * 2 + 1)
-        out0 = tl.load(recv_prefix_ptr + s) + first
+        out0 = tl.load(prefix_ptr + s) + first
         rows = tl.minimum(rows, tl.maximum(out_rows - out0, 0))
         i0 = pid * ROWS
         while i0 < rows:
@@ -175,13 +306,14 @@ def dispatch_copyout_kernel(area_ptr, meta_ptr, hdr_ptr, bases_ptr, arrive_off, 
 
 
 @triton.jit
-def combine_push_kernel(x_ptr, w_ptr, src_rank_ptr, dst_row_ptr, bases_ptr, area_off, w_off, arrive_off,
-                        epoch_ptr, counter_ptr, num_rows, rank, world, XW: tl.constexpr, K: tl.constexpr,
+def combine_push_kernel(x_ptr, w_ptr, src_ptr, prefix_ptr, dst_row_ptr, bases_ptr, area_off, w_off, arrive_off,
+                        epoch_ptr, counter_ptr, num_rows, cap, rank, world, XW: tl.constexpr, K: tl.constexpr,
                         R_POW2: tl.constexpr, TOK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
-                        HAS_W: tl.constexpr, VEC: tl.constexpr, USE_PTX: tl.constexpr):
-    """Send every received row back: row ``m`` goes to rank ``src_rank[m]``'s combine area at
-    ``dst_row[m]`` (-1: not in this round); with weights, its ``K`` top-k weights too. ``TOK`` rows at a
-    time per program."""
+                        HAS_W: tl.constexpr, SINGLE_ROUND: tl.constexpr, VEC: tl.constexpr,
+                        USE_PTX: tl.constexpr):
+    """Send every received row back to its source rank (``src_ptr``: int32 ``[M, 2]`` source token, source
+    rank): single round, to row ``rank * cap + m - prefix[source]`` of the source's area; otherwise to
+    ``dst_row[m]`` (-1: not in this round). With weights, its ``K`` top-k weights too."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     per = tl.cdiv(tl.cdiv(num_rows, nprog), TOK) * TOK
@@ -193,9 +325,15 @@ def combine_push_kernel(x_ptr, w_ptr, src_rank_ptr, dst_row_ptr, bases_ptr, area
     while m0 < hi:
         m = (m0 + toks).to(tl.int64)
         live = m < hi
-        a = tl.load(dst_row_ptr + m, mask=live, other=-1)
-        ok = a >= 0
-        base = tl.load(bases_ptr + tl.load(src_rank_ptr + m, mask=ok, other=0))
+        s = tl.load(src_ptr + m * 2 + 1, mask=live, other=-1)
+        ok = live & (s >= 0)
+        s = tl.where(ok, s, 0)
+        if SINGLE_ROUND:
+            a = rank * cap + m - tl.load(prefix_ptr + s, mask=ok, other=0)
+        else:
+            a = tl.load(dst_row_ptr + m, mask=ok, other=-1)
+            ok = ok & (a >= 0)
+        base = tl.load(bases_ptr + s, mask=ok, other=0)
         dst = (base + area_off + a * (XW * 4)).to(tl.pointer_type(tl.int32))
         for c0 in tl.static_range(0, XW, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
@@ -211,7 +349,8 @@ def combine_push_kernel(x_ptr, w_ptr, src_rank_ptr, dst_row_ptr, bases_ptr, area
     fence_sys(USE_PTX)
     tl.debug_barrier()
     if arrive_last(counter_ptr, nprog) != 0:
-        _publish(bases_ptr, bases_ptr, 0, arrive_off, epoch_ptr, rank, world, R_POW2, False, USE_PTX)
+        _publish(bases_ptr, bases_ptr, bases_ptr, 0, arrive_off, epoch_ptr, rank, world, R_POW2, False, False,
+                 USE_PTX)
 
 
 @triton.jit

@@ -1,8 +1,11 @@
-"""Ordered row reduction: the combine epilogue of the copy-based transports.
+"""Ordered row reduction: the combine epilogue of every copy-based transport.
 
-``out[t] = cast(sum over r = 0..R-1 with slot[t, r] >= 0 of float32(buf[slot[t, r]]) + bias0[t] + bias1[t])``,
+``out[t] = cast(sum over r = 0..R-1 with a row for (t, r) of float32(buf[row]) + bias0[t] + bias1[t])``,
 added in that order starting from +0.0, so results are bit-identical to ``epcomm.reference.combine``.
-One program handles one token and one block of columns; each row of ``buf`` is read once."""
+The row of (t, r) comes from a slot table (``reduce_rows``) or from the layout itself (``reduce_from_layout``:
+``r * cap + pos[t, r] - first[r]`` where ``is_token_in_rank[t, r]``), which saves building the table.
+One program handles one token and one block of columns; each row of ``buf`` is read once. With weights, the
+programs of column block 0 also reduce the token's top-k weights the same way."""
 
 from __future__ import annotations
 
@@ -16,18 +19,32 @@ from .numerics import f32_to_bf16_rne
 
 
 @triton.jit
-def _reduce_rows_kernel(buf_ptr, slot_ptr, b0_ptr, b1_ptr, out_ptr, hidden, buf_stride, b0_stride, b1_stride,
-                        out_stride, NUM_SLOTS: tl.constexpr, HAS_B0: tl.constexpr, HAS_B1: tl.constexpr,
-                        OUT_BF16: tl.constexpr, BLOCK: tl.constexpr):
-    token = tl.program_id(0).to(tl.int64)
+def _reduce_kernel(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, t_begin, b0_ptr, b1_ptr, out_ptr,
+                   wbuf_ptr, wout_ptr, hidden, buf_stride, b0_stride, b1_stride, out_stride,
+                   NUM_SLOTS: tl.constexpr, FROM_LAYOUT: tl.constexpr, FIRST_ZERO: tl.constexpr,
+                   HAS_B0: tl.constexpr, HAS_B1: tl.constexpr, HAS_W: tl.constexpr, K: tl.constexpr,
+                   BLOCK_K: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    token = (t_begin + tl.program_id(0)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     col_mask = cols < hidden
+    kc = tl.arange(0, BLOCK_K)
+    do_w = HAS_W & (tl.program_id(1) == 0)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
+    wacc = tl.zeros([BLOCK_K], dtype=tl.float32)
     for r in tl.static_range(NUM_SLOTS):
-        slot = tl.load(slot_ptr + token * NUM_SLOTS + r).to(tl.int64)
+        if FROM_LAYOUT:
+            present = tl.load(itr_ptr + token * NUM_SLOTS + r) != 0
+            slot = r * cap + tl.load(pos_ptr + token * NUM_SLOTS + r)
+            if not FIRST_ZERO:
+                slot -= tl.load(first_ptr + r)
+            slot = tl.where(present, slot, -1).to(tl.int64)
+        else:
+            slot = tl.load(slot_ptr + token * NUM_SLOTS + r).to(tl.int64)
         # a masked-out slot adds +0.0, which leaves acc unchanged (acc is never -0.0: it starts at +0.0)
         v = tl.load(buf_ptr + slot * buf_stride + cols, mask=col_mask & (slot >= 0), other=0.0)
         acc += v.to(tl.float32)
+        if do_w:
+            wacc += tl.load(wbuf_ptr + slot * K + kc, mask=(kc < K) & (slot >= 0), other=0.0)
     if HAS_B0:
         acc += tl.load(b0_ptr + token * b0_stride + cols, mask=col_mask, other=0.0).to(tl.float32)
     if HAS_B1:
@@ -37,6 +54,32 @@ def _reduce_rows_kernel(buf_ptr, slot_ptr, b0_ptr, b1_ptr, out_ptr, hidden, buf_
     else:
         result = acc.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + token * out_stride + cols, result, mask=col_mask)
+    if do_w:
+        tl.store(wout_ptr + token * K + kc, wacc, mask=kc < K)
+
+
+def _launch(buf, slot, itr, pos, first, cap, t_begin, t_end, bias, out, w_buf, w_out, num_slots):
+    hidden = buf.size(1)
+    n = t_end - t_begin
+    if n <= 0 or hidden == 0:
+        return out
+    if buf.size(0) == 0:  # nothing came back: the sum is the bias alone
+        buf = torch.zeros(1, hidden, dtype=buf.dtype, device=buf.device)
+    b0 = bias[0] if len(bias) > 0 else None
+    b1 = bias[1] if len(bias) > 1 else None
+    block = min(1024, triton.next_power_of_2(hidden))
+    k = w_out.size(1) if w_out is not None else 1
+    dummy = out
+    _reduce_kernel[(n, triton.cdiv(hidden, block))](
+        buf, slot if slot is not None else dummy, itr if itr is not None else dummy,
+        pos if pos is not None else dummy, first if first is not None else dummy, cap, t_begin,
+        b0 if b0 is not None else dummy, b1 if b1 is not None else dummy, out,
+        w_buf if w_buf is not None else dummy, w_out if w_out is not None else dummy, hidden, buf.stride(0),
+        b0.stride(0) if b0 is not None else 0, b1.stride(0) if b1 is not None else 0, out.stride(0),
+        NUM_SLOTS=num_slots, FROM_LAYOUT=slot is None, FIRST_ZERO=first is None, HAS_B0=b0 is not None,
+        HAS_B1=b1 is not None, HAS_W=w_out is not None, K=k, BLOCK_K=max(16, triton.next_power_of_2(k)),
+        OUT_BF16=out.dtype == torch.bfloat16, BLOCK=block, num_warps=4 if block >= 512 else 1)
+    return out
 
 
 def reduce_rows(buf: torch.Tensor, slot: torch.Tensor, bias: tuple = (), out_dtype: Optional[torch.dtype] = None,
@@ -44,22 +87,16 @@ def reduce_rows(buf: torch.Tensor, slot: torch.Tensor, bias: tuple = (), out_dty
     """``buf [S, H]`` rows, ``slot [N, R]`` int32/int64 row numbers (-1 = absent), up to two ``[N, H]``
     biases -> ``out [N, H]`` of ``out_dtype`` (default ``buf.dtype``)."""
     n, num_slots = slot.shape
-    hidden = buf.size(1)
     if out is None:
-        out = torch.empty(n, hidden, dtype=out_dtype or buf.dtype, device=buf.device)
-    if n == 0 or hidden == 0:
-        return out
-    if buf.size(0) == 0:  # nothing came back: the sum is the bias alone
-        buf = torch.zeros(1, hidden, dtype=buf.dtype, device=buf.device)
-    slot = slot.contiguous()
-    b0 = bias[0] if len(bias) > 0 else None
-    b1 = bias[1] if len(bias) > 1 else None
-    block = min(1024, triton.next_power_of_2(hidden))
-    grid = (n, triton.cdiv(hidden, block))
-    _reduce_rows_kernel[grid](
-        buf, slot, b0 if b0 is not None else buf, b1 if b1 is not None else buf, out, hidden, buf.stride(0),
-        b0.stride(0) if b0 is not None else 0, b1.stride(0) if b1 is not None else 0, out.stride(0),
-        NUM_SLOTS=num_slots, HAS_B0=b0 is not None, HAS_B1=b1 is not None,
-        OUT_BF16=out.dtype == torch.bfloat16, BLOCK=block,
-        num_warps=4 if block >= 512 else 1)
-    return out
+        out = torch.empty(n, buf.size(1), dtype=out_dtype or buf.dtype, device=buf.device)
+    return _launch(buf, slot.contiguous(), None, None, None, 0, 0, n, bias, out, None, None, num_slots)
+
+
+def reduce_from_layout(buf: torch.Tensor, is_token_in_rank: torch.Tensor, pos: torch.Tensor, cap: int,
+                       t_begin: int, t_end: int, bias: tuple, out: torch.Tensor, first: Optional[torch.Tensor] = None,
+                       w_buf: Optional[torch.Tensor] = None, w_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Reduce tokens ``[t_begin, t_end)`` into ``out [N, H]`` (and their weights from ``w_buf [S, K]`` into
+    ``w_out [N, K]``), the row of (t, r) being ``r * cap + pos[t, r] - first[r]`` (``first`` None: 0)
+    where ``is_token_in_rank[t, r]`` (int8/bool ``[N, R]``, ``pos`` int32 ``[N, R]``)."""
+    itr = is_token_in_rank.view(torch.int8) if is_token_in_rank.dtype == torch.bool else is_token_in_rank
+    return _launch(buf, None, itr, pos, first, cap, t_begin, t_end, bias, out, w_buf, w_out, itr.size(1))

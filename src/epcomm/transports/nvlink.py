@@ -34,10 +34,9 @@ from ..buffer.handles import DispatchHandle
 from ..buffer.layout import align_up
 from ..buffer.validate import raise_if_bad_topk
 from ..errors import BufferTooSmallError, EpcommError, EpcommTimeoutError
-from .alltoall import AllToAllTransport, reduce_rows
+from .alltoall import AllToAllTransport
 from .base import (Capabilities, CombineRequest, DispatchRequest, DispatchResult, LowLatencyCombineRequest,
                    LowLatencyCombineResult, LowLatencyDispatchRequest, LowLatencyDispatchResult, Transport)
-from .plan import exclusive_cumsum, send_plan
 
 log = logging.getLogger(__name__)
 
@@ -60,14 +59,22 @@ class _Rounds:
 
 @dataclass(frozen=True)
 class _NVLinkState:
-    counts: torch.Tensor  # [R_src, R_dst] int64 on the device: tokens from src to dst
-    recv_prefix: torch.Tensor  # [R] int32: first recv row of every source
-    pos: torch.Tensor  # [N, R] int64 index of each token among this rank's tokens for that destination
-    cum: torch.Tensor  # [N + 1, R] int64 prefix counts of is_token_in_rank
+    """What a dispatch leaves for its combine and cached dispatches."""
+
+    summary: torch.Tensor  # int32 summary of the exchange (recv_prefix at SUMMARY_HEAD, see kernels.ep)
+    recv_src: torch.Tensor  # [M, 2] int32 source token and source rank of every received row
+    pos: torch.Tensor  # [N, R] int32 index of each token among this rank's tokens for that destination
+    num_tokens_per_rank: torch.Tensor  # [R] int32 (device)
     num_tokens_max: Optional[int]  # largest token count of any rank (host), None without host sync
     max_pair: Optional[int]  # most tokens any rank sends any rank (host), None without host sync
 
-    def rounds(self, row_bytes: int, area_bytes: int, num_ranks: int, worst: int, fn: str) -> "_Rounds":
+    @property
+    def recv_prefix(self) -> torch.Tensor:
+        from ..kernels.ep import SUMMARY_HEAD
+
+        return self.summary[SUMMARY_HEAD:]
+
+    def rounds(self, row_bytes: int, area_bytes: int, num_ranks: int, worst: int, fn: str) -> _Rounds:
         """The round geometry for rows of ``row_bytes``: one round of ``max_pair`` rows per source when it
         fits the area, else rounds of as many rows as fit (``num_worst_tokens``: one round of that many)."""
         if worst:
@@ -93,6 +100,7 @@ class NVLinkTransport(Transport):
     """Normal-mode dispatch/combine with one-sided Triton kernels; see the module docstring."""
 
     name = "nvlink"
+    validates_topk = True  # the exchange kernel checks expert ids; the Buffer need not
 
     def __init__(self, group, device: torch.device, buffer_id: int, num_nvl_bytes: int = 0,
                  num_rdma_bytes: int = 0) -> None:
@@ -124,6 +132,7 @@ class NVLinkTransport(Transport):
         self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
         self.counters = torch.zeros(4, dtype=torch.int32, device=device)
         self.err = torch.zeros(8, dtype=torch.int64, device=device)
+        self.deferred = torch.zeros(1, dtype=torch.int32, device=device)  # sync-free calls' bad inputs
         self._fallback = AllToAllTransport(group, device, buffer_id)  # low-latency mode
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -133,6 +142,7 @@ class NVLinkTransport(Transport):
         self.r_pow2 = max(2, 1 << (r - 1).bit_length())
         self.flags_kw = dict(USE_PTX=device.type == "cuda")
         self.timer_kw = dict(USE_TIMER=device.type == "cuda")
+        self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
 
     @classmethod
     def capabilities(cls) -> Capabilities:
@@ -150,120 +160,103 @@ class NVLinkTransport(Transport):
 
         return timeout_units(env.timeout_s(), self.device)
 
-    def _grid(self, config) -> int:
-        """Programs of the kernels that talk to peers: one per SM the config grants."""
-        return max(1, config.num_sms)
-
-    def _copy_grid(self, rows: int) -> int:
-        """Programs of the local copy-out: enough to use the device's bandwidth (it is a local copy of
-        a few microseconds; only the kernels that talk to peers are bounded by ``num_sms``)."""
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 2
-        return max(1, min(sms * 4, -(-rows // 4)))
-
     def _barrier(self) -> None:
         from ..kernels.ep import barrier_kernel
 
         barrier_kernel[(1,)](self.heap.peer_bases, self._off(self.flags), self.epoch, self.err, self.rank,
                              self.num_ranks, self._timeout(), R_POW2=self.r_pow2, **self.flags_kw, **self.timer_kw)
 
-    def _error_message(self, words: list) -> Optional[str]:
+    def _timeout_message(self, code: int, peer: int, seen: int) -> Optional[str]:
         from ..kernels.shmem_codes import ERROR_NAMES
 
-        code, rank, peer, slot, expected, seen = words[:6]
         if not code:
             return None
-        what = "data or a barrier signal"
-        return (f"rank {rank}: {ERROR_NAMES.get(code, code)} waiting for {what} from rank {peer} (expected epoch "
-                f">= {expected}, saw {seen}) after {env.timeout_s():.0f} s; a peer is stuck or did not make the "
-                f"same call")
+        return (f"rank {self.rank}: {ERROR_NAMES.get(code, code)} waiting for rank {peer} (its flag still said "
+                f"{seen}) after {env.timeout_s():.0f} s: a peer is stuck, died, or did not make the same call")
 
     def pending_errors(self) -> list[str]:
         words = self.err.tolist()
+        deferred = int(self.deferred.item())
         self.err.zero_()
-        msg = self._error_message(words)
-        return ([msg] if msg else []) + self._fallback.pending_errors()
+        self.deferred.zero_()
+        msgs = [m for m in [self._timeout_message(words[0], words[2], words[5])] if m]
+        if deferred:
+            msgs.append(f"rank {self.rank}: a call without host synchronisation got invalid input ({deferred} bad "
+                        f"expert ids, an inconsistent layout or more rows than num_worst_tokens)")
+        return msgs + self._fallback.pending_errors()
 
-    def _raise_if(self, words: list, fn: str) -> None:
-        msg = self._error_message(words)
-        if msg:
-            self.err.zero_()
-            raise EpcommTimeoutError(f"{fn}: {msg}")
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
+        from ..kernels.ep import layout_kernel
+
+        n, k = topk_idx.shape
+        r = self.num_ranks
+        per_rank = torch.zeros(r, dtype=torch.int32, device=self.device)
+        per_expert = torch.zeros(num_experts, dtype=torch.int32, device=self.device)
+        itr = torch.empty(n, r, dtype=torch.bool, device=self.device)
+        if n:
+            layout_kernel[(triton_cdiv(n, 64),)](topk_idx, itr.view(torch.int8), per_rank, per_expert, n,
+                                                 num_experts, num_experts // r, K=k, R=r, BLOCK_T=64,
+                                                 BLOCK_K=_pow2(k))
+        return per_rank, per_expert, itr
 
     # ------------------------------------------------------------------ normal mode
     def dispatch(self, req: DispatchRequest) -> DispatchResult:
-        from ..kernels.ep import exchange_counts_kernel
+        from ..kernels.ep import SUMMARY_HEAD, exchange_kernel
 
         fn = "Buffer.dispatch"
+        if req.handle is not None:
+            return self._cached_dispatch(req)
         num_ranks, rank, dev = self.num_ranks, self.rank, self.device
         x = req.x
         n = x.size(0)
-        if req.handle is not None:
-            return self._cached_dispatch(req)
         e_local = req.num_experts // num_ranks
         if e_local > MAX_LOCAL_EXPERTS:
             raise ValueError(f"{fn}: {e_local} experts per rank exceed the {MAX_LOCAL_EXPERTS} this transport supports")
         itr = req.is_token_in_rank
-        table = torch.zeros(num_ranks, self.table_words, dtype=torch.int32, device=dev)
-        table[:, 0] = req.num_tokens_per_rank
-        table[:, 1] = n
-        if req.num_tokens_per_expert is not None:
-            table[:, 2:2 + e_local] = req.num_tokens_per_expert.view(num_ranks, e_local)
-        exchange_counts_kernel[(1,)](table, self.heap.peer_bases, self._off(self.mat), self._off(self.flags),
-                                     self.epoch, self.err, rank, num_ranks, self._timeout(),
-                                     N_WORDS=num_ranks * self.table_words, R=num_ranks, R_POW2=self.r_pow2,
-                                     BLOCK=1024, **self.flags_kw, **self.timer_kw)
-        # device-side plan, enqueued before the host reads anything
-        slot, _, meta, pos = send_plan(req, table, 0, rank, num_ranks, self._fallback._errors)
-        counts = self.mat[:, :, 0].long()  # [src, dst]
-        recv_from = counts[:, rank]
-        recv_prefix = exclusive_cumsum(recv_from, 0).to(torch.int32)
-        per_expert = self.mat[:, rank, 2:2 + e_local].sum(0, dtype=torch.int32)
-        cum = torch.cat([torch.zeros(1, num_ranks, dtype=torch.int64, device=dev),
-                         torch.cumsum(itr, dim=0, dtype=torch.int64)])
+        k = req.topk_idx.size(1) if req.topk_idx is not None else 0
+        has_experts = req.num_tokens_per_expert is not None
+        pos = torch.empty(n, num_ranks, dtype=torch.int32, device=dev)
+        summary = torch.empty(SUMMARY_HEAD + 3 * num_ranks + max(e_local, 1), dtype=torch.int32, device=dev)
+        exchange_kernel[(1,)](
+            req.num_tokens_per_rank, req.num_tokens_per_expert if has_experts else summary, itr.view(torch.int8),
+            req.topk_idx if k else summary, pos, summary, self.mat, self.heap.peer_bases, self._off(self.mat),
+            self._off(self.flags), self.epoch, self.err, n, req.num_experts, rank, num_ranks, self._timeout(),
+            E_LOCAL=e_local, TW=self.table_words, K=max(k, 1), R=num_ranks, R_POW2=self.r_pow2,
+            HAS_EXPERTS=has_experts, HAS_TOPK=k > 0, BLOCK_T=256, BLOCK_E=_pow2(e_local), BLOCK_K=_pow2(k),
+            **self.flags_kw, **self.timer_kw)
         worst = req.num_worst_tokens
-        xw, mw = _words(x), meta.size(1)
         if worst:
             num_recv, per_expert_list, n_max, max_pair = worst, [], None, None
-            if req.bad_topk is not None:
-                self._fallback._errors[0] += req.bad_topk
-            self._fallback._errors[0] += (recv_from.sum() > worst).to(torch.int32)
+            head = summary[:5]
+            self.deferred += head[3] + head[4] + (head[0] > worst).to(torch.int32)
         else:
-            bad = req.bad_topk if req.bad_topk is not None else torch.zeros((), dtype=torch.int32, device=dev)
-            consistency = (itr.sum(0, dtype=torch.int32) != req.num_tokens_per_rank).sum(dtype=torch.int32)
-            host = torch.cat([counts.flatten(), self.mat[:, 0, 1].long(), per_expert.long(),
-                              torch.stack([bad, consistency]).long(), self.err,
-                              self._fallback._errors.long()]).tolist()
-            o = num_ranks * num_ranks
-            counts_h = [host[i * num_ranks:(i + 1) * num_ranks] for i in range(num_ranks)]
-            n_all = host[o:o + num_ranks]
-            per_expert_h = host[o + num_ranks:o + num_ranks + e_local]
-            bad_h, consistency_h = host[o + num_ranks + e_local:o + num_ranks + e_local + 2]
-            err_words = host[o + num_ranks + e_local + 2:o + num_ranks + e_local + 10]
-            self._raise_if(err_words, fn)
-            if any(host[-2:]):
-                raise EpcommError(f"{fn}: an earlier call failed on the device: " + "; ".join(self.pending_errors()))
-            raise_if_bad_topk(fn, bad_h, req.num_experts)
-            if consistency_h:
+            host = summary.tolist()
+            num_recv, max_pair, n_max, bad_topk, bad_layout, code, peer, seen = host[:SUMMARY_HEAD]
+            msg = self._timeout_message(code, peer, seen)
+            if msg:
+                self.err.zero_()
+                raise EpcommTimeoutError(f"{fn}: {msg}")
+            raise_if_bad_topk(fn, bad_topk, req.num_experts)
+            if bad_layout:
                 raise ValueError(f"{fn}: num_tokens_per_rank does not match is_token_in_rank; pass both from the "
                                  f"same get_dispatch_layout call")
-            num_recv = sum(counts_h[s][rank] for s in range(num_ranks))
-            max_pair = max(max(row) for row in counts_h)
-            n_max = max(n_all)
-            per_expert_list = ([align_up(c, req.expert_alignment) for c in per_expert_h]
+            per_expert_list = ([align_up(c, req.expert_alignment) for c in host[SUMMARY_HEAD + 3 * num_ranks:
+                                                                                 SUMMARY_HEAD + 3 * num_ranks + e_local]]
                                if req.topk_idx is not None else [])
-        state = _NVLinkState(counts=counts, recv_prefix=recv_prefix, pos=pos, cum=cum, num_tokens_max=n_max,
-                             max_pair=max_pair)
-        rounds = state.rounds((xw + mw) * 4, self.area_bytes, num_ranks, worst, fn)
         outs = self._alloc_recv(num_recv, x, req.x_scales, req.topk_idx, req.topk_weights is not None, bool(worst))
-        self._run_dispatch(req, slot, meta, state, rounds, outs, num_recv)
         recv_x, recv_scales, recv_idx, recv_w, recv_src = outs
+        state = _NVLinkState(summary=summary, recv_src=recv_src, pos=pos, num_tokens_per_rank=req.num_tokens_per_rank,
+                             num_tokens_max=n_max, max_pair=max_pair)
+        self._run_dispatch(req, itr, state, outs, num_recv, worst)
+        b = SUMMARY_HEAD
         handle = DispatchHandle(
             buffer_id=self.buffer_id, transport=self.name, num_ranks=num_ranks, num_experts=req.num_experts,
             num_tokens=n, hidden=x.size(1), is_token_in_rank=itr,
-            num_tokens_per_rank=None if worst else tuple(counts_h[rank]), num_recv_tokens=num_recv,
-            num_recv_tokens_per_rank=None if worst else tuple(counts_h[s][rank] for s in range(num_ranks)),
-            num_recv_tokens_per_expert=per_expert, recv_src_rank=recv_src[:, 1], recv_src_idx=recv_src[:, 0],
-            num_worst_tokens=worst, state=state)
+            num_tokens_per_rank=None if worst else tuple(host[b + 2 * num_ranks:b + 3 * num_ranks]),
+            num_recv_tokens=num_recv,
+            num_recv_tokens_per_rank=None if worst else tuple(host[b + num_ranks:b + 2 * num_ranks]),
+            num_recv_tokens_per_expert=summary[b + 3 * num_ranks:b + 3 * num_ranks + e_local],
+            recv_src_rank=recv_src[:, 1], recv_src_idx=recv_src[:, 0], num_worst_tokens=worst, state=state)
         return DispatchResult(recv_x, recv_scales, recv_idx, recv_w, per_expert_list, handle)
 
     def _alloc_recv(self, num_recv: int, x, x_scales, topk_idx, has_w: bool, padded: bool):
@@ -281,75 +274,76 @@ class NVLinkTransport(Transport):
         recv_src = (torch.full if padded else _empty)((num_recv, 2), -1, dtype=torch.int32, device=dev)
         return recv_x, recv_scales, recv_idx, recv_w, recv_src
 
-    def _run_dispatch(self, req: DispatchRequest, slot, meta, state: _NVLinkState, rounds: _Rounds, outs,
-                      num_recv: int) -> None:
+    def _run_dispatch(self, req: DispatchRequest, itr, state: _NVLinkState, outs, num_recv: int, worst: int) -> None:
         from ..kernels.ep import dispatch_copyout_kernel, dispatch_push_kernel
 
         num_ranks, rank, dev = self.num_ranks, self.rank, self.device
-        x = req.x
+        x, scales = req.x, req.x_scales
         n = x.size(0)
-        xw, mw = _words(x), meta.size(1)
-        recv_x, recv_scales, recv_idx, recv_w, recv_src = outs
-        cap = rounds.cap
-        area_off = self._off(self.area)
-        meta_off = area_off + align_up(num_ranks * cap * xw * 4, 256)
-        area_rows = self.area[:num_ranks * cap * xw * 4].view(torch.int32).view(num_ranks * cap, xw)
-        meta_rows = self.area[meta_off - area_off:meta_off - area_off + num_ranks * cap * mw * 4].view(
-            torch.int32).view(num_ranks * cap, mw)
-        ns = req.x_scales.size(1) if req.x_scales is not None else 0
+        xw = _words(x)
+        ns = scales.size(1) if scales is not None else 0
         k = req.topk_idx.size(1) if req.topk_idx is not None else 0
-        itr = req.is_token_in_rank
+        has_w = req.topk_weights is not None
+        mw = 2 + ns + k + (k if has_w else 0)
+        rounds = state.rounds((xw + mw) * 4, self.area_bytes, num_ranks, worst, "Buffer.dispatch")
+        cap = rounds.cap
+        recv_x, recv_scales, recv_idx, recv_w, recv_src = outs
+        area_off = self._off(self.area)
+        meta_rel = align_up(num_ranks * cap * xw * 4, 256)
+        area_rows = self.area[:num_ranks * cap * xw * 4].view(torch.int32).view(num_ranks * cap, xw)
+        meta_rows = self.area[meta_rel:meta_rel + num_ranks * cap * mw * 4].view(torch.int32).view(num_ranks * cap, mw)
         x_words = x.view(torch.int32) if n else torch.empty(1, xw, dtype=torch.int32, device=dev)
+        s_words = scales.view(torch.int32) if ns else self.counters
         dummy = self.counters
-        grid = self._grid(req.config)
+        itr8 = itr.view(torch.int8)
+        grid = max(1, req.config.num_sms)
         tok = _tokens_per_step(req.config)
-        copy_grid = self._copy_grid(max(num_recv, 1))
+        copy_grid = max(1, min(self.sms * 4, -(-max(num_recv, 1) // 4)))
         vec = xw % 4 == 0
+        single = rounds.num_rounds == 1
+        cum = None if single else torch.cat([torch.zeros(1, num_ranks, dtype=torch.int64, device=dev),
+                                             torch.cumsum(itr, dim=0, dtype=torch.int64)])
         for j in range(rounds.num_rounds):
             if j:
                 self._barrier()
             lo, hi = rounds.token_range(j, n)
-            first = state.cum[lo]  # [R]
-            rows = state.cum[hi] - first
-            in_range = torch.zeros(n, 1, dtype=torch.bool, device=dev)
-            in_range[lo:hi] = True
-            area_row = torch.where(itr & in_range, rank * cap + state.pos - first, -1)
-            hdr_vals = torch.stack([first, rows], dim=1).to(torch.int32)
+            if single:
+                first, rows = dummy, state.num_tokens_per_rank
+            else:
+                first = cum[lo].to(torch.int32)
+                rows = (cum[hi] - cum[lo]).to(torch.int32)
             dispatch_push_kernel[(grid,)](
-                x_words, meta, slot, area_row, hdr_vals, self.heap.peer_bases, area_off, meta_off,
-                self._off(self.hdr), self._off(self.arrive), self.epoch, self.counters, lo, hi, rank, num_ranks,
-                XW=xw, W=mw, R=num_ranks, R_POW2=self.r_pow2, TOK=tok, BLOCK=1024, BLOCK_M=_pow2(mw), VEC=vec,
-                num_warps=8, **self.flags_kw)
+                x_words, s_words, scales.stride(0) if ns else 0, scales.stride(1) if ns else 0,
+                req.topk_idx if k else dummy, req.topk_weights if has_w else dummy, itr8, state.pos, first, rows,
+                self.heap.peer_bases, area_off, area_off + meta_rel, self._off(self.hdr), self._off(self.arrive),
+                self.epoch, self.counters, lo, hi, cap, rank, num_ranks, XW=xw, W=mw, NS=ns, K=max(k, 1),
+                E_LOCAL=req.num_experts // num_ranks, R=num_ranks, R_POW2=self.r_pow2, TOK=tok, BLOCK=1024,
+                BLOCK_S=_pow2(ns), BLOCK_K=_pow2(k), HAS_SCALES=ns > 0, HAS_TOPK=k > 0, HAS_W=has_w,
+                SINGLE_ROUND=single, VEC=vec, num_warps=8, **self.flags_kw)
             dispatch_copyout_kernel[(copy_grid,)](
                 area_rows, meta_rows, self.hdr, self.heap.peer_bases, self._off(self.arrive), self.epoch, self.err,
-                state.recv_prefix,
-                recv_x.view(torch.int32) if num_recv else dummy,
+                state.recv_prefix, recv_x.view(torch.int32) if num_recv else dummy,
                 recv_scales.view(torch.int32) if recv_scales is not None and num_recv else dummy,
                 recv_idx if recv_idx is not None and num_recv else dummy,
-                recv_w if recv_w is not None and num_recv else dummy, recv_src if num_recv else dummy, num_recv, cap, rank,
-                num_ranks, self._timeout(), XW=xw, W=mw, NS=ns, K=k, R=num_ranks, R_POW2=self.r_pow2, ROWS=4,
-                BLOCK=1024, BLOCK_K=_pow2(k),
-                BLOCK_S=_pow2(ns), HAS_SCALES=ns > 0, HAS_TOPK=k > 0, HAS_W=recv_w is not None, VEC=vec,
-                num_warps=8, **self.flags_kw, **self.timer_kw)
+                recv_w if recv_w is not None and num_recv else dummy, recv_src if num_recv else dummy, num_recv, cap,
+                rank, num_ranks, self._timeout(), XW=xw, W=mw, NS=ns, K=max(k, 1), R=num_ranks, R_POW2=self.r_pow2,
+                ROWS=4, BLOCK=1024, BLOCK_K=_pow2(k), BLOCK_S=_pow2(ns), HAS_SCALES=ns > 0,
+                HAS_TOPK=k > 0 and recv_idx is not None, HAS_W=recv_w is not None, VEC=vec, num_warps=8,
+                **self.flags_kw, **self.timer_kw)
 
     def _cached_dispatch(self, req: DispatchRequest) -> DispatchResult:
         h: DispatchHandle = req.handle
         st: _NVLinkState = h.state
-        num_ranks = self.num_ranks
         self._barrier()
-        table = torch.zeros(num_ranks, 1, dtype=torch.int32, device=self.device)
-        table[:, 0] = h.is_token_in_rank.sum(0, dtype=torch.int32)
-        plan_req = DispatchRequest(req.x, req.x_scales, None, None, table[:, 0], h.is_token_in_rank, None,
-                                   num_ranks, 1, h.num_worst_tokens, None, req.config, None)
-        slot, _, meta, _ = send_plan(plan_req, table, 0, self.rank, num_ranks, self._fallback._errors)
-        xw, mw = _words(req.x), meta.size(1)
-        rounds = st.rounds((xw + mw) * 4, self.area_bytes, num_ranks, h.num_worst_tokens, "Buffer.dispatch")
+        plan_req = DispatchRequest(req.x, req.x_scales, None, None, st.num_tokens_per_rank, h.is_token_in_rank, None,
+                                   h.num_experts, 1, h.num_worst_tokens, None, req.config, None)
         outs = self._alloc_recv(h.num_recv_tokens, req.x, req.x_scales, None, False, bool(h.num_worst_tokens))
-        self._run_dispatch(plan_req, slot, meta, st, rounds, outs, h.num_recv_tokens)
+        self._run_dispatch(plan_req, h.is_token_in_rank, st, outs, h.num_recv_tokens, h.num_worst_tokens)
         return DispatchResult(outs[0], outs[1], None, None, None, h)
 
     def combine(self, req: CombineRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         from ..kernels.ep import combine_push_kernel, wait_arrivals_kernel
+        from ..kernels.reduce import reduce_from_layout
 
         h: DispatchHandle = req.handle
         st: _NVLinkState = h.state
@@ -358,53 +352,50 @@ class NVLinkTransport(Transport):
         m, n = x.size(0), h.num_tokens
         xw = _words(x)
         k = req.topk_weights.size(1) if req.topk_weights is not None else 0
-        row_words = xw + k
-        geometry = st.rounds(row_words * 4, self.area_bytes, num_ranks, h.num_worst_tokens, "Buffer.combine")
+        geometry = st.rounds((xw + k) * 4, self.area_bytes, num_ranks, h.num_worst_tokens, "Buffer.combine")
         cap, num_rounds = geometry.cap, geometry.num_rounds
         area_off = self._off(self.area)
-        w_off = area_off + align_up(num_ranks * cap * xw * 4, 256)
+        w_rel = align_up(num_ranks * cap * xw * 4, 256)
         buf = self.area[:num_ranks * cap * xw * 4].view(x.dtype).view(num_ranks * cap, -1)
-        wbuf = (self.area[w_off - area_off:w_off - area_off + num_ranks * cap * k * 4].view(torch.float32)
-                .view(num_ranks * cap, k) if k else None)
+        wbuf = self.area[w_rel:w_rel + num_ranks * cap * k * 4].view(torch.float32).view(num_ranks * cap, k) if k else None
         out = torch.empty(n, x.size(1), dtype=x.dtype, device=dev)
         out_w = torch.empty(n, k, dtype=torch.float32, device=dev) if k else None
-        src_rank = h.recv_src_rank.long()
-        src_tok = h.recv_src_idx.long()
-        valid = src_rank >= 0
-        src_safe = src_rank.clamp(min=0)
-        k_in_src = torch.arange(m, device=dev) - st.recv_prefix.long()[src_safe]
+        recv_src = st.recv_src if m else self.counters
         x_words = x.view(torch.int32) if m else torch.empty(1, xw, dtype=torch.int32, device=dev)
         w_in = req.topk_weights.contiguous() if k else self.counters
-        grid = self._grid(req.config)
-        itr = h.is_token_in_rank
+        grid = max(1, req.config.num_sms)
+        single = num_rounds == 1
+        cum = None
+        if not single:
+            cum = torch.cat([torch.zeros(1, num_ranks, dtype=torch.int64, device=dev),
+                             torch.cumsum(h.is_token_in_rank, dim=0, dtype=torch.int64)])
+            src_rank = h.recv_src_rank.long()
+            src_tok = h.recv_src_idx.long()
+            valid = src_rank >= 0
+            src_safe = src_rank.clamp(min=0)
+            k_in_src = torch.arange(m, device=dev) - st.recv_prefix.long()[src_safe]
         self._barrier()
         for j in range(num_rounds):
             if j:
                 self._barrier()
-            lo, hi = (0, n) if num_rounds == 1 else (min(j * cap, n), min((j + 1) * cap, n))
-            if num_rounds == 1:
-                dst_row = torch.where(valid, rank * cap + k_in_src, -1)
-            else:
+            lo, hi = (0, n) if single else (min(j * cap, n), min((j + 1) * cap, n))
+            dst_row = self.counters
+            if not single:
                 lo_t, hi_t = j * cap, (j + 1) * cap
                 in_rng = valid & (src_tok >= lo_t) & (src_tok < hi_t)
                 before = torch.zeros(num_ranks, dtype=torch.int64, device=dev)
                 before.index_add_(0, src_safe, (valid & (src_tok < lo_t)).long())
                 dst_row = torch.where(in_rng, rank * cap + k_in_src - before[src_safe], -1)
             combine_push_kernel[(grid,)](
-                x_words, w_in, src_safe.to(torch.int32), dst_row, self.heap.peer_bases, area_off, w_off,
-                self._off(self.arrive), self.epoch, self.counters[1:], m, rank, num_ranks, XW=xw, K=max(k, 1),
+                x_words, w_in, recv_src, st.recv_prefix, dst_row, self.heap.peer_bases, area_off, area_off + w_rel,
+                self._off(self.arrive), self.epoch, self.counters[1:], m, cap, rank, num_ranks, XW=xw, K=max(k, 1),
                 R_POW2=self.r_pow2, TOK=_tokens_per_step(req.config), BLOCK=1024, BLOCK_K=_pow2(k), HAS_W=k > 0,
-                VEC=xw % 4 == 0, num_warps=8,
-                **self.flags_kw)
+                SINGLE_ROUND=single, VEC=xw % 4 == 0, num_warps=8, **self.flags_kw)
             wait_arrivals_kernel[(1,)](self.heap.peer_bases, self._off(self.arrive), self.epoch, self.err, rank,
                                        num_ranks, self._timeout(), R_POW2=self.r_pow2, **self.timer_kw)
             if hi > lo:
-                first = st.cum[lo]
-                slot = torch.where(itr[lo:hi], torch.arange(num_ranks, device=dev) * cap + st.pos[lo:hi] - first, -1)
-                bias = tuple(b[lo:hi] for b in req.bias)
-                out[lo:hi] = reduce_rows(buf, slot, bias, x.dtype)
-                if k:
-                    out_w[lo:hi] = reduce_rows(wbuf, slot, (), torch.float32)
+                first = None if single else cum[lo].to(torch.int32)
+                reduce_from_layout(buf, h.is_token_in_rank, st.pos, cap, lo, hi, req.bias, out, first, wbuf, out_w)
         return out, out_w
 
     # ------------------------------------------------------------------ low-latency mode (portable for now)
@@ -441,6 +432,10 @@ def _words(t: torch.Tensor) -> int:
         raise ValueError(f"Buffer.dispatch: rows of {nbytes} bytes; the one-sided transports need rows that are a "
                          f"multiple of 4 bytes (hidden a multiple of 8)")
     return nbytes // 4
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def _tokens_per_step(config) -> int:
