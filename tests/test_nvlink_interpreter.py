@@ -36,3 +36,11 @@ def test_one_sided_transport_in_rounds(monkeypatch):
     cases = [NormalCase(num_tokens=(9, 3), hidden=64, num_experts=4, topk=2, dtype="bf16", bias=1, seed=35),
              NormalCase(num_tokens=8, hidden=128, num_experts=4, topk=2, dtype="fp8", seed=36)]
     _run(2, P2PTransport, {"num_nvl_bytes": 2 * 3 * (128 + 64)}, cases)
+
+
+def test_portable_transport_kernels(monkeypatch):
+    """The portable transport's GPU path (plan + pack kernels, layout-driven reduce) under the interpreter."""
+    from epcomm.transports.alltoall import AllToAllTransport
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    _run(3, AllToAllTransport, {}, CASES)

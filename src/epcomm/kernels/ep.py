@@ -63,27 +63,14 @@ def layout_kernel(topk_ptr, itr_ptr, per_rank_ptr, per_expert_ptr, n, E, E_LOCAL
 
 
 @triton.jit
-def exchange_kernel(per_rank_ptr, per_expert_ptr, itr_ptr, topk_ptr, pos_ptr, summary_ptr, mat_ptr, bases_ptr,
-                    mat_off, flags_off, epoch_ptr, err_ptr, n, num_experts, rank, world, timeout,
-                    E_LOCAL: tl.constexpr, TW: tl.constexpr, K: tl.constexpr, R: tl.constexpr,
-                    R_POW2: tl.constexpr, HAS_EXPERTS: tl.constexpr, HAS_TOPK: tl.constexpr,
-                    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, USE_PTX: tl.constexpr,
-                    USE_TIMER: tl.constexpr):
-    """One program: put this rank's count table into every peer's ``mat[rank]``; meanwhile compute
-    ``pos [N, R]`` (index of each token among this rank's tokens for each destination), check the layout
-    and the expert ids; barrier; then write the summary (see the module docstring)."""
-    ecols = tl.arange(0, BLOCK_E)
+def _positions_and_checks(per_rank_ptr, itr_ptr, topk_ptr, pos_ptr, n, num_experts, K: tl.constexpr,
+                          R: tl.constexpr, R_POW2: tl.constexpr, HAS_TOPK: tl.constexpr, BLOCK_T: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+    """One program: ``pos [N, R]`` int32 (index of each token among this rank's tokens for each
+    destination), whether ``num_tokens_per_rank`` disagrees with ``is_token_in_rank`` (count of ranks), and
+    the number of expert ids outside ``[-1, num_experts)``. Returns ``(num_tokens_per_rank [R_POW2],
+    bad_layout, bad_topk)``."""
     rcols = tl.arange(0, R_POW2)
-    for q in tl.static_range(R):  # every peer q gets this rank's whole table: mat[rank, p, :] for all p
-        base = tl.load(bases_ptr + q) + mat_off
-        for p in tl.static_range(R):
-            dst = (base + ((rank * R + p) * TW) * 4).to(tl.pointer_type(tl.int32))
-            # the table for destination p: [tokens to p, own token count, tokens per expert of p]
-            tl.store(dst, tl.load(per_rank_ptr + p))
-            tl.store(dst + 1, n)
-            if HAS_EXPERTS:
-                em = ecols < E_LOCAL
-                tl.store(dst + 2 + ecols, tl.load(per_expert_ptr + p * E_LOCAL + ecols, mask=em), mask=em)
     # positions: running count per destination over blocks of tokens
     tb = tl.arange(0, BLOCK_T)
     carry = tl.zeros([R_POW2], tl.int32)
@@ -108,6 +95,33 @@ def exchange_kernel(per_rank_ptr, per_expert_ptr, itr_ptr, topk_ptr, pos_ptr, su
             idx = tl.load(topk_ptr + t.to(tl.int64)[:, None] * K + kc[None, :], mask=m, other=-1)
             bad_topk += tl.sum((m & ((idx < -1) | (idx >= num_experts))).to(tl.int32))
             t0 += BLOCK_T
+    return per_rank, bad_layout, bad_topk
+
+
+@triton.jit
+def exchange_kernel(per_rank_ptr, per_expert_ptr, itr_ptr, topk_ptr, pos_ptr, summary_ptr, mat_ptr, bases_ptr,
+                    mat_off, flags_off, epoch_ptr, err_ptr, n, num_experts, rank, world, timeout,
+                    E_LOCAL: tl.constexpr, TW: tl.constexpr, K: tl.constexpr, R: tl.constexpr,
+                    R_POW2: tl.constexpr, HAS_EXPERTS: tl.constexpr, HAS_TOPK: tl.constexpr,
+                    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, USE_PTX: tl.constexpr,
+                    USE_TIMER: tl.constexpr):
+    """One program: put this rank's count table into every peer's ``mat[rank]``; meanwhile compute
+    ``pos [N, R]`` (index of each token among this rank's tokens for each destination), check the layout
+    and the expert ids; barrier; then write the summary (see the module docstring)."""
+    ecols = tl.arange(0, BLOCK_E)
+    rcols = tl.arange(0, R_POW2)
+    for q in tl.static_range(R):  # every peer q gets this rank's whole table: mat[rank, p, :] for all p
+        base = tl.load(bases_ptr + q) + mat_off
+        for p in tl.static_range(R):
+            dst = (base + ((rank * R + p) * TW) * 4).to(tl.pointer_type(tl.int32))
+            # the table for destination p: [tokens to p, own token count, tokens per expert of p]
+            tl.store(dst, tl.load(per_rank_ptr + p))
+            tl.store(dst + 1, n)
+            if HAS_EXPERTS:
+                em = ecols < E_LOCAL
+                tl.store(dst + 2 + ecols, tl.load(per_expert_ptr + p * E_LOCAL + ecols, mask=em), mask=em)
+    per_rank, bad_layout, bad_topk = _positions_and_checks(per_rank_ptr, itr_ptr, topk_ptr, pos_ptr, n, num_experts,
+                                                           K, R, R_POW2, HAS_TOPK, BLOCK_T, BLOCK_K)
     block_barrier(bases_ptr, flags_off, epoch_ptr, err_ptr, rank, world, timeout, _K_ERR_BARRIER, R_POW2,
                   USE_PTX, USE_TIMER)
     # the whole matrix is here now
@@ -138,6 +152,31 @@ def exchange_kernel(per_rank_ptr, per_expert_ptr, itr_ptr, topk_ptr, pos_ptr, su
         for s in tl.static_range(R):
             acc += tl.load(mat_ptr + (s * R + rank) * TW + 2 + ecols, mask=em, other=0)
         tl.store(summary_ptr + 8 + 3 * R + ecols, acc, mask=em)
+
+
+@triton.jit
+def plan_kernel(per_rank_ptr, per_expert_ptr, itr_ptr, topk_ptr, pos_ptr, table_ptr, first_ptr, checks_ptr, n,
+                num_experts, E_LOCAL: tl.constexpr, K: tl.constexpr, R: tl.constexpr, R_POW2: tl.constexpr,
+                HAS_EXPERTS: tl.constexpr, HAS_TOPK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+    """The portable transport's send plan in one program: positions and checks (``checks [2]``: bad layout,
+    bad expert ids), the ``[R, 1 + E_local]`` count table its all_to_all exchanges, and ``first [R]`` =
+    minus the first send row of every destination (so ``dispatch_push_kernel`` in local mode writes token t's
+    row for r at ``pos[t, r] - first[r]``)."""
+    per_rank, bad_layout, bad_topk = _positions_and_checks(per_rank_ptr, itr_ptr, topk_ptr, pos_ptr, n, num_experts,
+                                                           K, R, R_POW2, HAS_TOPK, BLOCK_T, BLOCK_K)
+    rcols = tl.arange(0, R_POW2)
+    rm = rcols < R
+    tl.store(first_ptr + rcols, -(tl.cumsum(per_rank, axis=0) - per_rank), mask=rm)
+    tl.store(table_ptr + rcols * (1 + E_LOCAL), per_rank, mask=rm)
+    if HAS_EXPERTS:
+        ecols = tl.arange(0, BLOCK_E)
+        em = ecols < E_LOCAL
+        for p in tl.static_range(R):
+            tl.store(table_ptr + p * (1 + E_LOCAL) + 1 + ecols, tl.load(per_expert_ptr + p * E_LOCAL + ecols, mask=em),
+                     mask=em)
+    tl.store(checks_ptr, bad_layout)
+    tl.store(checks_ptr + 1, bad_topk)
 
 
 @triton.jit
@@ -179,7 +218,7 @@ def dispatch_push_kernel(x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_
                          R_POW2: tl.constexpr, TOK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
                          BLOCK_K: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr,
                          HAS_W: tl.constexpr, SINGLE_ROUND: tl.constexpr, VEC: tl.constexpr,
-                         USE_PTX: tl.constexpr):
+                         USE_PTX: tl.constexpr, PUBLISH: tl.constexpr = True):
     """Token-major push of tokens ``[t_begin, t_end)``: each program takes a contiguous range, ``TOK`` tokens
     at a time, reads each row once and stores it, with its record built here, into every destination the
     token goes to, at row ``rank * cap + pos[t, r] - first[r]`` of that destination's area.
@@ -187,7 +226,8 @@ def dispatch_push_kernel(x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_
     x_ptr: int32 ``[N, XW]``; scales_ptr: int32 words, ``[N, NS]`` with the given strides; topk_ptr ``[N, K]``
     (int64 or int32); w_ptr float32 ``[N, K]``; itr_ptr int8 ``[N, R]``; pos_ptr int32 ``[N, R]``;
     first_ptr/rows_ptr int32 ``[R]``: this round's first pair index and rows per destination (with
-    SINGLE_ROUND, first is 0 and rows_ptr is num_tokens_per_rank)."""
+    SINGLE_ROUND, first is 0 and rows_ptr is num_tokens_per_rank). With ``PUBLISH=False`` it only packs
+    (every ``bases`` entry is one local buffer: the portable transport's send area) and signals nobody."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     per = tl.cdiv(tl.cdiv(t_end - t_begin, nprog), TOK) * TOK
@@ -242,11 +282,12 @@ def dispatch_push_kernel(x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_
                     wr = tl.where(mine, wv, 0.0).to(tl.int32, bitcast=True)
                     tl.store(rec[:, None] + 2 + NS + K + kc[None, :], wr, mask=gm)
         t0 += TOK
-    fence_sys(USE_PTX)
-    tl.debug_barrier()
-    if arrive_last(counter_ptr, nprog) != 0:
-        _publish(bases_ptr, first_ptr, rows_ptr, hdr_off, arrive_off, epoch_ptr, rank, world, R_POW2, True,
-                 SINGLE_ROUND, USE_PTX)
+    if PUBLISH:
+        fence_sys(USE_PTX)
+        tl.debug_barrier()
+        if arrive_last(counter_ptr, nprog) != 0:
+            _publish(bases_ptr, first_ptr, rows_ptr, hdr_off, arrive_off, epoch_ptr, rank, world, R_POW2, True,
+                     SINGLE_ROUND, USE_PTX)
 
 
 @triton.jit
@@ -359,3 +400,50 @@ def wait_arrivals_kernel(bases_ptr, arrive_off, epoch_ptr, err_ptr, rank, world,
     """Wait until every rank released this round's epoch into ``arrive`` (one program)."""
     wait_all_ge(tl.load(bases_ptr + rank), arrive_off, world, tl.load(epoch_ptr), timeout, err_ptr, _K_ERR_DONE,
                 rank, R_POW2, USE_TIMER)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Launchers
+# ---------------------------------------------------------------------------------------------------------
+def pow2_block(v: int) -> int:
+    """A power-of-two block size >= v (at least 16)."""
+    return max(16, triton.next_power_of_2(max(v, 1)))
+
+
+def record_words(num_scales: int, num_topk: int, has_weights: bool) -> int:
+    """int32 words of one record: source token, source rank, scales, local top-k ids, weights."""
+    return 2 + num_scales + num_topk + (num_topk if has_weights else 0)
+
+
+def launch_layout(topk_idx, num_experts: int, num_ranks: int, per_rank, per_expert, itr) -> None:
+    """``layout_kernel`` over ``topk_idx [N, K]`` into zeroed ``per_rank``/``per_expert`` and ``itr``."""
+    n, k = topk_idx.shape
+    if n:
+        import torch
+
+        layout_kernel[(triton.cdiv(n, 64),)](topk_idx, itr.view(torch.int8), per_rank, per_expert, n, num_experts,
+                                             num_experts // num_ranks, K=k, R=num_ranks, BLOCK_T=64, BLOCK_K=pow2_block(k))
+
+
+def launch_push(*, x, scales, topk_idx, topk_weights, itr, pos, first, rows, bases, area_off: int, meta_off: int,
+                hdr_off: int, arrive_off: int, epoch, counter, t_begin: int, t_end: int, cap: int, rank: int,
+                world: int, num_experts: int, grid: int, tokens_per_step: int, use_ptx: bool, single_round: bool,
+                publish: bool, dummy) -> None:
+    """``dispatch_push_kernel`` for rows of ``x [N, H]`` (any dtype; rows a multiple of 4 bytes), optional
+    ``scales [N, S]`` (4-byte dtype, any strides), ``topk_idx``/``topk_weights [N, K]``."""
+    import torch
+
+    n = x.size(0)
+    xw = x.size(1) * x.element_size() // 4
+    ns = scales.size(1) if scales is not None else 0
+    k = topk_idx.size(1) if topk_idx is not None else 0
+    has_w = topk_weights is not None
+    x_words = x.view(torch.int32) if n else torch.empty(1, xw, dtype=torch.int32, device=x.device)
+    dispatch_push_kernel[(grid,)](
+        x_words, scales.view(torch.int32) if ns else dummy, scales.stride(0) if ns else 0,
+        scales.stride(1) if ns else 0, topk_idx if k else dummy, topk_weights if has_w else dummy,
+        itr.view(torch.int8), pos, first, rows, bases, area_off, meta_off, hdr_off, arrive_off, epoch, counter,
+        t_begin, t_end, cap, rank, world, XW=xw, W=record_words(ns, k, has_w), NS=ns, K=max(k, 1),
+        E_LOCAL=max(1, num_experts // world), R=world, R_POW2=max(2, triton.next_power_of_2(world)),
+        TOK=tokens_per_step, BLOCK=1024, BLOCK_S=pow2_block(ns), BLOCK_K=pow2_block(k), HAS_SCALES=ns > 0, HAS_TOPK=k > 0,
+        HAS_W=has_w, SINGLE_ROUND=single_round, VEC=xw % 4 == 0, USE_PTX=use_ptx, PUBLISH=publish, num_warps=8)

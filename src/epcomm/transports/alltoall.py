@@ -69,6 +69,8 @@ class _NormalState:
     slot: torch.Tensor  # [N, R] int64: row of (token, rank) in the combine receive buffer, -1 if absent
     capacity: int  # padded mode: rows per peer (0 in exact mode)
     recv_dst: Optional[torch.Tensor]  # padded mode: [R * C] output row of every received slot (W = unused)
+    pos: Optional[torch.Tensor] = None  # GPU path: [N, R] int32 index among this rank's tokens to r
+    first: Optional[torch.Tensor] = None  # GPU path: [R] int32, minus the first send row of each rank
 
 
 @dataclass(frozen=True)
@@ -130,9 +132,21 @@ class AllToAllTransport(Transport):
         return meta[:, 0], meta[:, 1], recv_scales, recv_idx, recv_w
 
     # ------------------------------------------------------------------ normal mode
+    def _gpu_path(self, t: torch.Tensor) -> bool:
+        """Kernels instead of torch ops: on GPUs (and on CPUs under the Triton interpreter, for tests)."""
+        if t.size(1) * t.element_size() % 4 or not triton_available():
+            return False
+        if t.is_cuda:
+            return True
+        from ..kernels.shmem import interpreted
+
+        return interpreted()
+
     def dispatch(self, req: DispatchRequest) -> DispatchResult:
         if req.handle is not None:
             return self._cached_dispatch(req)
+        if not req.num_worst_tokens and self._gpu_path(req.x):
+            return self._dispatch_gpu(req)
         num_ranks, e_local = self.num_ranks, req.num_experts // self.num_ranks
         x, dev, itr = req.x, req.x.device, req.is_token_in_rank
         counts = torch.zeros(num_ranks, 1 + e_local, dtype=torch.int32, device=dev)
@@ -183,9 +197,95 @@ class AllToAllTransport(Transport):
                            if req.topk_idx is not None else [])
         return DispatchResult(recv_x, recv_scales, recv_idx, recv_w, per_expert_list, handle)
 
+    def _pack(self, x, scales, topk_idx, topk_weights, itr, pos, first, num_experts):
+        """GPU path: rows and records of every (token, destination) pair, in send order, with one kernel
+        (the one-sided push kernel in local mode). Returns ``(rows [N*R, XW] int32, records [N*R, W])``."""
+        from ..kernels.ep import launch_push, record_words
+
+        n, num_ranks = itr.shape
+        xw = x.size(1) * x.element_size() // 4
+        ns = scales.size(1) if scales is not None else 0
+        k = topk_idx.size(1) if topk_idx is not None else 0
+        rows = torch.empty(n * num_ranks, xw, dtype=torch.int32, device=x.device)
+        recs = torch.empty(n * num_ranks, record_words(ns, k, topk_weights is not None), dtype=torch.int32,
+                           device=x.device)
+        bases = torch.full((num_ranks,), rows.data_ptr(), dtype=torch.int64, device=x.device)
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
+        launch_push(x=x, scales=scales, topk_idx=topk_idx, topk_weights=topk_weights, itr=itr, pos=pos, first=first,
+                    rows=first, bases=bases, area_off=0, meta_off=recs.data_ptr() - rows.data_ptr(), hdr_off=0,
+                    arrive_off=0, epoch=self._errors, counter=self._errors, t_begin=0, t_end=n, cap=0, rank=self.rank,
+                    world=num_ranks, num_experts=num_experts, grid=max(1, min(sms * 4, -(-n // 4))),
+                    tokens_per_step=4, use_ptx=x.is_cuda, single_round=False, publish=False, dummy=self._errors)
+        return rows, recs
+
+    def _dispatch_gpu(self, req: DispatchRequest) -> DispatchResult:
+        """Exact-mode dispatch on GPUs: a plan kernel (positions, checks, count table), the count all_to_all,
+        a pack kernel, one host synchronisation, then the rows and records all_to_alls."""
+        from ..kernels.ep import plan_kernel, pow2_block
+
+        num_ranks, e_local = self.num_ranks, req.num_experts // self.num_ranks
+        x, dev, itr = req.x, req.x.device, req.is_token_in_rank
+        n = x.size(0)
+        k = req.topk_idx.size(1) if req.topk_idx is not None else 0
+        has_experts = req.num_tokens_per_expert is not None
+        pos = torch.empty(n, num_ranks, dtype=torch.int32, device=dev)
+        table = torch.zeros(num_ranks, 1 + e_local, dtype=torch.int32, device=dev)
+        first = torch.empty(num_ranks, dtype=torch.int32, device=dev)
+        checks = torch.empty(2, dtype=torch.int32, device=dev)
+        plan_kernel[(1,)](req.num_tokens_per_rank, req.num_tokens_per_expert if has_experts else checks,
+                          itr.view(torch.int8), req.topk_idx if k else checks, pos, table, first, checks, n,
+                          req.num_experts, E_LOCAL=e_local, K=max(k, 1), R=num_ranks,
+                          R_POW2=max(2, 1 << (num_ranks - 1).bit_length()), HAS_EXPERTS=has_experts, HAS_TOPK=k > 0,
+                          BLOCK_T=256, BLOCK_E=pow2_block(e_local), BLOCK_K=pow2_block(k))
+        recv_table = torch.empty_like(table)
+        self._a2a(recv_table, table)
+        rows, recs = self._pack(x, req.x_scales, req.topk_idx, req.topk_weights, itr, pos, first, req.num_experts)
+        host = torch.cat([checks, table[:, 0], recv_table.flatten(), self._errors]).tolist()
+        bad_layout, bad_topk = host[:2]
+        send_counts = host[2:2 + num_ranks]
+        recv_table_h = host[2 + num_ranks:2 + num_ranks + num_ranks * (1 + e_local)]
+        if any(host[-2:]):
+            raise RuntimeError("Buffer.dispatch: an earlier call failed on the device: "
+                               + "; ".join(self.pending_errors()))
+        raise_if_bad_topk("Buffer.dispatch", bad_topk, req.num_experts)
+        if bad_layout:
+            raise ValueError("Buffer.dispatch: num_tokens_per_rank does not match is_token_in_rank; pass both from "
+                             "the same get_dispatch_layout call")
+        recv_counts_h = [recv_table_h[s * (1 + e_local)] for s in range(num_ranks)]
+        per_expert = [sum(recv_table_h[s * (1 + e_local) + 1 + e] for s in range(num_ranks)) for e in range(e_local)]
+        num_send, num_recv = sum(send_counts), sum(recv_counts_h)
+        recv_x = torch.empty(num_recv, x.size(1), dtype=x.dtype, device=dev)
+        self._a2a(recv_x, rows[:num_send], recv_counts_h, send_counts)
+        recv_meta = torch.empty(num_recv, recs.size(1), dtype=torch.int32, device=dev)
+        self._a2a(recv_meta, recs[:num_send], recv_counts_h, send_counts)
+        recv_src_idx, recv_src_rank, recv_scales, recv_idx, recv_w = self._unpack_metadata(
+            recv_meta, req.x_scales, req.topk_idx, req.topk_weights)
+        handle = DispatchHandle(
+            buffer_id=self.buffer_id, transport=self.name, num_ranks=num_ranks, num_experts=req.num_experts,
+            num_tokens=n, hidden=x.size(1), is_token_in_rank=itr, num_tokens_per_rank=tuple(send_counts),
+            num_recv_tokens=num_recv, num_recv_tokens_per_rank=tuple(recv_counts_h),
+            num_recv_tokens_per_expert=recv_table[:, 1:].sum(0, dtype=torch.int32), recv_src_rank=recv_src_rank,
+            recv_src_idx=recv_src_idx,
+            state=_NormalState(send_idx=torch.empty(0, dtype=torch.int64, device=dev), send_counts=tuple(send_counts),
+                               slot=None, capacity=0, recv_dst=None, pos=pos, first=first))
+        per_expert_list = [align_up(c, req.expert_alignment) for c in per_expert] if k else []
+        return DispatchResult(recv_x, recv_scales, recv_idx, recv_w, per_expert_list, handle)
+
     def _cached_dispatch(self, req: DispatchRequest) -> DispatchResult:
         h = req.handle
         st: _NormalState = h.state
+        if st.pos is not None:  # GPU path: pack again, then one all_to_all per tensor
+            rows, recs = self._pack(req.x, req.x_scales, None, None, h.is_token_in_rank, st.pos, st.first,
+                                    h.num_experts)
+            num_send = sum(st.send_counts)
+            recv_x = torch.empty(h.num_recv_tokens, req.x.size(1), dtype=req.x.dtype, device=req.x.device)
+            self._a2a(recv_x, rows[:num_send], list(h.num_recv_tokens_per_rank), list(st.send_counts))
+            recv_scales = None
+            if req.x_scales is not None:
+                recv_meta = torch.empty(h.num_recv_tokens, recs.size(1), dtype=torch.int32, device=req.x.device)
+                self._a2a(recv_meta, recs[:num_send], list(h.num_recv_tokens_per_rank), list(st.send_counts))
+                recv_scales = recv_meta[:, 2:2 + req.x_scales.size(1)].contiguous().view(req.x_scales.dtype)
+            return DispatchResult(recv_x, recv_scales, None, None, None, h)
         recv = []
         for t in (req.x, req.x_scales):
             if t is None:
@@ -257,9 +357,18 @@ class AllToAllTransport(Transport):
                 recv = torch.empty(num_ranks * st.capacity, t.size(1), dtype=t.dtype, device=dev)
                 self._a2a(recv, send)
             else:
-                recv = torch.empty(len(st.send_idx), t.size(1), dtype=t.dtype, device=dev)
+                recv = torch.empty(sum(st.send_counts), t.size(1), dtype=t.dtype, device=dev)
                 self._a2a(recv, t.contiguous(), list(st.send_counts), list(h.num_recv_tokens_per_rank))
             back.append(recv)
+        if st.pos is not None:  # GPU path: one kernel reduces rows and weights, slots from the layout
+            from ..kernels.reduce import reduce_from_layout
+
+            n = h.num_tokens
+            combined = torch.empty(n, x.size(1), dtype=x.dtype, device=dev)
+            combined_w = torch.empty(n, back[1].size(1), dtype=torch.float32, device=dev) if len(back) > 1 else None
+            reduce_from_layout(back[0], h.is_token_in_rank, st.pos, 0, 0, n, req.bias, combined, st.first,
+                               back[1] if len(back) > 1 else None, combined_w)
+            return combined, combined_w
         combined = reduce_rows(back[0], st.slot, req.bias, x.dtype)
         combined_w = reduce_rows(back[1], st.slot, (), torch.float32) if len(back) > 1 else None
         return combined, combined_w

@@ -126,8 +126,19 @@ class Transport(abc.ABC):
 
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank)``; see ``Buffer``."""
-        return compute_dispatch_layout(topk_idx, num_experts, self.num_ranks)
+        """``(num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank)``; see ``Buffer``. On GPUs one
+        Triton kernel (every host-side operation costs tens of microseconds), else torch ops."""
+        from ..kernels import triton_available
+
+        if not topk_idx.is_cuda or not triton_available():
+            return compute_dispatch_layout(topk_idx, num_experts, self.num_ranks)
+        from ..kernels.ep import launch_layout
+
+        per_rank = torch.zeros(self.num_ranks, dtype=torch.int32, device=topk_idx.device)
+        per_expert = torch.zeros(num_experts, dtype=torch.int32, device=topk_idx.device)
+        itr = torch.empty(topk_idx.size(0), self.num_ranks, dtype=torch.bool, device=topk_idx.device)
+        launch_layout(topk_idx, num_experts, self.num_ranks, per_rank, per_expert, itr)
+        return per_rank, per_expert, itr
 
     @abc.abstractmethod
     def dispatch(self, req: DispatchRequest) -> DispatchResult: ...

@@ -18,7 +18,7 @@ Combine: a barrier, then per round ``combine_push`` returns every row to its sou
 source waits and reduces with the ordered FP32 kernel (``epcomm.kernels.reduce``), bit-identical to the
 reference. A round covers a range of source tokens, so every contribution to a token arrives in one round.
 
-Low-latency mode uses the portable transport's implementation for now.
+Low-latency mode: ``epcomm.transports.low_latency`` (one-sided, double-buffered, graph-capturable).
 """
 
 from __future__ import annotations
@@ -133,7 +133,10 @@ class NVLinkTransport(Transport):
         self.counters = torch.zeros(4, dtype=torch.int32, device=device)
         self.err = torch.zeros(8, dtype=torch.int64, device=device)
         self.deferred = torch.zeros(1, dtype=torch.int32, device=device)  # sync-free calls' bad inputs
-        self._fallback = AllToAllTransport(group, device, buffer_id)  # low-latency mode
+        self._fallback = AllToAllTransport(group, device, buffer_id)  # normal-mode error words
+        from .low_latency import OneSidedLowLatency
+
+        self._ll = OneSidedLowLatency(group, device, buffer_id, name=self.name, nbytes=int(num_rdma_bytes))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         import torch.distributed as dist
@@ -183,25 +186,11 @@ class NVLinkTransport(Transport):
         if deferred:
             msgs.append(f"rank {self.rank}: a call without host synchronisation got invalid input ({deferred} bad "
                         f"expert ids, an inconsistent layout or more rows than num_worst_tokens)")
-        return msgs + self._fallback.pending_errors()
-
-    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
-        from ..kernels.ep import layout_kernel
-
-        n, k = topk_idx.shape
-        r = self.num_ranks
-        per_rank = torch.zeros(r, dtype=torch.int32, device=self.device)
-        per_expert = torch.zeros(num_experts, dtype=torch.int32, device=self.device)
-        itr = torch.empty(n, r, dtype=torch.bool, device=self.device)
-        if n:
-            layout_kernel[(triton_cdiv(n, 64),)](topk_idx, itr.view(torch.int8), per_rank, per_expert, n,
-                                                 num_experts, num_experts // r, K=k, R=r, BLOCK_T=64,
-                                                 BLOCK_K=_pow2(k))
-        return per_rank, per_expert, itr
+        return msgs + self._fallback.pending_errors() + self._ll.pending_errors()
 
     # ------------------------------------------------------------------ normal mode
     def dispatch(self, req: DispatchRequest) -> DispatchResult:
-        from ..kernels.ep import SUMMARY_HEAD, exchange_kernel
+        from ..kernels.ep import SUMMARY_HEAD, exchange_kernel, pow2_block
 
         fn = "Buffer.dispatch"
         if req.handle is not None:
@@ -222,7 +211,7 @@ class NVLinkTransport(Transport):
             req.topk_idx if k else summary, pos, summary, self.mat, self.heap.peer_bases, self._off(self.mat),
             self._off(self.flags), self.epoch, self.err, n, req.num_experts, rank, num_ranks, self._timeout(),
             E_LOCAL=e_local, TW=self.table_words, K=max(k, 1), R=num_ranks, R_POW2=self.r_pow2,
-            HAS_EXPERTS=has_experts, HAS_TOPK=k > 0, BLOCK_T=256, BLOCK_E=_pow2(e_local), BLOCK_K=_pow2(k),
+            HAS_EXPERTS=has_experts, HAS_TOPK=k > 0, BLOCK_T=256, BLOCK_E=pow2_block(e_local), BLOCK_K=pow2_block(k),
             **self.flags_kw, **self.timer_kw)
         worst = req.num_worst_tokens
         if worst:
@@ -275,7 +264,7 @@ class NVLinkTransport(Transport):
         return recv_x, recv_scales, recv_idx, recv_w, recv_src
 
     def _run_dispatch(self, req: DispatchRequest, itr, state: _NVLinkState, outs, num_recv: int, worst: int) -> None:
-        from ..kernels.ep import dispatch_copyout_kernel, dispatch_push_kernel
+        from ..kernels.ep import dispatch_copyout_kernel, launch_push, pow2_block, record_words
 
         num_ranks, rank, dev = self.num_ranks, self.rank, self.device
         x, scales = req.x, req.x_scales
@@ -284,7 +273,7 @@ class NVLinkTransport(Transport):
         ns = scales.size(1) if scales is not None else 0
         k = req.topk_idx.size(1) if req.topk_idx is not None else 0
         has_w = req.topk_weights is not None
-        mw = 2 + ns + k + (k if has_w else 0)
+        mw = record_words(ns, k, has_w)
         rounds = state.rounds((xw + mw) * 4, self.area_bytes, num_ranks, worst, "Buffer.dispatch")
         cap = rounds.cap
         recv_x, recv_scales, recv_idx, recv_w, recv_src = outs
@@ -292,10 +281,7 @@ class NVLinkTransport(Transport):
         meta_rel = align_up(num_ranks * cap * xw * 4, 256)
         area_rows = self.area[:num_ranks * cap * xw * 4].view(torch.int32).view(num_ranks * cap, xw)
         meta_rows = self.area[meta_rel:meta_rel + num_ranks * cap * mw * 4].view(torch.int32).view(num_ranks * cap, mw)
-        x_words = x.view(torch.int32) if n else torch.empty(1, xw, dtype=torch.int32, device=dev)
-        s_words = scales.view(torch.int32) if ns else self.counters
         dummy = self.counters
-        itr8 = itr.view(torch.int8)
         grid = max(1, req.config.num_sms)
         tok = _tokens_per_step(req.config)
         copy_grid = max(1, min(self.sms * 4, -(-max(num_recv, 1) // 4)))
@@ -312,14 +298,12 @@ class NVLinkTransport(Transport):
             else:
                 first = cum[lo].to(torch.int32)
                 rows = (cum[hi] - cum[lo]).to(torch.int32)
-            dispatch_push_kernel[(grid,)](
-                x_words, s_words, scales.stride(0) if ns else 0, scales.stride(1) if ns else 0,
-                req.topk_idx if k else dummy, req.topk_weights if has_w else dummy, itr8, state.pos, first, rows,
-                self.heap.peer_bases, area_off, area_off + meta_rel, self._off(self.hdr), self._off(self.arrive),
-                self.epoch, self.counters, lo, hi, cap, rank, num_ranks, XW=xw, W=mw, NS=ns, K=max(k, 1),
-                E_LOCAL=req.num_experts // num_ranks, R=num_ranks, R_POW2=self.r_pow2, TOK=tok, BLOCK=1024,
-                BLOCK_S=_pow2(ns), BLOCK_K=_pow2(k), HAS_SCALES=ns > 0, HAS_TOPK=k > 0, HAS_W=has_w,
-                SINGLE_ROUND=single, VEC=vec, num_warps=8, **self.flags_kw)
+            launch_push(x=x, scales=scales, topk_idx=req.topk_idx, topk_weights=req.topk_weights, itr=itr,
+                        pos=state.pos, first=first, rows=rows, bases=self.heap.peer_bases, area_off=area_off,
+                        meta_off=area_off + meta_rel, hdr_off=self._off(self.hdr), arrive_off=self._off(self.arrive),
+                        epoch=self.epoch, counter=self.counters, t_begin=lo, t_end=hi, cap=cap, rank=rank,
+                        world=num_ranks, num_experts=req.num_experts, grid=grid, tokens_per_step=tok,
+                        use_ptx=self.device.type == "cuda", single_round=single, publish=True, dummy=dummy)
             dispatch_copyout_kernel[(copy_grid,)](
                 area_rows, meta_rows, self.hdr, self.heap.peer_bases, self._off(self.arrive), self.epoch, self.err,
                 state.recv_prefix, recv_x.view(torch.int32) if num_recv else dummy,
@@ -327,7 +311,7 @@ class NVLinkTransport(Transport):
                 recv_idx if recv_idx is not None and num_recv else dummy,
                 recv_w if recv_w is not None and num_recv else dummy, recv_src if num_recv else dummy, num_recv, cap,
                 rank, num_ranks, self._timeout(), XW=xw, W=mw, NS=ns, K=max(k, 1), R=num_ranks, R_POW2=self.r_pow2,
-                ROWS=4, BLOCK=1024, BLOCK_K=_pow2(k), BLOCK_S=_pow2(ns), HAS_SCALES=ns > 0,
+                ROWS=4, BLOCK=1024, BLOCK_K=pow2_block(k), BLOCK_S=pow2_block(ns), HAS_SCALES=ns > 0,
                 HAS_TOPK=k > 0 and recv_idx is not None, HAS_W=recv_w is not None, VEC=vec, num_warps=8,
                 **self.flags_kw, **self.timer_kw)
 
@@ -342,7 +326,7 @@ class NVLinkTransport(Transport):
         return DispatchResult(outs[0], outs[1], None, None, None, h)
 
     def combine(self, req: CombineRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        from ..kernels.ep import combine_push_kernel, wait_arrivals_kernel
+        from ..kernels.ep import combine_push_kernel, pow2_block, wait_arrivals_kernel
         from ..kernels.reduce import reduce_from_layout
 
         h: DispatchHandle = req.handle
@@ -389,7 +373,7 @@ class NVLinkTransport(Transport):
             combine_push_kernel[(grid,)](
                 x_words, w_in, recv_src, st.recv_prefix, dst_row, self.heap.peer_bases, area_off, area_off + w_rel,
                 self._off(self.arrive), self.epoch, self.counters[1:], m, cap, rank, num_ranks, XW=xw, K=max(k, 1),
-                R_POW2=self.r_pow2, TOK=_tokens_per_step(req.config), BLOCK=1024, BLOCK_K=_pow2(k), HAS_W=k > 0,
+                R_POW2=self.r_pow2, TOK=_tokens_per_step(req.config), BLOCK=1024, BLOCK_K=pow2_block(k), HAS_W=k > 0,
                 SINGLE_ROUND=single, VEC=xw % 4 == 0, num_warps=8, **self.flags_kw)
             wait_arrivals_kernel[(1,)](self.heap.peer_bases, self._off(self.arrive), self.epoch, self.err, rank,
                                        num_ranks, self._timeout(), R_POW2=self.r_pow2, **self.timer_kw)
@@ -398,17 +382,18 @@ class NVLinkTransport(Transport):
                 reduce_from_layout(buf, h.is_token_in_rank, st.pos, cap, lo, hi, req.bias, out, first, wbuf, out_w)
         return out, out_w
 
-    # ------------------------------------------------------------------ low-latency mode (portable for now)
+    # ------------------------------------------------------------------ low-latency mode (epcomm.transports.low_latency)
     def low_latency_dispatch(self, req: LowLatencyDispatchRequest) -> LowLatencyDispatchResult:
-        return self._fallback.low_latency_dispatch(req)
+        return self._ll.dispatch(req)
 
     def low_latency_combine(self, req: LowLatencyCombineRequest) -> LowLatencyCombineResult:
-        return self._fallback.low_latency_combine(req)
+        return self._ll.combine(req)
 
     def low_latency_combine_buffer(self, handle):
-        return self._fallback.low_latency_combine_buffer(handle)
+        return self._ll.combine_buffer(handle)
 
     def destroy(self) -> None:
+        self._ll.destroy()
         self.heap.destroy()
 
 
@@ -434,19 +419,12 @@ def _words(t: torch.Tensor) -> int:
     return nbytes // 4
 
 
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _tokens_per_step(config) -> int:
     """Tokens a program moves per step: ``Config.num_max_nvl_chunked_send_tokens`` rounded down to a power
     of two, at most 8."""
     v = max(1, min(8, config.num_max_nvl_chunked_send_tokens))
     return 1 << (v.bit_length() - 1)
 
-
-def _pow2(v: int) -> int:
-    return max(16, 1 << max(0, (max(v, 1) - 1).bit_length()))
 
 
 def _empty(shape, fill, dtype, device):
