@@ -9,6 +9,7 @@ Values are read at call time (not cached at import) so that tests and launchers 
 | ``EPCOMM_VALIDATE`` | ``cheap`` (checks that cost no host sync, plus those folded into syncs the call makes anyway), ``full`` (every check, host syncs allowed), ``off`` | ``cheap`` |
 | ``EPCOMM_TIMEOUT_S`` | seconds any host or device wait may last before it raises | ``60`` |
 | ``EPCOMM_LOG_LEVEL`` | level of the ``epcomm`` logger (``INFO``, ``DEBUG`` ...) | ``WARNING`` |
+| ``EPCOMM_COMMIT`` | the commit recorded in benchmark results where the checkout has no git metadata | unset: ``git rev-parse`` |
 """
 
 from __future__ import annotations
@@ -105,3 +106,8 @@ def nccl_settings() -> dict[str, str]:
     ``NCCL_SHM_DISABLE``, ``NCCL_IB_DISABLE``, ``NCCL_NVLS_ENABLE``, ``NCCL_SOCKET_IFNAME``, ``NCCL_NET``)
     that are set, by name; ``epcomm doctor`` prints them next to its hints."""
     return {name: os.environ[name] for name in _NCCL_REPORTED if name in os.environ}
+
+
+def commit_override() -> str | None:
+    """``EPCOMM_COMMIT``: the commit to record in benchmark results when git cannot tell (a copied tree)."""
+    return _get("EPCOMM_COMMIT")

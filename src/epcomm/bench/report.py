@@ -24,6 +24,10 @@ def environment() -> dict:
             commit += "+dirty"
     except (OSError, subprocess.SubprocessError):
         commit = "unknown"
+    from .. import env
+
+    if commit == "unknown" and env.commit_override():
+        commit = env.commit_override()
     if torch.cuda.is_available():
         device = f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
     else:
