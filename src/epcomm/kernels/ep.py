@@ -1,7 +1,7 @@
 """Triton kernels of the one-sided normal-mode dispatch and combine (``epcomm.transports.nvlink``).
 
 Per call the host launches three kernels for a dispatch (exchange, push, copy-out) and four for a combine
-(barrier, push, wait, ordered reduce); everything else (layout checks, positions, metadata records,
+(barrier (``epcomm.kernels.shmem``), push, wait, ordered reduce (``epcomm.kernels.reduce``)); everything else (layout checks, positions, metadata records,
 offsets) is computed inside them, because every extra host-side operation costs tens of microseconds.
 
 Symmetric layout (same offsets on every rank):
@@ -180,14 +180,6 @@ def plan_kernel(per_rank_ptr, per_expert_ptr, itr_ptr, topk_ptr, pos_ptr, table_
 
 
 @triton.jit
-def barrier_kernel(bases_ptr, flags_off, epoch_ptr, err_ptr, rank, world, timeout, R_POW2: tl.constexpr,
-                   USE_PTX: tl.constexpr, USE_TIMER: tl.constexpr):
-    """A barrier across the group (one program); bumps the epoch."""
-    block_barrier(bases_ptr, flags_off, epoch_ptr, err_ptr, rank, world, timeout, _K_ERR_BARRIER, R_POW2,
-                  USE_PTX, USE_TIMER)
-
-
-@triton.jit
 def _publish(bases_ptr, hdr_first_ptr, hdr_rows_ptr, hdr_off, arrive_off, epoch_ptr, rank, world,
              R_POW2: tl.constexpr, HAS_HDR: tl.constexpr, FIRST_ZERO: tl.constexpr, USE_PTX: tl.constexpr):
     """Called by the last program: write the round headers, then release the epoch to every peer."""
@@ -208,6 +200,17 @@ def _publish(bases_ptr, hdr_first_ptr, hdr_rows_ptr, hdr_off, arrive_off, epoch_
         tl.debug_barrier()
     flag = (base + arrive_off + rank * 8).to(tl.pointer_type(tl.int64))
     st_release(flag, tl.zeros([R_POW2], tl.int64) + epoch, USE_PTX)
+
+
+@triton.jit
+def _dest_row(itr_ptr, pos_ptr, first_ptr, t, live, r, rank, cap, R: tl.constexpr, SINGLE_ROUND: tl.constexpr):
+    """For tokens ``t``: whether each goes to rank ``r`` and its row ``rank * cap + pos[t, r] - first[r]`` in
+    that rank's area (``first`` is 0 in a single round)."""
+    go = live & (tl.load(itr_ptr + t * R + r, mask=live, other=0) != 0)
+    a = rank * cap + tl.load(pos_ptr + t * R + r, mask=go, other=0)
+    if not SINGLE_ROUND:
+        a -= tl.load(first_ptr + r)
+    return go, a.to(tl.int64)
 
 
 @triton.jit
@@ -247,12 +250,8 @@ def dispatch_push_kernel(x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_
             cm = cols < XW
             v = tl.load(x_ptr + t[:, None] * XW + cols[None, :], mask=live[:, None] & cm[None, :])
             for r in tl.static_range(R):
-                go = live & (tl.load(itr_ptr + t * R + r, mask=live, other=0) != 0)
-                if SINGLE_ROUND:
-                    a = rank * cap + tl.load(pos_ptr + t * R + r, mask=go, other=0)
-                else:
-                    a = rank * cap + tl.load(pos_ptr + t * R + r, mask=go, other=0) - tl.load(first_ptr + r)
-                dst = (tl.load(bases_ptr + r) + area_off + a.to(tl.int64) * (XW * 4)).to(tl.pointer_type(tl.int32))
+                go, a = _dest_row(itr_ptr, pos_ptr, first_ptr, t, live, r, rank, cap, R, SINGLE_ROUND)
+                dst = (tl.load(bases_ptr + r) + area_off + a * (XW * 4)).to(tl.pointer_type(tl.int32))
                 tl.store(dst[:, None] + cols[None, :], v, mask=go[:, None] & cm[None, :])
         if HAS_SCALES:
             sm = live[:, None] & (scols < NS)[None, :]
@@ -263,12 +262,8 @@ def dispatch_push_kernel(x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_
             if HAS_W:
                 wv = tl.load(w_ptr + t[:, None] * K + kc[None, :], mask=km, other=0.0)
         for r in tl.static_range(R):
-            go = live & (tl.load(itr_ptr + t * R + r, mask=live, other=0) != 0)
-            if SINGLE_ROUND:
-                a = rank * cap + tl.load(pos_ptr + t * R + r, mask=go, other=0)
-            else:
-                a = rank * cap + tl.load(pos_ptr + t * R + r, mask=go, other=0) - tl.load(first_ptr + r)
-            rec = (tl.load(bases_ptr + r) + meta_off + a.to(tl.int64) * (W * 4)).to(tl.pointer_type(tl.int32))
+            go, a = _dest_row(itr_ptr, pos_ptr, first_ptr, t, live, r, rank, cap, R, SINGLE_ROUND)
+            rec = (tl.load(bases_ptr + r) + meta_off + a * (W * 4)).to(tl.pointer_type(tl.int32))
             tl.store(rec, t.to(tl.int32), mask=go)
             tl.store(rec + 1, tl.zeros([TOK], tl.int32) + rank, mask=go)
             if HAS_SCALES:

@@ -132,6 +132,16 @@ class AllToAllTransport(Transport):
         return meta[:, 0], meta[:, 1], recv_scales, recv_idx, recv_w
 
     # ------------------------------------------------------------------ normal mode
+    def _raise_host_checks(self, error_words, bad_topk: int, bad_layout: int, num_experts: int) -> None:
+        """Turn the checks a dispatch read at its host synchronisation into exceptions."""
+        if any(error_words):
+            raise RuntimeError("Buffer.dispatch: an earlier call failed on the device: "
+                               + "; ".join(self.pending_errors()))
+        raise_if_bad_topk("Buffer.dispatch", bad_topk, num_experts)
+        if bad_layout:
+            raise ValueError("Buffer.dispatch: num_tokens_per_rank does not match is_token_in_rank; pass both from "
+                             "the same get_dispatch_layout call")
+
     def _gpu_path(self, t: torch.Tensor) -> bool:
         """Kernels instead of torch ops: on GPUs (and on CPUs under the Triton interpreter, for tests)."""
         if t.size(1) * t.element_size() % 4 or not triton_available():
@@ -170,13 +180,7 @@ class AllToAllTransport(Transport):
         recv_counts_h = host[num_ranks:2 * num_ranks]
         per_expert = host[2 * num_ranks:2 * num_ranks + e_local]
         bad_topk, bad_layout = host[2 * num_ranks + e_local:2 * num_ranks + e_local + 2]
-        if any(host[-2:]):
-            raise RuntimeError("Buffer.dispatch: an earlier call failed on the device: "
-                               + "; ".join(self.pending_errors()))
-        raise_if_bad_topk("Buffer.dispatch", bad_topk, req.num_experts)
-        if bad_layout:
-            raise ValueError("Buffer.dispatch: num_tokens_per_rank does not match is_token_in_rank; pass both from "
-                             "the same get_dispatch_layout call")
+        self._raise_host_checks(host[-2:], bad_topk, bad_layout, req.num_experts)
         num_send, num_recv = sum(send_counts), sum(recv_counts_h)
         send_idx = send_idx[:num_send]
 
@@ -244,13 +248,7 @@ class AllToAllTransport(Transport):
         bad_layout, bad_topk = host[:2]
         send_counts = host[2:2 + num_ranks]
         recv_table_h = host[2 + num_ranks:2 + num_ranks + num_ranks * (1 + e_local)]
-        if any(host[-2:]):
-            raise RuntimeError("Buffer.dispatch: an earlier call failed on the device: "
-                               + "; ".join(self.pending_errors()))
-        raise_if_bad_topk("Buffer.dispatch", bad_topk, req.num_experts)
-        if bad_layout:
-            raise ValueError("Buffer.dispatch: num_tokens_per_rank does not match is_token_in_rank; pass both from "
-                             "the same get_dispatch_layout call")
+        self._raise_host_checks(host[-2:], bad_topk, bad_layout, req.num_experts)
         recv_counts_h = [recv_table_h[s * (1 + e_local)] for s in range(num_ranks)]
         per_expert = [sum(recv_table_h[s * (1 + e_local) + 1 + e] for s in range(num_ranks)) for e in range(e_local)]
         num_send, num_recv = sum(send_counts), sum(recv_counts_h)

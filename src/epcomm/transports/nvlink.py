@@ -164,10 +164,10 @@ class NVLinkTransport(Transport):
         return timeout_units(env.timeout_s(), self.device)
 
     def _barrier(self) -> None:
-        from ..kernels.ep import barrier_kernel
+        from ..kernels.shmem import launch_barrier
 
-        barrier_kernel[(1,)](self.heap.peer_bases, self._off(self.flags), self.epoch, self.err, self.rank,
-                             self.num_ranks, self._timeout(), R_POW2=self.r_pow2, **self.flags_kw, **self.timer_kw)
+        launch_barrier(self.heap.peer_bases, self._off(self.flags), self.epoch, self.err, self.rank, self.num_ranks,
+                       env.timeout_s())
 
     def _timeout_message(self, code: int, peer: int, seen: int) -> Optional[str]:
         from ..kernels.shmem_codes import ERROR_NAMES
