@@ -8,7 +8,7 @@ from epcomm.testing import spawn
 from epcomm.testing.checks import GraphCase, LowLatencyCase, NormalCase, run_cases
 from test_buffer import _assert_clean, low_latency_cases, normal_cases
 
-TRANSPORTS = ["alltoall", "nvlink"]
+TRANSPORTS = ["alltoall", "nvlink", "p2p"]
 
 
 def large_cases():
