@@ -329,8 +329,10 @@ class Buffer:
             use_fp8: cast to e4m3 with per-128-channel scales on the way (else send ``x`` as is).
             round_scale: power-of-two scales. use_ue8m0: scales as packed UE8M0 bytes (needs round_scale).
             async_finish: return an event instead of making the current stream wait.
-            return_recv_hook: issue the sends and return; call ``hook()`` later to complete the receive. One
-                dispatch and one combine result may be pending per Buffer at a time.
+            return_recv_hook: issue the sends and return; call ``hook()`` later to complete the receive. The
+                one-sided transports double-buffer their storage: up to two dispatch and two combine results
+                may be pending, provided every rank has run the hook of call j-2 of a kind before any rank
+                sends call j of that kind (two micro-batches per layer: D0 D1, hooks, C0 C1, hooks).
 
         Returns:
             recv_x: ``[E_local, R * T, hidden]`` e4m3 with scales ``[E_local, R * T, hidden / 128]`` float32
@@ -359,7 +361,8 @@ class Buffer:
                              f"{num_max_dispatch_tokens_per_rank}; raise that limit or split the batch")
         if use_ue8m0 and not round_scale:
             raise ValueError(f"{fn}: use_ue8m0=True needs round_scale=True (UE8M0 scales are powers of two)")
-        bad = check_topk(fn, topk_idx, num_experts, x.size(0), self.device)
+        bad = check_topk(fn, topk_idx, num_experts, x.size(0), self.device,
+                         values_checked_later=getattr(self.runtime, "validates_topk", False))
         from ..transports.base import LowLatencyDispatchRequest
 
         req = LowLatencyDispatchRequest(x.contiguous(), topk_idx, num_max_dispatch_tokens_per_rank, num_experts,

@@ -40,22 +40,57 @@ def low_latency_pair_capacity(num_max_dispatch_tokens_per_rank: int, num_topk: i
     return num_max_dispatch_tokens_per_rank * min(num_topk, num_local_experts)
 
 
+LOW_LATENCY_ALIGN = 256
+
+
+def low_latency_area(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_local_experts: int,
+                     num_topk: int, payload_row_bytes: int, scale_words: int) -> dict:
+    """Byte layout of the one-sided low-latency storage of one rank for one call geometry (the same on every
+    rank; ``epcomm.transports.low_latency``). Two dispatch areas, then two combine areas (one per parity):
+
+    * dispatch area: ``pay [R, C, payload_row_bytes]`` | ``scl [R, C, scale_words]`` int32 | ``meta [R, C]``
+      int32 | ``cnt [R, E_local]`` int32, where ``C = T * min(K, E_local)`` rows per source rank;
+    * combine area: ``rows [T * K, hidden]`` bf16, one row per (token, slot) of this rank.
+
+    Returns the offsets (relative to the start of the area) and ``total`` bytes; each part is 256-aligned."""
+    t, r, k = num_max_dispatch_tokens_per_rank, num_ranks, num_topk
+    cap = low_latency_pair_capacity(t, k, num_local_experts)
+    out = {"cap": cap}
+    off = 0
+    for name, nbytes in (("pay", r * cap * payload_row_bytes), ("scl", r * cap * scale_words * 4),
+                         ("meta", r * cap * 4), ("cnt", r * num_local_experts * 4)):
+        out[name] = off
+        off = align_up(off + nbytes, LOW_LATENCY_ALIGN)
+    out["dispatch_bytes"] = off
+    out["combine_bytes"] = align_up(t * k * hidden * 2, LOW_LATENCY_ALIGN)
+    out["total"] = 2 * (out["dispatch_bytes"] + out["combine_bytes"])
+    return out
+
+
+def low_latency_flag_bytes(num_ranks: int) -> int:
+    """Bytes of the low-latency arrival flags (int64 ``[2 kinds, 2 parities, R]``), 256-aligned."""
+    return align_up(2 * 2 * num_ranks * 8, LOW_LATENCY_ALIGN)
+
+
 def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                                    num_experts: int, num_topk: int | None = None) -> int:
-    """Bytes of communication storage one rank needs for low-latency dispatch + combine (BF16 rows, the
-    larger of the two), DeepEP's signature plus an optional ``num_topk``.
+    """Bytes of symmetric storage one rank needs for low-latency dispatch + combine (BF16 or FP8 payload),
+    DeepEP's signature plus an optional ``num_topk``; pass it as ``num_rdma_bytes``.
 
-    epcomm sizes by what can arrive: from each of the R ranks at most ``T * min(K, E_local)`` rows, plus
-    a send area of the same size, instead of DeepEP's ``E * T`` rows per direction. Without ``num_topk``
-    the bound takes ``K = E_local`` (every local expert selected)."""
+    epcomm sizes by what can arrive, double-buffered: per parity, from each of the R ranks at most
+    ``T * min(K, E_local)`` dispatch rows (payload, scales, source), and ``T * K`` combine rows of this rank's
+    own tokens, instead of DeepEP's ``E * T`` rows per direction. Without ``num_topk`` the bound takes
+    ``K = E_local`` (every local expert selected). Float32 payloads (``use_fp8=False`` with fp32 ``x``) need
+    twice the payload part; the one-sided transports grow their storage on the first such call."""
     if num_experts % num_ranks:
         raise ValueError(f"get_low_latency_rdma_size_hint: num_experts={num_experts} is not divisible by "
                          f"num_ranks={num_ranks}")
     e_local = num_experts // num_ranks
     k = e_local if num_topk is None else num_topk
-    rows = num_ranks * low_latency_pair_capacity(num_max_dispatch_tokens_per_rank, k, e_local)
-    row_bytes = 2 * hidden + 16  # bf16 payload and per-row metadata
-    return 2 * rows * row_bytes
+    groups = -(-hidden // 128)
+    bf16 = low_latency_area(num_max_dispatch_tokens_per_rank, hidden, num_ranks, e_local, k, 2 * hidden, 0)
+    fp8 = low_latency_area(num_max_dispatch_tokens_per_rank, hidden, num_ranks, e_local, k, hidden, groups)
+    return low_latency_flag_bytes(num_ranks) + max(bf16["total"], fp8["total"])
 
 
 def get_normal_buffer_size_hint(num_tokens: int, hidden_bytes: int, num_ranks: int) -> int:
