@@ -125,7 +125,7 @@ def bench_worker(ctx, opts: DispatchBenchOptions) -> list:
 
                 add(name, "layout + dispatch FP8", t(layout_and_dispatch), "fp8")
                 if ctx.device.type == "cuda" and buf.runtime.capabilities().sync_free_normal:
-                    worst = 2 * opts.tokens  # a bound on any rank's receive count for these routings
+                    worst = ctx.world_size * opts.tokens  # the most rows a rank can receive
 
                     def graph_step(fp8=False):
                         r = buf.dispatch(x_fp8 if fp8 else x, **layout, config=cfg, num_worst_tokens=worst)
