@@ -21,6 +21,7 @@ def normal_cases(world_size: int) -> list:
         NormalCase(num_tokens=uneven, hidden=256, num_experts=24, topk=3, dtype="fp8", worst=True, seed=6),
         NormalCase(num_tokens=30, hidden=72, num_experts=24, topk=2, routing="one_rank", seed=7),
         NormalCase(num_tokens=30, hidden=64, num_experts=24, topk=2, with_topk=False, bias=1, seed=8),
+        NormalCase(num_tokens=uneven, hidden=256, num_experts=24, topk=4, dtype="fp8", bias=1, overlap=True, seed=9),
     ]
 
 

@@ -44,7 +44,9 @@ def capture_event() -> EventOverlap:
 class StreamScope:
     """Runs one call on the communication stream with DeepEP's semantics.
 
-    On entry the communication stream waits for ``previous_event`` (or for the current stream). Work inside
+    A call that asks for no overlap (no ``async_finish``, ``previous_event`` or ``allocate_on_comm_stream``)
+    simply runs on the current stream. Otherwise, on entry the communication stream waits for
+    ``previous_event`` (or for the current stream). Work inside
     runs on the communication stream. ``finish(outputs, inputs)`` then records an event and either returns
     it (``async_finish``) or makes the current stream wait for it. Tensors that cross streams are protected
     with ``record_stream``: outputs allocated on the communication stream are marked as used by the compute
@@ -52,7 +54,11 @@ class StreamScope:
 
     def __init__(self, comm_stream: Optional[torch.cuda.Stream], previous_event: Optional[EventOverlap],
                  async_finish: bool, allocate_on_comm_stream: bool) -> None:
-        self.comm_stream = comm_stream
+        # a call that asks for no overlap runs on the current stream: the same ordering as fork + join,
+        # without the stream waits, events and record_stream calls (host time on every call)
+        wants_comm_stream = async_finish or allocate_on_comm_stream or (
+            previous_event is not None and previous_event.event is not None)
+        self.comm_stream = comm_stream if wants_comm_stream else None
         self.previous_event = previous_event
         self.async_finish = async_finish
         self.allocate_on_comm_stream = allocate_on_comm_stream

@@ -56,11 +56,13 @@ class NormalCase:
     bias: int = 0  # number of bias tensors (0, 1, 2)
     column_major_scales: bool = False
     with_topk: bool = True
+    overlap: bool = False  # previous_event + async_finish: the calls run on the communication stream
     seed: int = 0
 
     def label(self) -> str:
         return (f"N={self.num_tokens} H={self.hidden} E={self.num_experts} K={self.topk} {self.routing} "
-                f"{self.dtype} align={self.expert_alignment} worst={self.worst} bias={self.bias}")
+                f"{self.dtype} align={self.expert_alignment} worst={self.worst} bias={self.bias}"
+                + (" overlap" if self.overlap else ""))
 
 
 @dataclass
@@ -119,12 +121,14 @@ def check_normal(ctx, buf, case: NormalCase) -> CaseResult:
                              [c[1] for c in casted] if fp8 else None, case.expert_alignment)
     max_recv = max(r.recv_x.size(0) for r in ref)
     worst = max(max_recv, 1) + 3 if case.worst else 0
-    recv_x, recv_idx, recv_w, per_expert_list, handle, _ = buf.dispatch(
+    stream_kw = dict(previous_event=buf.capture(), async_finish=True) if case.overlap else {}
+    recv_x, recv_idx, recv_w, per_expert_list, handle, event = buf.dispatch(
         x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
         num_tokens_per_expert=per_expert if case.with_topk else None,
         topk_idx=mine.topk_idx if case.with_topk else None,
         topk_weights=mine.topk_weights if case.with_topk else None,
-        expert_alignment=case.expert_alignment, num_worst_tokens=worst)
+        expert_alignment=case.expert_alignment, num_worst_tokens=worst, **stream_kw)
+    event.current_stream_wait()
     mine_ref = ref[rank]
     m = mine_ref.recv_x.size(0)
     got_x, got_s = recv_x if fp8 else (recv_x, None)
@@ -178,8 +182,12 @@ def check_normal(ctx, buf, case: NormalCase) -> CaseResult:
     if case.with_topk:
         w_in = torch.zeros(worst or m, case.topk)
         w_in[:m] = ref[rank].recv_topk_weights
-    combined, combined_w, _ = buf.combine(y.to(dev), handle, topk_weights=w_in.to(dev) if w_in is not None else None,
-                                          bias=bias)
+    if case.overlap:
+        stream_kw = dict(previous_event=buf.capture(), async_finish=True)
+    combined, combined_w, event = buf.combine(y.to(dev), handle,
+                                              topk_weights=w_in.to(dev) if w_in is not None else None, bias=bias,
+                                              **stream_kw)
+    event.current_stream_wait()
     want = reference.combine(ys, ref, [i.x.size(0) for i in inputs],
                              [r.recv_topk_weights for r in ref] if case.with_topk else None,
                              biases if case.bias else None, out_dtype)
