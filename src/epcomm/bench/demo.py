@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -15,7 +15,7 @@ from ..testing import run
 from ..testing.checks import LowLatencyCase, NormalCase, check_low_latency, check_normal
 from .report import format_table
 from .timing import time_op
-from .traffic import low_latency_bytes, low_latency_pairs, normal_traffic, row_bytes
+from .traffic import low_latency_bytes, low_latency_pairs, normal_traffic
 
 log = logging.getLogger(__name__)
 

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import Callable, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
-from .. import env
 from ..errors import EpcommError
-from ..fp8 import FP8_DTYPE, GROUP
+from ..fp8 import GROUP
 from .config import Config
 from .events import EventOverlap, StreamScope, capture_event
 from .handles import DispatchHandle, LowLatencyHandle

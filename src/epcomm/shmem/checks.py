@@ -338,7 +338,7 @@ def check_validation(ctx) -> dict:
     """Argument checks and their messages: each must raise the documented exception, naming the function."""
     from ..errors import BufferTooSmallError, EpcommError
 
-    rank, world, dev = ctx.rank, ctx.world_size, ctx.device
+    world, dev = ctx.world_size, ctx.device
     heap = SymmetricHeap(ctx.group, 1024, device=dev)
     a = heap.empty(100, torch.uint8)
     failures: list = []

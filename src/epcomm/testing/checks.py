@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 import torch
 
 from .. import reference
-from ..fp8 import FP8_DTYPE, per_token_cast_back, per_token_cast_to_fp8
+from ..fp8 import per_token_cast_back, per_token_cast_to_fp8
 from .routing import make_inputs
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16, "fp8": torch.bfloat16}
@@ -98,7 +98,6 @@ def check_normal(ctx, buf, case: NormalCase) -> CaseResult:
     fp8 = case.dtype == "fp8"
     casted = [per_token_cast_to_fp8(i.x) for i in inputs] if fp8 else None
     mine = inputs[rank].to(dev)
-    n = mine.x.size(0)
     if fp8:
         data, scales = casted[rank][0].to(dev), casted[rank][1].to(dev)
         if case.column_major_scales:

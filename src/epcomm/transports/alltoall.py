@@ -31,7 +31,7 @@ import torch.distributed as dist
 from ..buffer.handles import DispatchHandle, LowLatencyHandle
 from ..buffer.layout import align_up, low_latency_pair_capacity
 from ..buffer.validate import raise_if_bad_topk
-from ..fp8 import FP8_DTYPE, GROUP, per_token_cast_to_fp8
+from ..fp8 import FP8_DTYPE, per_token_cast_to_fp8
 from ..kernels import triton_available
 from .plan import exclusive_cumsum, send_plan
 from .base import (Capabilities, CombineRequest, DispatchRequest, DispatchResult, LowLatencyCombineRequest,
