@@ -74,14 +74,9 @@ def _graph_micro_batches(ctx, replays: int = 4, transport="nvlink", buffer_kwarg
 
     graph = None
     if dev.type == "cuda":
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            disp, comb = step()
+        from epcomm.bench.timing import capture_graph
+
+        graph, (disp, comb) = capture_graph(step)
     problems = []
     for it in range(1, replays + 1):
         steps = [data(100 * it + j) for j in range(3)]

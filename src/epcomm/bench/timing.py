@@ -73,9 +73,10 @@ def time_op(fn: Callable[[], object], group, device: torch.device, iters: int = 
     return Timing(statistics.median(per_iter_max), min(per_iter_max), max(per_iter_max), iters)
 
 
-def time_graph(fn: Callable[[], object], group, device: torch.device, iters: int = 50, warmup: int = 3) -> Timing:
-    """Capture ``fn()`` in a CUDA graph once and time its replays like ``time_op``."""
-    stream = torch.cuda.Stream(device)
+def capture_graph(fn: Callable[[], object], warmup: int = 1) -> tuple:
+    """Warm ``fn`` up on a side stream, then capture one call of it in a CUDA graph. Returns ``(graph,
+    outputs of the captured call)``; ``graph.replay()`` reruns it on whatever the inputs hold then."""
+    stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(warmup):
@@ -83,5 +84,11 @@ def time_graph(fn: Callable[[], object], group, device: torch.device, iters: int
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        out = fn()
+    return graph, out
+
+
+def time_graph(fn: Callable[[], object], group, device: torch.device, iters: int = 50, warmup: int = 3) -> Timing:
+    """Capture ``fn()`` in a CUDA graph once and time its replays like ``time_op``."""
+    graph, _ = capture_graph(fn, warmup)
     return time_op(graph.replay, group, device, iters=iters, warmup=warmup)

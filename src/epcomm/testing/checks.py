@@ -332,14 +332,9 @@ def check_graph(ctx, buf, case: GraphCase) -> CaseResult:
         combined, combined_w, _ = buf.combine(recv_x * 2, handle, topk_weights=recv_w)
         return recv_x, combined, combined_w, recv_idx, in_rank
 
-    side = torch.cuda.Stream(dev)
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
+    from ..bench.timing import capture_graph
+
+    graph, outs = capture_graph(step)
     for i in range(1, case.replays + 1):
         mine = data[i][rank]
         x_s.copy_(mine.x)

@@ -181,22 +181,32 @@ class AllToAllTransport(Transport):
         per_expert = host[2 * num_ranks:2 * num_ranks + e_local]
         bad_topk, bad_layout = host[2 * num_ranks + e_local:2 * num_ranks + e_local + 2]
         self._raise_host_checks(host[-2:], bad_topk, bad_layout, req.num_experts)
-        num_send, num_recv = sum(send_counts), sum(recv_counts_h)
+        num_send = sum(send_counts)
         send_idx = send_idx[:num_send]
 
+        state = _NormalState(send_idx=send_idx, send_counts=tuple(send_counts), slot=slot, capacity=0, recv_dst=None)
+        return self._exchange_rows(req, _as_bytes(x).index_select(0, send_idx), meta[:num_send], send_counts,
+                                   recv_counts_h, per_expert, recv_per_expert, state)
+
+    def _exchange_rows(self, req: DispatchRequest, rows: torch.Tensor, records: torch.Tensor, send_counts: list,
+                       recv_counts: list, per_expert: list, recv_per_expert: torch.Tensor,
+                       state: "_NormalState") -> DispatchResult:
+        """Exact mode, after the host synchronisation: move the packed rows and records, unpack, build the
+        handle. ``rows``/``records`` are in send order (destination rank, then token)."""
+        x, dev, num_ranks = req.x, req.x.device, self.num_ranks
+        num_recv = sum(recv_counts)
         recv_x = torch.empty(num_recv, x.size(1), dtype=x.dtype, device=dev)
-        self._a2a(recv_x, _as_bytes(x).index_select(0, send_idx), recv_counts_h, send_counts)
-        recv_meta = torch.empty(num_recv, meta.size(1), dtype=torch.int32, device=dev)
-        self._a2a(recv_meta, meta[:num_send], recv_counts_h, send_counts)
+        self._a2a(recv_x, rows, recv_counts, send_counts)
+        recv_meta = torch.empty(num_recv, records.size(1), dtype=torch.int32, device=dev)
+        self._a2a(recv_meta, records, recv_counts, send_counts)
         recv_src_idx, recv_src_rank, recv_scales, recv_idx, recv_w = self._unpack_metadata(
             recv_meta, req.x_scales, req.topk_idx, req.topk_weights)
         handle = DispatchHandle(
             buffer_id=self.buffer_id, transport=self.name, num_ranks=num_ranks, num_experts=req.num_experts,
-            num_tokens=x.size(0), hidden=x.size(1), is_token_in_rank=itr, num_tokens_per_rank=tuple(send_counts),
-            num_recv_tokens=num_recv, num_recv_tokens_per_rank=tuple(recv_counts_h),
-            num_recv_tokens_per_expert=recv_per_expert, recv_src_rank=recv_src_rank, recv_src_idx=recv_src_idx,
-            state=_NormalState(send_idx=send_idx, send_counts=tuple(send_counts), slot=slot, capacity=0,
-                               recv_dst=None))
+            num_tokens=x.size(0), hidden=x.size(1), is_token_in_rank=req.is_token_in_rank,
+            num_tokens_per_rank=tuple(send_counts), num_recv_tokens=num_recv,
+            num_recv_tokens_per_rank=tuple(recv_counts), num_recv_tokens_per_expert=recv_per_expert,
+            recv_src_rank=recv_src_rank, recv_src_idx=recv_src_idx, state=state)
         per_expert_list = ([align_up(c, req.expert_alignment) for c in per_expert]
                            if req.topk_idx is not None else [])
         return DispatchResult(recv_x, recv_scales, recv_idx, recv_w, per_expert_list, handle)
@@ -251,23 +261,11 @@ class AllToAllTransport(Transport):
         self._raise_host_checks(host[-2:], bad_topk, bad_layout, req.num_experts)
         recv_counts_h = [recv_table_h[s * (1 + e_local)] for s in range(num_ranks)]
         per_expert = [sum(recv_table_h[s * (1 + e_local) + 1 + e] for s in range(num_ranks)) for e in range(e_local)]
-        num_send, num_recv = sum(send_counts), sum(recv_counts_h)
-        recv_x = torch.empty(num_recv, x.size(1), dtype=x.dtype, device=dev)
-        self._a2a(recv_x, rows[:num_send], recv_counts_h, send_counts)
-        recv_meta = torch.empty(num_recv, recs.size(1), dtype=torch.int32, device=dev)
-        self._a2a(recv_meta, recs[:num_send], recv_counts_h, send_counts)
-        recv_src_idx, recv_src_rank, recv_scales, recv_idx, recv_w = self._unpack_metadata(
-            recv_meta, req.x_scales, req.topk_idx, req.topk_weights)
-        handle = DispatchHandle(
-            buffer_id=self.buffer_id, transport=self.name, num_ranks=num_ranks, num_experts=req.num_experts,
-            num_tokens=n, hidden=x.size(1), is_token_in_rank=itr, num_tokens_per_rank=tuple(send_counts),
-            num_recv_tokens=num_recv, num_recv_tokens_per_rank=tuple(recv_counts_h),
-            num_recv_tokens_per_expert=recv_table[:, 1:].sum(0, dtype=torch.int32), recv_src_rank=recv_src_rank,
-            recv_src_idx=recv_src_idx,
-            state=_NormalState(send_idx=torch.empty(0, dtype=torch.int64, device=dev), send_counts=tuple(send_counts),
-                               slot=None, capacity=0, recv_dst=None, pos=pos, first=first))
-        per_expert_list = [align_up(c, req.expert_alignment) for c in per_expert] if k else []
-        return DispatchResult(recv_x, recv_scales, recv_idx, recv_w, per_expert_list, handle)
+        num_send = sum(send_counts)
+        state = _NormalState(send_idx=torch.empty(0, dtype=torch.int64, device=dev), send_counts=tuple(send_counts),
+                             slot=None, capacity=0, recv_dst=None, pos=pos, first=first)
+        return self._exchange_rows(req, rows[:num_send], recs[:num_send], send_counts, recv_counts_h, per_expert,
+                                   recv_table[:, 1:].sum(0, dtype=torch.int32), state)
 
     def _cached_dispatch(self, req: DispatchRequest) -> DispatchResult:
         h = req.handle
