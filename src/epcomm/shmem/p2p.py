@@ -7,6 +7,9 @@ through ``cuda.bindings`` when it is installed, else through the driver library 
 from __future__ import annotations
 
 import ctypes
+import glob
+import os
+import sys
 import functools
 import logging
 from typing import Optional
@@ -20,51 +23,114 @@ _ATTR_ACCESS_SUPPORTED = 2
 _ATTR_NATIVE_ATOMIC_SUPPORTED = 3
 
 
-def _query_cuda_bindings(attr: int, dev_a: int, dev_b: int) -> Optional[int]:
-    try:
+P2P_ATTRS = {"performance_rank": 1, "access": 2, "atomics": 3}  # cudaDeviceP2PAttr == CUdevice_P2PAttribute
+
+
+class P2PAttributeQuery:
+    """``cudaDeviceGetP2PAttribute`` through the first of: cuda.bindings.runtime, libcudart, libcuda."""
+
+    def __init__(self) -> None:
+        self.source, self.reason, self._fn = "", "", None
+        problems = []
+        for loader in (self._cuda_bindings, self._libcudart, self._libcuda):
+            try:
+                self._fn, self.source = loader()
+                return
+            except Exception as exc:  # noqa: BLE001 - try the next way
+                problems.append(f"{loader.__name__.strip('_')}: {type(exc).__name__}: {exc}")
+        self.reason = "cudaDeviceGetP2PAttribute unavailable (" + "; ".join(problems) + ")"
+
+    @staticmethod
+    def _cuda_bindings():
         try:
-            from cuda.bindings import runtime as cudart  # cuda-bindings >= 12.6
+            from cuda.bindings import runtime as rt
         except ImportError:
-            from cuda import cudart  # type: ignore[no-redef]  # older cuda-python
-    except Exception:  # noqa: BLE001 - not installed or broken: try the next way
-        return None
-    names = {_ATTR_ACCESS_SUPPORTED: "cudaDevP2PAttrAccessSupported",
-             _ATTR_NATIVE_ATOMIC_SUPPORTED: "cudaDevP2PAttrNativeAtomicSupported"}
-    try:
-        err, value = cudart.cudaDeviceGetP2PAttribute(getattr(cudart.cudaDeviceP2PAttr, names[attr]), dev_a, dev_b)
-    except Exception as e:  # noqa: BLE001
-        log.debug("p2p: cuda.bindings query failed: %s", e)
-        return None
-    if int(err) != 0:
-        log.debug("p2p: cudaDeviceGetP2PAttribute(%s, %d, %d) returned error %s", names[attr], dev_a, dev_b, err)
-        return None
-    return int(value)
+            from cuda import cudart as rt  # cuda-python < 12.6
 
+        names = {1: "cudaDevP2PAttrPerformanceRank", 2: "cudaDevP2PAttrAccessSupported",
+                 3: "cudaDevP2PAttrNativeAtomicSupported"}
 
-def _query_driver(attr: int, dev_a: int, dev_b: int) -> Optional[int]:
-    try:
+        def query(attr: int, src: int, dst: int) -> int:
+            err, value = rt.cudaDeviceGetP2PAttribute(getattr(rt.cudaDeviceP2PAttr, names[attr]), src, dst)
+            if err != rt.cudaError_t.cudaSuccess:
+                raise RuntimeError(f"cudaDeviceGetP2PAttribute({attr}, {src}, {dst}) returned {err}")
+            return int(value)
+
+        return query, "cuda.bindings.runtime"
+
+    @staticmethod
+    def _libcudart():
+        lib = _load_library(_cudart_candidates())
+
+        def query(attr: int, src: int, dst: int) -> int:
+            value = ctypes.c_int()
+            err = lib.cudaDeviceGetP2PAttribute(ctypes.byref(value), ctypes.c_int(attr), ctypes.c_int(src),
+                                                ctypes.c_int(dst))
+            if err != 0:
+                raise RuntimeError(f"cudaDeviceGetP2PAttribute({attr}, {src}, {dst}) returned cudaError {err}")
+            return value.value
+
+        return query, f"{lib._name} (ctypes)"
+
+    @staticmethod
+    def _libcuda():
         lib = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return None
-    try:
         if lib.cuInit(0) != 0:
-            return None
-        da, db, value = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
-        if lib.cuDeviceGet(ctypes.byref(da), dev_a) != 0 or lib.cuDeviceGet(ctypes.byref(db), dev_b) != 0:
-            return None
-        if lib.cuDeviceGetP2PAttribute(ctypes.byref(value), attr, da, db) != 0:
-            return None
-    except Exception as e:  # noqa: BLE001
-        log.debug("p2p: driver query failed: %s", e)
-        return None
-    return int(value.value)
+            raise RuntimeError("cuInit failed")
+
+        def device(ordinal: int) -> ctypes.c_int:
+            dev = ctypes.c_int()
+            if lib.cuDeviceGet(ctypes.byref(dev), ctypes.c_int(ordinal)) != 0:
+                raise RuntimeError(f"cuDeviceGet({ordinal}) failed")
+            return dev
+
+        def query(attr: int, src: int, dst: int) -> int:
+            value = ctypes.c_int()
+            err = lib.cuDeviceGetP2PAttribute(ctypes.byref(value), ctypes.c_int(attr), device(src), device(dst))
+            if err != 0:
+                raise RuntimeError(f"cuDeviceGetP2PAttribute({attr}, {src}, {dst}) returned CUresult {err}")
+            return value.value
+
+        return query, "libcuda.so.1 (ctypes)"
+
+    def __call__(self, attr: str, src: int, dst: int) -> int:
+        if self._fn is None:
+            raise RuntimeError(self.reason)
+        return self._fn(P2P_ATTRS[attr], src, dst)
+
+
+def _cudart_candidates() -> list:
+    major = (torch.version.cuda or "").split(".")[0]
+    names = ["libcudart.so"] + ([f"libcudart.so.{major}", f"libcudart.so.{major}.0"] if major else [])
+    for base in sys.path:  # the pip wheels' copies (nvidia/cuda_runtime/lib, nvidia/cu13/lib)
+        names += sorted(glob.glob(os.path.join(base, "nvidia", "*", "lib", "libcudart.so*")))
+    return names
+
+
+def _load_library(names: list):
+    problems = []
+    for name in names:
+        try:
+            return ctypes.CDLL(name)
+        except OSError as exc:
+            problems.append(str(exc))
+    raise OSError("; ".join(problems[:3]) or "no candidate")
+
+
+_QUERY: Optional["P2PAttributeQuery"] = None
 
 
 def _p2p_attribute(attr: int, dev_a: int, dev_b: int) -> Optional[int]:
-    value = _query_cuda_bindings(attr, dev_a, dev_b)
-    if value is None:
-        value = _query_driver(attr, dev_a, dev_b)
-    return value
+    """The attribute's value, or None when CUDA cannot tell (the reason is logged)."""
+    global _QUERY
+    if _QUERY is None:
+        _QUERY = P2PAttributeQuery()
+    name = {v: k for k, v in P2P_ATTRS.items()}[attr]
+    try:
+        return _QUERY(name, dev_a, dev_b)
+    except RuntimeError as exc:
+        log.debug("p2p: %s", exc)
+        return None
 
 
 def _check_devices(fn: str, dev_a: int, dev_b: int) -> bool:

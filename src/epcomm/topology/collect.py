@@ -12,13 +12,9 @@ The CUDA and NVML entry points are parameters (``cuda=``, ``nvml=``) so the logi
 
 from __future__ import annotations
 
-import ctypes
-import glob
 import importlib.metadata
 import logging
-import os
 import socket
-import sys
 from typing import Any, Optional
 
 import torch
@@ -29,7 +25,6 @@ from .report import Capability, LocalFacts, NvLinkFacts, PeerFacts, normalize_pc
 
 log = logging.getLogger(__name__)
 
-P2P_ATTRS = {"performance_rank": 1, "access": 2, "atomics": 3}  # cudaDeviceP2PAttr == CUdevice_P2PAttribute
 
 
 # ---------------------------------------------------------------------------------------------- host and software
@@ -84,95 +79,10 @@ def symmetric_memory_capability(device: torch.device) -> tuple:
 
 
 # ---------------------------------------------------------------------------------------------- CUDA
-class _P2PAttribute:
-    """``cudaDeviceGetP2PAttribute`` through the first of: cuda.bindings.runtime, libcudart, libcuda."""
-
-    def __init__(self) -> None:
-        self.source, self.reason, self._fn = "", "", None
-        problems = []
-        for loader in (self._cuda_bindings, self._libcudart, self._libcuda):
-            try:
-                self._fn, self.source = loader()
-                return
-            except Exception as exc:  # noqa: BLE001 - try the next way
-                problems.append(f"{loader.__name__.strip('_')}: {type(exc).__name__}: {exc}")
-        self.reason = "cudaDeviceGetP2PAttribute unavailable (" + "; ".join(problems) + ")"
-
-    @staticmethod
-    def _cuda_bindings():
-        try:
-            from cuda.bindings import runtime as rt
-        except ImportError:
-            from cuda import cudart as rt  # cuda-python < 12.6
-
-        names = {1: "cudaDevP2PAttrPerformanceRank", 2: "cudaDevP2PAttrAccessSupported",
-                 3: "cudaDevP2PAttrNativeAtomicSupported"}
-
-        def query(attr: int, src: int, dst: int) -> int:
-            err, value = rt.cudaDeviceGetP2PAttribute(getattr(rt.cudaDeviceP2PAttr, names[attr]), src, dst)
-            if err != rt.cudaError_t.cudaSuccess:
-                raise RuntimeError(f"cudaDeviceGetP2PAttribute({attr}, {src}, {dst}) returned {err}")
-            return int(value)
-
-        return query, "cuda.bindings.runtime"
-
-    @staticmethod
-    def _libcudart():
-        lib = _load_library(_cudart_candidates())
-
-        def query(attr: int, src: int, dst: int) -> int:
-            value = ctypes.c_int()
-            err = lib.cudaDeviceGetP2PAttribute(ctypes.byref(value), ctypes.c_int(attr), ctypes.c_int(src),
-                                                ctypes.c_int(dst))
-            if err != 0:
-                raise RuntimeError(f"cudaDeviceGetP2PAttribute({attr}, {src}, {dst}) returned cudaError {err}")
-            return value.value
-
-        return query, f"{lib._name} (ctypes)"
-
-    @staticmethod
-    def _libcuda():
-        lib = ctypes.CDLL("libcuda.so.1")
-        if lib.cuInit(0) != 0:
-            raise RuntimeError("cuInit failed")
-
-        def device(ordinal: int) -> ctypes.c_int:
-            dev = ctypes.c_int()
-            if lib.cuDeviceGet(ctypes.byref(dev), ctypes.c_int(ordinal)) != 0:
-                raise RuntimeError(f"cuDeviceGet({ordinal}) failed")
-            return dev
-
-        def query(attr: int, src: int, dst: int) -> int:
-            value = ctypes.c_int()
-            err = lib.cuDeviceGetP2PAttribute(ctypes.byref(value), ctypes.c_int(attr), device(src), device(dst))
-            if err != 0:
-                raise RuntimeError(f"cuDeviceGetP2PAttribute({attr}, {src}, {dst}) returned CUresult {err}")
-            return value.value
-
-        return query, "libcuda.so.1 (ctypes)"
-
-    def __call__(self, attr: str, src: int, dst: int) -> int:
-        if self._fn is None:
-            raise RuntimeError(self.reason)
-        return self._fn(P2P_ATTRS[attr], src, dst)
+from ..shmem.p2p import P2PAttributeQuery as _P2PAttribute  # noqa: E402  (one implementation)
 
 
-def _cudart_candidates() -> list:
-    major = (torch.version.cuda or "").split(".")[0]
-    names = ["libcudart.so"] + ([f"libcudart.so.{major}", f"libcudart.so.{major}.0"] if major else [])
-    for base in sys.path:  # the pip wheels' copies (nvidia/cuda_runtime/lib, nvidia/cu13/lib)
-        names += sorted(glob.glob(os.path.join(base, "nvidia", "*", "lib", "libcudart.so*")))
-    return names
 
-
-def _load_library(names: list):
-    problems = []
-    for name in names:
-        try:
-            return ctypes.CDLL(name)
-        except OSError as exc:
-            problems.append(str(exc))
-    raise OSError("; ".join(problems[:3]) or "no candidate")
 
 
 class TorchCuda:
