@@ -13,13 +13,12 @@ counts only rows that cross GPUs."""
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
 import torch
 
 from ..testing import run
-from .report import format_table, write_results
+from .report import bench_parser, format_table, write_results
 from .timing import time_graph, time_op
 from .traffic import normal_traffic, row_bytes
 
@@ -181,24 +180,12 @@ def _plot(rows, path):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..transports import TRANSPORTS
-
-    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    parser = argparse.ArgumentParser(prog="python -m epcomm bench dispatch", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world-size", type=int, default=max(n_gpus, 2))
+    parser = bench_parser("python -m epcomm bench dispatch", __doc__, experts=256, iters=20)
     parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--hidden", type=int, default=7168)
-    parser.add_argument("--topk", type=int, default=8)
-    parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--routings", default="uniform,skewed")
-    parser.add_argument("--transports", default=",".join(TRANSPORTS), help="comma-separated epcomm transports")
-    parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--num-sms", type=int, default=24)
     parser.add_argument("--configs", default="24:4",
                         help="one-sided transports: comma-separated num_sms:tokens_per_step pairs to sweep")
-    parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--name", default=None, help="result file name (default bench_dispatch_<N>ranks)")
     args = parser.parse_args(argv)
     opts = DispatchBenchOptions(args.tokens, args.hidden, args.topk, args.experts, tuple(args.routings.split(",")),
                                 tuple(args.transports.split(",")), args.iters, args.num_sms,

@@ -8,13 +8,12 @@ bytes, combine 2H."""
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
 import torch
 
 from ..testing import run
-from .report import format_table, write_results
+from .report import bench_parser, format_table, write_results
 from .timing import time_graph, time_op
 from .traffic import low_latency_bytes, low_latency_pairs
 
@@ -117,20 +116,8 @@ def _plot(rows, path):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..transports import TRANSPORTS
-
-    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    parser = argparse.ArgumentParser(prog="python -m epcomm bench low-latency", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world-size", type=int, default=max(n_gpus, 2))
+    parser = bench_parser("python -m epcomm bench low-latency", __doc__, experts=288, iters=50)
     parser.add_argument("--tokens", default="1,8,32,128,256", help="tokens per rank, comma-separated")
-    parser.add_argument("--hidden", type=int, default=7168)
-    parser.add_argument("--topk", type=int, default=8)
-    parser.add_argument("--experts", type=int, default=288)
-    parser.add_argument("--transports", default=",".join(TRANSPORTS))
-    parser.add_argument("--iters", type=int, default=50)
-    parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--name", default=None)
     args = parser.parse_args(argv)
     opts = LowLatencyBenchOptions(tuple(int(v) for v in args.tokens.split(",")), args.hidden, args.topk,
                                   args.experts, tuple(args.transports.split(",")), args.iters)

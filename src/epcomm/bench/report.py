@@ -102,3 +102,24 @@ def write_results(rows: Sequence[dict], name: str, out_dir: str, title: str, not
         except ImportError:
             pass
     return paths
+
+
+def bench_parser(prog: str, doc: str, experts: int, iters: int):
+    """The arguments every dispatch/combine benchmark takes: ``--world-size`` (default: one rank per GPU,
+    at least 2), ``--hidden``, ``--topk``, ``--experts``, ``--transports`` (every registered one), ``--iters``,
+    ``--out``, ``--name``. Returns the parser for the benchmark to add its own."""
+    import argparse
+
+    from ..transports import TRANSPORTS
+
+    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    parser = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-size", type=int, default=max(n_gpus, 2))
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=experts)
+    parser.add_argument("--transports", default=",".join(TRANSPORTS), help="comma-separated epcomm transports")
+    parser.add_argument("--iters", type=int, default=iters)
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--name", default=None, help="result file name")
+    return parser
