@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..testing import run
-from .report import bench_parser, format_table, write_results
+from .report import bench_parser, finish
 from .timing import time_graph, time_op
 from .traffic import normal_traffic, row_bytes
 
@@ -197,7 +197,4 @@ def main(argv: list[str] | None = None) -> int:
              "BF16 2H, FP8 H + 4H/128. epcomm dispatch rows exclude the layout call (DeepEP's convention); "
              "'layout + dispatch' and the NCCL baseline include it. Copy-engine: each rank copy_()s its rows "
              "for every peer into that peer's memory, one stream per peer.")
-    paths = write_results(rows, name, args.out, "bench dispatch", notes, _plot)
-    print(format_table(rows, ["routing", "impl", "op", "time_us", "GB/s (DeepEP)", "NVLink GB/s"]))
-    print("\nwritten: " + ", ".join(paths))
-    return 0
+    return finish(rows, name, args.out, "bench dispatch", notes, _plot, ["routing", "impl", "op", "time_us", "GB/s (DeepEP)", "NVLink GB/s"])

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..testing import run
-from .report import bench_parser, format_table, write_results
+from .report import bench_parser, finish
 from .timing import time_graph, time_op
 from .traffic import low_latency_bytes, low_latency_pairs
 
@@ -126,7 +126,4 @@ def main(argv: list[str] | None = None) -> int:
     notes = ("Per-call time: median over iterations of the max across ranks (CUDA events). GB/s per selected "
              "(token, expert): dispatch H + 4H/128 + 16 bytes, combine 2H. Hook rows time the send call and the "
              "hook() call separately. Graph rows replay a captured dispatch + combine.")
-    paths = write_results(rows, name, args.out, "bench low-latency", notes, _plot)
-    print(format_table(rows, ["impl", "tokens", "op", "time_us", "GB/s", "note"]))
-    print("\nwritten: " + ", ".join(paths))
-    return 0
+    return finish(rows, name, args.out, "bench low-latency", notes, _plot, ["impl", "tokens", "op", "time_us", "GB/s", "note"])

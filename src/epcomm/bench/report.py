@@ -123,3 +123,11 @@ def bench_parser(prog: str, doc: str, experts: int, iters: int):
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--name", default=None, help="result file name")
     return parser
+
+
+def finish(rows: Sequence[dict], name: str, out_dir: str, title: str, notes: str, plot, columns: Sequence[str]) -> int:
+    """Write a benchmark's results (``write_results``), print the table's ``columns`` and the paths."""
+    paths = write_results(rows, name, out_dir, title, notes, plot)
+    print(format_table(rows, columns))
+    print("\nwritten: " + ", ".join(paths))
+    return 0

@@ -34,7 +34,6 @@ from ..buffer.handles import DispatchHandle
 from ..buffer.layout import align_up
 from ..buffer.validate import raise_if_bad_topk
 from ..errors import BufferTooSmallError, EpcommError, EpcommTimeoutError
-from .alltoall import AllToAllTransport
 from .base import (Capabilities, CombineRequest, DispatchRequest, DispatchResult, LowLatencyCombineRequest,
                    LowLatencyCombineResult, LowLatencyDispatchRequest, LowLatencyDispatchResult, Transport)
 
@@ -133,7 +132,6 @@ class NVLinkTransport(Transport):
         self.counters = torch.zeros(4, dtype=torch.int32, device=device)
         self.err = torch.zeros(8, dtype=torch.int64, device=device)
         self.deferred = torch.zeros(1, dtype=torch.int32, device=device)  # sync-free calls' bad inputs
-        self._fallback = AllToAllTransport(group, device, buffer_id)  # normal-mode error words
         from .low_latency import OneSidedLowLatency
 
         self._ll = OneSidedLowLatency(group, device, buffer_id, name=self.name, nbytes=int(num_rdma_bytes))
@@ -186,7 +184,7 @@ class NVLinkTransport(Transport):
         if deferred:
             msgs.append(f"rank {self.rank}: a call without host synchronisation got invalid input ({deferred} bad "
                         f"expert ids, an inconsistent layout or more rows than num_worst_tokens)")
-        return msgs + self._fallback.pending_errors() + self._ll.pending_errors()
+        return msgs + self._ll.pending_errors()
 
     # ------------------------------------------------------------------ normal mode
     def dispatch(self, req: DispatchRequest) -> DispatchResult:
