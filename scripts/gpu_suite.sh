@@ -4,6 +4,8 @@
 #   scripts/gpu_suite.sh [stage ...]      (no stage: all of them)
 #
 # Stages: info, tests, bench-dispatch, bench-low-latency, bench-p2p, bench-allgather, demo
+# Environment: TESTS (paths), TEST_FILTER (a pytest -k expression), PYTEST_ARGS, TEST_TIMEOUT (per test, s),
+# STAGE_TIMEOUT (per stage, s), DISPATCH_ARGS / LL_ARGS (extra benchmark arguments).
 # Results land in $OUT/results/ (CSV, Markdown, PNG) and are also packed into $OUT/results.tar.gz;
 # each stage's log is $OUT/logs/<stage>.log; $OUT/summary.txt says which stages passed.
 set -u
@@ -31,9 +33,10 @@ run_stage() {
 for stage in "${STAGES[@]}"; do
   case "$stage" in
     info) run_stage info bash -c 'nvidia-smi; nvidia-smi topo -m; python3 -c "import torch,triton;print(torch.__version__,triton.__version__,torch.cuda.nccl.version())"' ;;
-    tests) run_stage tests python3 -m pytest ${TESTS:-tests} -m gpu -q -p no:cacheprovider --timeout=${TEST_TIMEOUT:-300} -rfEs ${PYTEST_ARGS:-} ;;
+    tests) KARGS=(); [ -n "${TEST_FILTER:-}" ] && KARGS=(-k "$TEST_FILTER")
+           run_stage tests python3 -m pytest ${TESTS:-tests} -m gpu -v -p no:cacheprovider --timeout=${TEST_TIMEOUT:-300} -rfEs "${KARGS[@]}" ${PYTEST_ARGS:-} ;;
     bench-dispatch) run_stage bench-dispatch python3 -m epcomm bench dispatch --world-size "$NGPU" --out "$RES" ${DISPATCH_ARGS:-} ;;
-    bench-low-latency) run_stage bench-low-latency python3 -m epcomm bench low-latency --world-size "$NGPU" --out "$RES" ;;
+    bench-low-latency) run_stage bench-low-latency python3 -m epcomm bench low-latency --world-size "$NGPU" --out "$RES" ${LL_ARGS:-} ;;
     bench-p2p) run_stage bench-p2p python3 -m epcomm bench p2p --world-size "$NGPU" --out "$RES" ;;
     bench-allgather) run_stage bench-allgather python3 -m epcomm bench allgather --world-size "$NGPU" --out "$RES" ;;
     demo) run_stage demo python3 -m epcomm demo --world-size "$NGPU" ;;

@@ -125,3 +125,20 @@ def test_config_and_num_sms_validation():
     with pytest.raises(ValueError, match="^Buffer.set_num_sms"):
         Buffer.set_num_sms(5)
     assert Config(24).num_channels == 12
+
+
+@pytest.mark.parametrize("send_bytes, link_gbps, max_sms, expected", [
+    (235 << 20, 400.0, 132, 24),  # a DeepSeek-sized call over NVLink4: 24 SMs, DeepEP's tuned choice
+    (235 << 20, 400.0, 16, 16),  # never more than the device has
+    (3 << 20, 400.0, 132, 4),  # a small call: about one SM per MiB, rounded up to even
+    (0, 400.0, 132, 2),  # at least two
+    (235 << 20, 25.0, 132, 2),  # PCIe: two SMs already saturate the link
+])
+def test_num_sms_traffic_model(send_bytes, link_gbps, max_sms, expected):
+    from epcomm.buffer.config import model_num_sms
+
+    got = model_num_sms(send_bytes, link_gbps, max_sms)
+    assert got == expected and got % 2 == 0
+    assert Config().num_sms is None and Config().num_channels is None  # the default: chosen per call
+    with pytest.raises(ValueError, match="^model_num_sms: link_gbps"):
+        model_num_sms(1, 0.0, 132)

@@ -52,3 +52,38 @@ def test_gpu_rounds_when_buffer_is_small():
     cases = [NormalCase(num_tokens=512, hidden=1024, num_experts=16, topk=4, dtype="bf16", bias=1, seed=41),
              NormalCase(num_tokens=300, hidden=512, num_experts=16, topk=4, dtype="fp8", seed=42)]
     _assert_clean(spawn(run_cases, 2, cases, "nvlink", {"num_nvl_bytes": 1 << 20}, device="cuda", timeout_s=300))
+
+
+def _dispatch_with_bad_id(ctx, transport):
+    """Every rank dispatches with one expert id out of range; returns the error message (or None)."""
+    import torch
+
+    from epcomm import Buffer
+
+    buf = Buffer(ctx.group, transport=transport)
+    try:
+        gen = torch.Generator().manual_seed(ctx.rank)
+        idx = torch.randperm(8, generator=gen)[:2].repeat(16, 1).to(ctx.device)
+        idx[3, 1] = 8  # num_experts is 8
+        x = torch.randn(16, 128, device=ctx.device).to(torch.bfloat16)
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, 8)
+        try:
+            buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                         topk_idx=idx)
+        except ValueError as exc:
+            return str(exc)
+        return None
+    finally:
+        buf.destroy()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transport", ["alltoall", "nvlink"])
+def test_gpu_bad_expert_id_is_an_error(transport):
+    """On GPUs the ids are checked by the transports' kernels (no extra host sync): still a clear error."""
+    if gpu_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    messages = spawn(_dispatch_with_bad_id, 2, transport, device="cuda", timeout_s=300)
+    for rank, msg in enumerate(messages):
+        assert msg is not None and msg.startswith("Buffer.dispatch: topk_idx has 1 entries outside [-1, 8)"), \
+            f"rank {rank}: {msg!r}"

@@ -45,7 +45,7 @@ def _report(results):
     return "\n".join(lines)
 
 
-@pytest.mark.parametrize("transport", ["alltoall", "auto"])
+@pytest.mark.parametrize("transport", ["alltoall", "nvlink", "p2p"])
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_layer_bf16_matches_dense_reference(world_size, transport):
     if NGPU < world_size:
@@ -54,7 +54,7 @@ def test_layer_bf16_matches_dense_reference(world_size, transport):
     assert not report, report
 
 
-@pytest.mark.parametrize("transport", ["alltoall", "auto"])
+@pytest.mark.parametrize("transport", ["alltoall", "nvlink", "p2p"])
 def test_low_latency_forward_replays_in_cuda_graph(transport):
     out = spawn(check_graph_replay, min(NGPU, 4), "bf16", transport, device="cuda", timeout_s=600)
     failures = [f"[rank {r}] {f}" for r, fs in enumerate(out) for f in fs]

@@ -14,12 +14,13 @@ counts only rows that cross GPUs."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from ..testing import run
 from .report import bench_parser, finish
-from .timing import time_graph, time_op
+from .timing import time_graph, time_op, time_stream
 from .traffic import normal_traffic, row_bytes
 
 
@@ -32,8 +33,8 @@ class DispatchBenchOptions:
     routings: tuple
     transports: tuple
     iters: int
-    num_sms: int
-    configs: tuple = ()  # (num_sms, tokens per step) pairs swept for the one-sided transports
+    num_sms: Optional[int]
+    configs: tuple = ()  # (num_sms, tokens per step) pairs (None: the defaults) swept for the one-sided transports
 
 
 def _copy_engine_ceiling(ctx, in_rank: torch.Tensor, hidden_bytes: int, iters: int):
@@ -77,7 +78,8 @@ def bench_worker(ctx, opts: DispatchBenchOptions) -> list:
     from ..testing.routing import make_inputs
     from .baseline import baseline_combine, baseline_dispatch
 
-    Buffer.set_num_sms(opts.num_sms)
+    if opts.num_sms is not None:
+        Buffer.set_num_sms(opts.num_sms)
     rows = []
     shape = f"{opts.tokens}x{opts.hidden} top{opts.topk}/{opts.experts}"
     for routing in opts.routings:
@@ -101,21 +103,32 @@ def bench_worker(ctx, opts: DispatchBenchOptions) -> list:
         def t(fn):
             return time_op(fn, ctx.group, ctx.device, iters=opts.iters, warmup=3)
 
+        def s(fn):
+            return time_stream(fn, ctx.group, ctx.device, iters=opts.iters, warmup=3)
+
         for transport in opts.transports:
             buf = Buffer(ctx.group, transport=transport)
             one_sided = buf.runtime.capabilities().one_sided
             per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, opts.experts)
             layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                           topk_idx=idx, topk_weights=w)
-            for sms, tok in (opts.configs if one_sided and opts.configs else ((opts.num_sms, 6),)):
-                cfg = Config(sms, tok, max(tok, 256))
-                name = f"epcomm-{buf.transport}" + (f" sms={sms} tok={tok}" if one_sided else "")
+            for conf in (opts.configs if one_sided and opts.configs else ((opts.num_sms, 6),)):
+                cfg = None if conf is None else Config(conf[0], conf[1], max(conf[1], 256))  # None: the defaults
+                label = "default config" if conf is None else f"sms={conf[0]} tok={conf[1]}"
+                name = f"epcomm-{buf.transport}" + (f" {label}" if one_sided else "")
                 recv_x, _, _, _, handle, _ = buf.dispatch(x, **layout, config=cfg)
                 add(name, "get_dispatch_layout", t(lambda: buf.get_dispatch_layout(idx, opts.experts)), None)
                 add(name, "dispatch FP8", t(lambda: buf.dispatch(x_fp8, **layout, config=cfg)), "fp8")
                 add(name, "dispatch BF16", t(lambda: buf.dispatch(x, **layout, config=cfg)), "bf16")
+                add(name, "dispatch FP8 cached", t(lambda: buf.dispatch(x_fp8, handle=handle, config=cfg)), "fp8")
                 add(name, "dispatch BF16 cached", t(lambda: buf.dispatch(x, handle=handle, config=cfg)), "bf16")
                 add(name, "combine BF16", t(lambda: buf.combine(recv_x, handle, config=cfg)), "bf16")
+                if ctx.device.type == "cuda":  # DeepEP's method: cached handle, a stream of calls, L2 flushed
+                    add(name, "dispatch FP8 cached (stream)",
+                        s(lambda: buf.dispatch(x_fp8, handle=handle, config=cfg)), "fp8")
+                    add(name, "dispatch BF16 cached (stream)", s(lambda: buf.dispatch(x, handle=handle, config=cfg)),
+                        "bf16")
+                    add(name, "combine BF16 (stream)", s(lambda: buf.combine(recv_x, handle, config=cfg)), "bf16")
 
                 def layout_and_dispatch():
                     pr, _, pe, ir, _ = buf.get_dispatch_layout(idx, opts.experts)
@@ -183,18 +196,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = bench_parser("python -m epcomm bench dispatch", __doc__, experts=256, iters=20)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--routings", default="uniform,skewed")
-    parser.add_argument("--num-sms", type=int, default=24)
-    parser.add_argument("--configs", default="24:4",
-                        help="one-sided transports: comma-separated num_sms:tokens_per_step pairs to sweep")
+    parser.add_argument("--num-sms", type=int, default=None,
+                        help="Buffer.set_num_sms for every config (default: the traffic model's choice per call)")
+    parser.add_argument("--configs", default="default",
+                        help="one-sided transports: comma-separated num_sms:tokens_per_step pairs to sweep; "
+                             "'default' uses Buffer.get_dispatch_config / get_combine_config")
     args = parser.parse_args(argv)
     opts = DispatchBenchOptions(args.tokens, args.hidden, args.topk, args.experts, tuple(args.routings.split(",")),
                                 tuple(args.transports.split(",")), args.iters, args.num_sms,
-                                tuple(tuple(int(v) for v in c.split(":")) for c in args.configs.split(",") if c))
+                                tuple(None if c == "default" else tuple(int(v) for v in c.split(":"))
+                                      for c in args.configs.split(",") if c))
     rows = run(bench_worker, args.world_size, opts)[0]
     name = args.name or f"bench_dispatch_{rows[0]['ranks']}ranks"
     notes = ("GB/s (DeepEP) = mean over ranks of the bytes of all rows a rank receives (its own included) / median "
              "time of the per-iteration max across ranks. NVLink GB/s counts only rows that cross GPUs. Row bytes: "
-             "BF16 2H, FP8 H + 4H/128. epcomm dispatch rows exclude the layout call (DeepEP's convention); "
+             "BF16 2H, FP8 H + 4H/128. Plain rows time an isolated call (a barrier before each: host work "
+             "included); '(stream)' rows time a call in a steady stream of cached calls with the L2 flushed "
+             "between them, as DeepEP's own benchmark does (device time per call; see epcomm.bench.timing); "
+             "'(graph)' rows replay a captured call. epcomm dispatch rows exclude the layout call (DeepEP's convention); "
              "'layout + dispatch' and the NCCL baseline include it. Copy-engine: each rank copy_()s its rows "
              "for every peer into that peer's memory, one stream per peer.")
     return finish(rows, name, args.out, "bench dispatch", notes, _plot, ["routing", "impl", "op", "time_us", "GB/s (DeepEP)", "NVLink GB/s"])

@@ -14,7 +14,7 @@ import torch
 
 from ..testing import run
 from .report import bench_parser, finish
-from .timing import time_graph, time_op
+from .timing import time_graph, time_op, time_stream
 from .traffic import low_latency_bytes, low_latency_pairs
 
 
@@ -76,7 +76,19 @@ def bench_worker(ctx, opts: LowLatencyBenchOptions) -> list:
                 ("combine send (hook)", t(send_combine), None),
                 ("combine recv (hook)", t(recv, setup=send_combine), None),
             ]
-            if ctx.device.type == "cuda":
+            if ctx.device.type == "cuda":  # DeepEP's method: a stream of calls, the host ahead of the device
+                def st(fn):
+                    return time_stream(fn, ctx.group, ctx.device, iters=opts.iters, flush_l2=False)
+
+                measured.append(("dispatch (stream)", st(dispatch), pairs * disp_b))
+                measured.append(("combine (stream)", st(combine), pairs * comb_b))
+                d_send, d_recv = st((send_dispatch, recv))
+                c_send, c_recv = st((send_combine, recv))
+                measured += [("dispatch send (hook, stream)", d_send, None),
+                             ("dispatch recv (hook, stream)", d_recv, None),
+                             ("combine send (hook, stream)", c_send, None),
+                             ("combine recv (hook, stream)", c_recv, None)]
+
                 def step():
                     r, _, h, _, _ = buf.low_latency_dispatch(x, idx, max_tokens, opts.experts, use_fp8=True)
                     buf.low_latency_combine(y, idx, w, h)
@@ -124,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = run(bench_worker, args.world_size, opts)[0]
     name = args.name or f"bench_low_latency_{rows[0]['ranks']}ranks"
     notes = ("Per-call time: median over iterations of the max across ranks (CUDA events). GB/s per selected "
-             "(token, expert): dispatch H + 4H/128 + 16 bytes, combine 2H. Hook rows time the send call and the "
-             "hook() call separately. Graph rows replay a captured dispatch + combine.")
+             "(token, expert): dispatch H + 4H/128 + 16 bytes, combine 2H. Plain rows time an isolated call (a "
+             "barrier before each, host work included). '(stream)' rows time each call of a stream enqueued while "
+             "the device is busy, as DeepEP's benchmark does (device time per call, waits for peers included; see "
+             "epcomm.bench.timing). Hook rows time the send call and the hook() call separately. Graph rows replay "
+             "a captured dispatch + combine.")
     return finish(rows, name, args.out, "bench low-latency", notes, _plot, ["impl", "tokens", "op", "time_us", "GB/s", "note"])

@@ -1,16 +1,25 @@
 """Timing shared by every benchmark: events after warm-up, per-iteration max across ranks, median.
 
-On CUDA each iteration starts after a device-side barrier (a one-element all_reduce) and is timed with
-CUDA events on the current stream; on CPUs with ``time.perf_counter`` after a gloo barrier. The per-rank
-times are all-gathered once at the end; each iteration's time is the slowest rank's; the statistic is the
-median over iterations."""
+Two ways to time a call, both with CUDA events on the current stream after warm-up, the per-rank times
+all-gathered once at the end, each iteration's time the slowest rank's, the statistic the median over
+iterations:
+
+* ``time_op`` (an isolated call): each iteration starts after a device-side barrier (a one-element
+  all_reduce); the time runs from the barrier to the end of the call's last kernel, so it includes the
+  host work of the call that the device waits for. On CPUs: ``time.perf_counter`` after a gloo barrier.
+* ``time_stream`` (a steady stream of calls, DeepEP's method): a chain of matrix products gives the host a
+  head start, a barrier lines the ranks up, then the iterations are enqueued back to back (an L2 flush
+  between them when asked) and each call is bracketed by its own events. The host is ahead of the device,
+  so this measures what the device spends per call: the kernels, the waits for peers and the gaps between
+  launches, not the host work. It needs calls without host synchronisation (cached handles,
+  ``num_worst_tokens``, low-latency calls)."""
 
 from __future__ import annotations
 
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -66,11 +75,73 @@ def time_op(fn: Callable[[], object], group, device: torch.device, iters: int = 
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e6)
+    return _gather(times, group, device)
+
+
+def _head_start(device: torch.device, host_us: float, iters: int):
+    """Enqueue enough matrix products to keep the device busy while the host enqueues ``iters`` calls of
+    ``host_us`` each (with a 1.5x margin); returns the operands (kept alive until the calls are timed)."""
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    c = a @ a  # the first product pays for library start-up: time the second
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    c = a @ a
+    end.record()
+    end.synchronize()
+    gemm_us = max(start.elapsed_time(end) * 1e3, 1.0)
+    for _ in range(int(1.5 * host_us * iters / gemm_us) + 1):
+        c = a @ a
+    return a, c
+
+
+def time_stream(fn: Union[Callable[[], object], Sequence[Callable[[], object]]], group, device: torch.device,
+                iters: int = 20, warmup: int = 3, flush_l2: bool = True):
+    """Time ``fn()`` as one call of a steady stream (see the module docstring); CUDA only, and ``fn`` must
+    not synchronise with the host. ``fn`` may be a sequence of phases (a hook's send and receive): each
+    iteration runs them in turn, each bracketed by its own events, and a tuple of Timings is returned."""
+    if device.type != "cuda":
+        raise ValueError("time_stream: needs a CUDA device (use time_op on CPUs)")
+    phases = tuple(fn) if isinstance(fn, (tuple, list)) else (fn,)
+
+    def one():
+        for f in phases:
+            f()
+
+    for _ in range(warmup):
+        one()
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        one()
+    host_us = (time.perf_counter() - t0) * 1e6 / max(warmup, 1)
+    torch.cuda.synchronize(device)
+    scratch = torch.empty(256 << 20, dtype=torch.uint8, device=device) if flush_l2 else None
+    events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in phases]
+              for _ in range(iters)]
+    head = _head_start(device, host_us + (60.0 if flush_l2 else 0.0), iters)
+    _barrier(group, device)
+    for per_phase in events:
+        if scratch is not None:
+            scratch.zero_()
+        for f, (start, end) in zip(phases, per_phase):
+            start.record()
+            f()
+            end.record()
+    torch.cuda.synchronize(device)
+    del head
+    timings = tuple(_gather([it[i][0].elapsed_time(it[i][1]) * 1e3 for it in events], group, device)
+                    for i in range(len(phases)))
+    return timings if isinstance(fn, (tuple, list)) else timings[0]
+
+
+def _gather(times: list, group, device: torch.device) -> Timing:
+    """All-gather the per-rank times; each iteration's is the slowest rank's; median, min, max."""
+    cuda = device.type == "cuda"
     local = torch.tensor(times, dtype=torch.float64, device=device if cuda else "cpu")
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, local, group=group)
     per_iter_max = torch.stack(gathered).max(dim=0).values.tolist()
-    return Timing(statistics.median(per_iter_max), min(per_iter_max), max(per_iter_max), iters)
+    return Timing(statistics.median(per_iter_max), min(per_iter_max), max(per_iter_max), len(times))
 
 
 def capture_graph(fn: Callable[[], object], warmup: int = 1) -> tuple:

@@ -43,7 +43,7 @@ class Buffer:
         device: the device to communicate on (default: the current CUDA device for NCCL groups, else CPU).
     """
 
-    num_sms: int = 20
+    num_sms: Optional[int] = None  # None: each call's SMs come from the traffic model (Config.num_sms)
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
@@ -76,9 +76,11 @@ class Buffer:
     # ------------------------------------------------------------------ static helpers (DeepEP names)
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
-        """Set the SMs the high-throughput kernels of every Buffer may use (even, >= 2)."""
-        if not isinstance(new_num_sms, int) or new_num_sms < 2 or new_num_sms % 2:
-            raise ValueError(f"Buffer.set_num_sms: {new_num_sms!r} must be an even integer >= 2")
+        """Set the SMs the high-throughput kernels of every Buffer may use (even, >= 2; None: chosen per call by
+        ``epcomm.buffer.config.model_num_sms``)."""
+        if new_num_sms is not None and (not isinstance(new_num_sms, int) or new_num_sms < 2 or new_num_sms % 2):
+            raise ValueError(f"Buffer.set_num_sms: {new_num_sms!r} must be an even integer >= 2 (or None for the "
+                             f"traffic model's choice)")
         Buffer.num_sms = new_num_sms
 
     @staticmethod
@@ -89,12 +91,13 @@ class Buffer:
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
         """The default dispatch config (``Buffer.num_sms`` SMs)."""
-        return Config(Buffer.num_sms, 6 if num_ranks > 2 else 24, 256, 6, 128)
+        return Config(Buffer.num_sms, 6 if num_ranks > 2 else 8, 256, 6, 128)
 
     @staticmethod
     def get_combine_config(num_ranks: int) -> Config:
-        """The default combine config (``Buffer.num_sms`` SMs)."""
-        return Config(Buffer.num_sms, 6, 256, 6, 128)
+        """The default combine config (``Buffer.num_sms`` SMs; 8 rows per step: the combine push stores each
+        row it loads once, so it needs more bytes per step than the dispatch to hide load latency)."""
+        return Config(Buffer.num_sms, 8, 256, 6, 128)
 
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
@@ -248,7 +251,7 @@ class Buffer:
                 check_num_experts(fn, num_experts, self.group_size)
             if topk_idx is not None:
                 bad = check_topk(fn, topk_idx, num_experts, n, self.device, topk_weights,
-                                 values_checked_later=getattr(self.runtime, "validates_topk", False))
+                                 values_checked_later=self.runtime.checks_topk(data, num_worst_tokens))
         from ..transports.base import DispatchRequest
 
         req = DispatchRequest(data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
@@ -361,7 +364,7 @@ class Buffer:
         if use_ue8m0 and not round_scale:
             raise ValueError(f"{fn}: use_ue8m0=True needs round_scale=True (UE8M0 scales are powers of two)")
         bad = check_topk(fn, topk_idx, num_experts, x.size(0), self.device,
-                         values_checked_later=getattr(self.runtime, "validates_topk", False))
+                         values_checked_later=self.runtime.validates_topk)
         from ..transports.base import LowLatencyDispatchRequest
 
         req = LowLatencyDispatchRequest(x.contiguous(), topk_idx, num_max_dispatch_tokens_per_rank, num_experts,

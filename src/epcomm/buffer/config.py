@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass(frozen=True)
 class Config:
     """Performance knobs of the normal (high-throughput) kernels.
 
-    num_sms: SMs the one-sided kernels may occupy (even, >= 2). The portable transport ignores it.
+    num_sms: SMs the one-sided kernels may occupy (even, >= 2), or None (the default): chosen per call by
+        ``model_num_sms`` from the call's traffic. The portable transport ignores it.
     num_max_nvl_chunked_send_tokens / num_max_nvl_chunked_recv_tokens: tokens per chunk that a sender
         writes before it publishes progress, and the ring capacity (tokens) per (channel, peer) in the
         receive buffer; ``recv`` must be at least ``send``.
@@ -17,14 +20,14 @@ class Config:
         epcomm is intranode only and does not use them.
     """
 
-    num_sms: int = 20
+    num_sms: Optional[int] = None
     num_max_nvl_chunked_send_tokens: int = 6
     num_max_nvl_chunked_recv_tokens: int = 256
     num_max_rdma_chunked_send_tokens: int = 6
     num_max_rdma_chunked_recv_tokens: int = 256
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_sms, int) or self.num_sms < 2 or self.num_sms % 2:
+        if self.num_sms is not None and (not isinstance(self.num_sms, int) or self.num_sms < 2 or self.num_sms % 2):
             raise ValueError(f"Config: num_sms={self.num_sms!r} must be an even integer >= 2 (the kernels pair "
                              f"sender and receiver SMs)")
         for name in ("num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens",
@@ -38,5 +41,27 @@ class Config:
 
     @property
     def num_channels(self) -> int:
-        """Independent channels: one sender and one receiver SM each."""
-        return self.num_sms // 2
+        """Independent channels: one sender and one receiver SM each (None while ``num_sms`` is chosen per
+        call)."""
+        return None if self.num_sms is None else self.num_sms // 2
+
+
+# The traffic model behind the default ``num_sms`` of the one-sided normal kernels. A push program stores
+# what it loads into peers' memory; one SM sustains about PER_SM_GBPS of such stores (measured on H200 over
+# NVLink: 24 programs pushed ~400 GB/s), and a program needs about MIN_BYTES_PER_SM of work before its fixed
+# cost (fence, arrival, publishing) stops mattering.
+PER_SM_GBPS = 17.0
+MIN_BYTES_PER_SM = 1 << 20
+
+
+def model_num_sms(send_bytes: int, link_gbps: float, max_sms: int) -> int:
+    """The even number of SMs a push of ``send_bytes`` (this rank's bytes leaving for all destinations) should
+    occupy: enough that their store rate reaches the interconnect's ``link_gbps`` (GB/s leaving one GPU),
+    no more than ``send_bytes / MIN_BYTES_PER_SM`` (small calls are latency-bound: more programs only add
+    fixed costs), within ``[2, max_sms]``. NVLink4 (H100/H200, 18 links) -> 24 SMs for large calls, as
+    DeepEP's tuned configurations use; PCIe -> 2."""
+    if link_gbps <= 0 or max_sms < 2:
+        raise ValueError(f"model_num_sms: link_gbps={link_gbps} must be > 0 and max_sms={max_sms} >= 2")
+    want = min(math.ceil(link_gbps / PER_SM_GBPS), math.ceil(max(send_bytes, 0) / MIN_BYTES_PER_SM))
+    want = max(2, want + want % 2)
+    return min(want, max_sms - max_sms % 2)

@@ -155,12 +155,13 @@ def exchange_kernel(per_rank_ptr, per_expert_ptr, itr_ptr, topk_ptr, pos_ptr, su
 
 
 @triton.jit
-def plan_kernel(per_rank_ptr, per_expert_ptr, itr_ptr, topk_ptr, pos_ptr, table_ptr, first_ptr, checks_ptr, n,
-                num_experts, E_LOCAL: tl.constexpr, K: tl.constexpr, R: tl.constexpr, R_POW2: tl.constexpr,
+def plan_kernel(per_rank_ptr, per_expert_ptr, itr_ptr, topk_ptr, pos_ptr, table_ptr, first_ptr, checks_ptr, errors_ptr,
+                n, num_experts, E_LOCAL: tl.constexpr, K: tl.constexpr, R: tl.constexpr, R_POW2: tl.constexpr,
                 HAS_EXPERTS: tl.constexpr, HAS_TOPK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
                 BLOCK_K: tl.constexpr):
-    """The portable transport's send plan in one program: positions and checks (``checks [2]``: bad layout,
-    bad expert ids), the ``[R, 1 + E_local]`` count table its all_to_all exchanges, and ``first [R]`` =
+    """The portable transport's send plan in one program: positions and checks (``checks [4]``: bad layout,
+    bad expert ids, and the two words of ``errors`` (the transport's deferred error counts), so that one
+    read of the host brings them all), the ``[R, 1 + E_local]`` count table its all_to_all exchanges, and ``first [R]`` =
     minus the first send row of every destination (so ``dispatch_push_kernel`` in local mode writes token t's
     row for r at ``pos[t, r] - first[r]``)."""
     per_rank, bad_layout, bad_topk = _positions_and_checks(per_rank_ptr, itr_ptr, topk_ptr, pos_ptr, n, num_experts,
@@ -177,6 +178,8 @@ def plan_kernel(per_rank_ptr, per_expert_ptr, itr_ptr, topk_ptr, pos_ptr, table_
                      mask=em)
     tl.store(checks_ptr, bad_layout)
     tl.store(checks_ptr + 1, bad_topk)
+    tl.store(checks_ptr + 2, tl.load(errors_ptr))
+    tl.store(checks_ptr + 3, tl.load(errors_ptr + 1))
 
 
 @triton.jit
@@ -292,38 +295,46 @@ def dispatch_copyout_kernel(area_ptr, meta_ptr, hdr_ptr, bases_ptr, arrive_off, 
                             R: tl.constexpr, R_POW2: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
                             BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SCALES: tl.constexpr,
                             HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr, VEC: tl.constexpr,
-                            USE_PTX: tl.constexpr, USE_TIMER: tl.constexpr):
+                            USE_PTX: tl.constexpr, USE_TIMER: tl.constexpr, ONE_SIDED: tl.constexpr = True):
     """Wait for every source's round, then copy its rows from the area into the outputs and unpack the
     records: ``out_src`` int32 ``[M, 2]`` (source token, source rank), scales, int64 local top-k ids,
     float32 weights. Source ``s``'s rows of this round land at ``prefix[s] + first``; rows past
     ``out_rows`` (an overflowing ``num_worst_tokens``, reported on the host side) are dropped. Programs take
-    ``ROWS`` rows at a time, cycling over every source's rows (a local copy: launch many programs)."""
+    ``ROWS`` rows at a time, cycling over every source's rows (a local copy: launch many programs).
+    ``ONE_SIDED=False`` (the portable transport, whose all_to_all already put the rows in place): no wait,
+    no rows to copy, one region of ``out_rows`` records to unpack (``R`` must be 1)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    wait_all_ge(tl.load(bases_ptr + rank), arrive_off, world, tl.load(epoch_ptr), timeout, err_ptr, _K_ERR_DONE,
-                rank, R_POW2, USE_TIMER)
-    tl.debug_barrier()
+    if ONE_SIDED:
+        wait_all_ge(tl.load(bases_ptr + rank), arrive_off, world, tl.load(epoch_ptr), timeout, err_ptr, _K_ERR_DONE,
+                    rank, R_POW2, USE_TIMER)
+        tl.debug_barrier()
     kcols = tl.arange(0, BLOCK_K)
     scols = tl.arange(0, BLOCK_S)
     rr = tl.arange(0, ROWS)
     for s in tl.static_range(R):
-        first = tl.load(hdr_ptr + s * 2)
-        rows = tl.load(hdr_ptr + s * 2 + 1)
-        out0 = tl.load(prefix_ptr + s) + first
-        rows = tl.minimum(rows, tl.maximum(out_rows - out0, 0))
+        if ONE_SIDED:
+            first = tl.load(hdr_ptr + s * 2)
+            rows = tl.load(hdr_ptr + s * 2 + 1)
+            out0 = tl.load(prefix_ptr + s) + first
+            rows = tl.minimum(rows, tl.maximum(out_rows - out0, 0))
+        else:
+            rows = out_rows
+            out0 = 0
         i0 = pid * ROWS
         while i0 < rows:
             i = i0 + rr
             live = i < rows
             src = (s * cap + i).to(tl.int64)
             dst = (out0 + i).to(tl.int64)
-            for c0 in tl.static_range(0, XW, BLOCK):
-                cols = c0 + tl.arange(0, BLOCK)
-                if VEC:
-                    cols = tl.max_contiguous(tl.multiple_of(cols, 4), 4)
-                m = live[:, None] & (cols < XW)[None, :]
-                v = tl.load(area_ptr + src[:, None] * XW + cols[None, :], mask=m)
-                tl.store(out_x_ptr + dst[:, None] * XW + cols[None, :], v, mask=m)
+            if ONE_SIDED:
+                for c0 in tl.static_range(0, XW, BLOCK):
+                    cols = c0 + tl.arange(0, BLOCK)
+                    if VEC:
+                        cols = tl.max_contiguous(tl.multiple_of(cols, 4), 4)
+                    m = live[:, None] & (cols < XW)[None, :]
+                    v = tl.load(area_ptr + src[:, None] * XW + cols[None, :], mask=m)
+                    tl.store(out_x_ptr + dst[:, None] * XW + cols[None, :], v, mask=m)
             rec = meta_ptr + src * W
             tl.store(out_src_ptr + dst * 2, tl.load(rec, mask=live), mask=live)
             tl.store(out_src_ptr + dst * 2 + 1, tl.load(rec + 1, mask=live), mask=live)
@@ -405,6 +416,15 @@ def pow2_block(v: int) -> int:
     return max(16, triton.next_power_of_2(max(v, 1)))
 
 
+def chunk_block(words: int, tokens_per_step: int, tile: int = 16384) -> int:
+    """Columns (int32 words) a push kernel moves per load: the whole row (padded to a power of two) when
+    ``tokens_per_step`` rows of it fit a ``tile``-word register tile, else the tile split over the rows.
+    Each step issues one tile of loads before its stores: the more bytes per step, the less the push waits
+    on load latency (measured: the combine push, one store per load, was load-latency bound with 4 KiB
+    per row and step)."""
+    return max(256, min(triton.next_power_of_2(max(words, 1)), tile // max(tokens_per_step, 1)))
+
+
 def record_words(num_scales: int, num_topk: int, has_weights: bool) -> int:
     """int32 words of one record: source token, source rank, scales, local top-k ids, weights."""
     return 2 + num_scales + num_topk + (num_topk if has_weights else 0)
@@ -418,6 +438,26 @@ def launch_layout(topk_idx, num_experts: int, num_ranks: int, per_rank, per_expe
 
         layout_kernel[(triton.cdiv(n, 64),)](topk_idx, itr.view(torch.int8), per_rank, per_expert, n, num_experts,
                                              num_experts // num_ranks, K=k, R=num_ranks, BLOCK_T=64, BLOCK_K=pow2_block(k))
+
+
+def launch_unpack_records(records, out_scales, out_idx, out_w, out_src, num_scales: int, num_topk: int) -> None:
+    """Split received records ``[M, W]`` int32 (``record_words`` layout) into ``out_src [M, 2]`` int32, scales
+    ``[M, num_scales]`` (4-byte dtype), ``out_idx [M, K]`` int64 and ``out_w [M, K]`` float32 (each None to
+    skip), with one launch of ``dispatch_copyout_kernel`` in unpack-only mode."""
+    import torch
+
+    m, w = records.shape
+    if not m:
+        return
+    dummy = records
+    dispatch_copyout_kernel[(max(1, min(4096, triton.cdiv(m, 16))),)](
+        dummy, records, dummy, dummy, 0, dummy, dummy, dummy, dummy,
+        out_scales.view(torch.int32) if out_scales is not None else dummy,
+        out_idx if out_idx is not None else dummy, out_w if out_w is not None else dummy, out_src, m, m, 0, 1, 0,
+        XW=1, W=w, NS=num_scales, K=max(num_topk, 1), R=1, R_POW2=2, ROWS=16, BLOCK=16,
+        BLOCK_K=pow2_block(num_topk), BLOCK_S=pow2_block(num_scales), HAS_SCALES=out_scales is not None,
+        HAS_TOPK=out_idx is not None, HAS_W=out_w is not None, VEC=False, USE_PTX=False, USE_TIMER=False,
+        ONE_SIDED=False, num_warps=4)
 
 
 def launch_push(*, x, scales, topk_idx, topk_weights, itr, pos, first, rows, bases, area_off: int, meta_off: int,
@@ -440,5 +480,5 @@ def launch_push(*, x, scales, topk_idx, topk_weights, itr, pos, first, rows, bas
         itr.view(torch.int8), pos, first, rows, bases, area_off, meta_off, hdr_off, arrive_off, epoch, counter,
         t_begin, t_end, cap, rank, world, XW=xw, W=record_words(ns, k, has_w), NS=ns, K=max(k, 1),
         E_LOCAL=max(1, num_experts // world), R=world, R_POW2=max(2, triton.next_power_of_2(world)),
-        TOK=tokens_per_step, BLOCK=1024, BLOCK_S=pow2_block(ns), BLOCK_K=pow2_block(k), HAS_SCALES=ns > 0, HAS_TOPK=k > 0,
+        TOK=tokens_per_step, BLOCK=chunk_block(xw, tokens_per_step), BLOCK_S=pow2_block(ns), BLOCK_K=pow2_block(k), HAS_SCALES=ns > 0, HAS_TOPK=k > 0,
         HAS_W=has_w, SINGLE_ROUND=single_round, VEC=xw % 4 == 0, USE_PTX=use_ptx, PUBLISH=publish, num_warps=8)

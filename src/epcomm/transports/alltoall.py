@@ -89,6 +89,7 @@ class AllToAllTransport(Transport):
         super().__init__(group, device, buffer_id)
         self._errors = torch.zeros(2, dtype=torch.int32, device=device)  # [worst-token overflow, LL overflow]
         self._zero_copy: dict = {}
+        self._zero_bases: dict = {}
 
     @classmethod
     def capabilities(cls) -> Capabilities:
@@ -131,6 +132,21 @@ class AllToAllTransport(Transport):
                 recv_w = meta[:, col:col + k].contiguous().view(torch.float32)
         return meta[:, 0], meta[:, 1], recv_scales, recv_idx, recv_w
 
+    @staticmethod
+    def _unpack_records(meta: torch.Tensor, req: DispatchRequest):
+        """``_unpack_metadata`` with one kernel (GPU path): fresh contiguous outputs."""
+        from ..kernels.ep import launch_unpack_records
+
+        m, dev = meta.size(0), meta.device
+        ns = req.x_scales.size(1) if req.x_scales is not None else 0
+        k = req.topk_idx.size(1) if req.topk_idx is not None else 0
+        src = torch.empty(m, 2, dtype=torch.int32, device=dev)
+        scales = torch.empty(m, ns, dtype=req.x_scales.dtype, device=dev) if ns else None
+        idx = torch.empty(m, k, dtype=torch.int64, device=dev) if k else None
+        w = torch.empty(m, k, dtype=torch.float32, device=dev) if k and req.topk_weights is not None else None
+        launch_unpack_records(meta, scales, idx, w, src, ns, k)
+        return src[:, 0], src[:, 1], scales, idx, w
+
     # ------------------------------------------------------------------ normal mode
     def _raise_host_checks(self, error_words, bad_topk: int, bad_layout: int, num_experts: int) -> None:
         """Turn the checks a dispatch read at its host synchronisation into exceptions."""
@@ -141,6 +157,10 @@ class AllToAllTransport(Transport):
         if bad_layout:
             raise ValueError("Buffer.dispatch: num_tokens_per_rank does not match is_token_in_rank; pass both from "
                              "the same get_dispatch_layout call")
+
+    def checks_topk(self, x: torch.Tensor, num_worst_tokens: int) -> bool:
+        # the GPU path's plan kernel counts invalid ids and the host raises at the one synchronisation
+        return not num_worst_tokens and self._gpu_path(x)
 
     def _gpu_path(self, t: torch.Tensor) -> bool:
         """Kernels instead of torch ops: on GPUs (and on CPUs under the Triton interpreter, for tests)."""
@@ -199,8 +219,11 @@ class AllToAllTransport(Transport):
         self._a2a(recv_x, rows, recv_counts, send_counts)
         recv_meta = torch.empty(num_recv, records.size(1), dtype=torch.int32, device=dev)
         self._a2a(recv_meta, records, recv_counts, send_counts)
-        recv_src_idx, recv_src_rank, recv_scales, recv_idx, recv_w = self._unpack_metadata(
-            recv_meta, req.x_scales, req.topk_idx, req.topk_weights)
+        if self._gpu_path(x):  # one kernel instead of a torch op per field
+            recv_src_idx, recv_src_rank, recv_scales, recv_idx, recv_w = self._unpack_records(recv_meta, req)
+        else:
+            recv_src_idx, recv_src_rank, recv_scales, recv_idx, recv_w = self._unpack_metadata(
+                recv_meta, req.x_scales, req.topk_idx, req.topk_weights)
         handle = DispatchHandle(
             buffer_id=self.buffer_id, transport=self.name, num_ranks=num_ranks, num_experts=req.num_experts,
             num_tokens=x.size(0), hidden=x.size(1), is_token_in_rank=req.is_token_in_rank,
@@ -215,6 +238,7 @@ class AllToAllTransport(Transport):
         """GPU path: rows and records of every (token, destination) pair, in send order, with one kernel
         (the one-sided push kernel in local mode). Returns ``(rows [N*R, XW] int32, records [N*R, W])``."""
         from ..kernels.ep import launch_push, record_words
+        from ..kernels.shmem import num_sms
 
         n, num_ranks = itr.shape
         xw = x.size(1) * x.element_size() // 4
@@ -223,12 +247,14 @@ class AllToAllTransport(Transport):
         rows = torch.empty(n * num_ranks, xw, dtype=torch.int32, device=x.device)
         recs = torch.empty(n * num_ranks, record_words(ns, k, topk_weights is not None), dtype=torch.int32,
                            device=x.device)
-        bases = torch.full((num_ranks,), rows.data_ptr(), dtype=torch.int64, device=x.device)
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
+        # every "destination" base is 0 and the offsets are the local buffers' addresses: no per-call table
+        zero_bases = self._zero_bases.get(num_ranks)
+        if zero_bases is None:
+            zero_bases = self._zero_bases[num_ranks] = torch.zeros(num_ranks, dtype=torch.int64, device=x.device)
         launch_push(x=x, scales=scales, topk_idx=topk_idx, topk_weights=topk_weights, itr=itr, pos=pos, first=first,
-                    rows=first, bases=bases, area_off=0, meta_off=recs.data_ptr() - rows.data_ptr(), hdr_off=0,
+                    rows=first, bases=zero_bases, area_off=rows.data_ptr(), meta_off=recs.data_ptr(), hdr_off=0,
                     arrive_off=0, epoch=self._errors, counter=self._errors, t_begin=0, t_end=n, cap=0, rank=self.rank,
-                    world=num_ranks, num_experts=num_experts, grid=max(1, min(sms * 4, -(-n // 4))),
+                    world=num_ranks, num_experts=num_experts, grid=max(1, min(num_sms(x.device) * 4, -(-n // 4))),
                     tokens_per_step=4, use_ptx=x.is_cuda, single_round=False, publish=False, dummy=self._errors)
         return rows, recs
 
@@ -242,30 +268,32 @@ class AllToAllTransport(Transport):
         n = x.size(0)
         k = req.topk_idx.size(1) if req.topk_idx is not None else 0
         has_experts = req.num_tokens_per_expert is not None
+        tw = num_ranks * (1 + e_local)
         pos = torch.empty(n, num_ranks, dtype=torch.int32, device=dev)
-        table = torch.zeros(num_ranks, 1 + e_local, dtype=torch.int32, device=dev)
+        # one int32 block, read by the host once: checks [4] | send table [R, 1 + E_local] | received table
+        ctl = (torch.empty if has_experts else torch.zeros)(4 + 2 * tw, dtype=torch.int32, device=dev)
+        checks, table, recv_table = ctl[:4], ctl[4:4 + tw].view(num_ranks, -1), ctl[4 + tw:].view(num_ranks, -1)
         first = torch.empty(num_ranks, dtype=torch.int32, device=dev)
-        checks = torch.empty(2, dtype=torch.int32, device=dev)
         plan_kernel[(1,)](req.num_tokens_per_rank, req.num_tokens_per_expert if has_experts else checks,
-                          itr.view(torch.int8), req.topk_idx if k else checks, pos, table, first, checks, n,
-                          req.num_experts, E_LOCAL=e_local, K=max(k, 1), R=num_ranks,
+                          itr.view(torch.int8), req.topk_idx if k else checks, pos, table, first, checks, self._errors,
+                          n, req.num_experts, E_LOCAL=e_local, K=max(k, 1), R=num_ranks,
                           R_POW2=max(2, 1 << (num_ranks - 1).bit_length()), HAS_EXPERTS=has_experts, HAS_TOPK=k > 0,
                           BLOCK_T=256, BLOCK_E=pow2_block(e_local), BLOCK_K=pow2_block(k))
-        recv_table = torch.empty_like(table)
         self._a2a(recv_table, table)
         rows, recs = self._pack(x, req.x_scales, req.topk_idx, req.topk_weights, itr, pos, first, req.num_experts)
-        host = torch.cat([checks, table[:, 0], recv_table.flatten(), self._errors]).tolist()
+        recv_per_expert = recv_table[:, 1:].sum(0, dtype=torch.int32)  # enqueued before the synchronisation
+        host = ctl.tolist()
         bad_layout, bad_topk = host[:2]
-        send_counts = host[2:2 + num_ranks]
-        recv_table_h = host[2 + num_ranks:2 + num_ranks + num_ranks * (1 + e_local)]
-        self._raise_host_checks(host[-2:], bad_topk, bad_layout, req.num_experts)
-        recv_counts_h = [recv_table_h[s * (1 + e_local)] for s in range(num_ranks)]
+        self._raise_host_checks(host[2:4], bad_topk, bad_layout, req.num_experts)
+        send_counts = host[4:4 + tw:1 + e_local]
+        recv_table_h = host[4 + tw:]
+        recv_counts_h = recv_table_h[::1 + e_local]
         per_expert = [sum(recv_table_h[s * (1 + e_local) + 1 + e] for s in range(num_ranks)) for e in range(e_local)]
         num_send = sum(send_counts)
         state = _NormalState(send_idx=torch.empty(0, dtype=torch.int64, device=dev), send_counts=tuple(send_counts),
                              slot=None, capacity=0, recv_dst=None, pos=pos, first=first)
         return self._exchange_rows(req, rows[:num_send], recs[:num_send], send_counts, recv_counts_h, per_expert,
-                                   recv_table[:, 1:].sum(0, dtype=torch.int32), state)
+                                   recv_per_expert, state)
 
     def _cached_dispatch(self, req: DispatchRequest) -> DispatchResult:
         h = req.handle

@@ -109,6 +109,7 @@ class Transport(abc.ABC):
     """One way of moving dispatch/combine traffic between the ranks of a group."""
 
     name: ClassVar[str]
+    validates_topk: ClassVar[bool] = False  # its kernels count invalid expert ids themselves (low latency too)
 
     def __init__(self, group: Any, device: torch.device, buffer_id: int) -> None:
         import torch.distributed as dist
@@ -124,6 +125,11 @@ class Transport(abc.ABC):
     def capabilities(cls) -> Capabilities:
         """What this transport can do."""
 
+    def checks_topk(self, x: torch.Tensor, num_worst_tokens: int) -> bool:
+        """Whether a normal dispatch of ``x`` checks the expert ids itself, so the Buffer need not spend
+        device operations on it."""
+        return self.validates_topk
+
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank)``; see ``Buffer``. On GPUs one
@@ -134,8 +140,8 @@ class Transport(abc.ABC):
             return compute_dispatch_layout(topk_idx, num_experts, self.num_ranks)
         from ..kernels.ep import launch_layout
 
-        per_rank = torch.zeros(self.num_ranks, dtype=torch.int32, device=topk_idx.device)
-        per_expert = torch.zeros(num_experts, dtype=torch.int32, device=topk_idx.device)
+        counts = torch.zeros(self.num_ranks + num_experts, dtype=torch.int32, device=topk_idx.device)  # one fill
+        per_rank, per_expert = counts[:self.num_ranks], counts[self.num_ranks:]
         itr = torch.empty(topk_idx.size(0), self.num_ranks, dtype=torch.bool, device=topk_idx.device)
         launch_layout(topk_idx, num_experts, self.num_ranks, per_rank, per_expert, itr)
         return per_rank, per_expert, itr

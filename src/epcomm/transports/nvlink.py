@@ -99,6 +99,7 @@ class NVLinkTransport(Transport):
     """Normal-mode dispatch/combine with one-sided Triton kernels; see the module docstring."""
 
     name = "nvlink"
+    link_gbps = 400.0  # what leaves one GPU over NVLink4 (18 links) in practice: the traffic model's ceiling
     validates_topk = True  # the exchange kernel checks expert ids; the Buffer need not
 
     def __init__(self, group, device: torch.device, buffer_id: int, num_nvl_bytes: int = 0,
@@ -160,6 +161,14 @@ class NVLinkTransport(Transport):
         from ..kernels.shmem import timeout_units
 
         return timeout_units(env.timeout_s(), self.device)
+
+    def _num_sms(self, config, rows: int, row_bytes: int) -> int:
+        """``config.num_sms``, or the traffic model's choice for ``rows`` rows of ``row_bytes`` leaving."""
+        if config.num_sms is not None:
+            return config.num_sms
+        from ..buffer.config import model_num_sms
+
+        return model_num_sms(rows * row_bytes, self.link_gbps, self.sms)
 
     def _barrier(self) -> None:
         from ..kernels.shmem import launch_barrier
@@ -280,7 +289,7 @@ class NVLinkTransport(Transport):
         area_rows = self.area[:num_ranks * cap * xw * 4].view(torch.int32).view(num_ranks * cap, xw)
         meta_rows = self.area[meta_rel:meta_rel + num_ranks * cap * mw * 4].view(torch.int32).view(num_ranks * cap, mw)
         dummy = self.counters
-        grid = max(1, req.config.num_sms)
+        grid = self._num_sms(req.config, n * (min(num_ranks, k) if k else num_ranks), (xw + mw) * 4)
         tok = _tokens_per_step(req.config)
         copy_grid = max(1, min(self.sms * 4, -(-max(num_recv, 1) // 4)))
         vec = xw % 4 == 0
@@ -324,7 +333,7 @@ class NVLinkTransport(Transport):
         return DispatchResult(outs[0], outs[1], None, None, None, h)
 
     def combine(self, req: CombineRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        from ..kernels.ep import combine_push_kernel, pow2_block, wait_arrivals_kernel
+        from ..kernels.ep import chunk_block, combine_push_kernel, pow2_block, wait_arrivals_kernel
         from ..kernels.reduce import reduce_from_layout
 
         h: DispatchHandle = req.handle
@@ -345,7 +354,8 @@ class NVLinkTransport(Transport):
         recv_src = st.recv_src if m else self.counters
         x_words = x.view(torch.int32) if m else torch.empty(1, xw, dtype=torch.int32, device=dev)
         w_in = req.topk_weights.contiguous() if k else self.counters
-        grid = max(1, req.config.num_sms)
+        grid = self._num_sms(req.config, x.size(0), (xw + k) * 4)
+        tok = _tokens_per_step(req.config)
         single = num_rounds == 1
         cum = None
         if not single:
@@ -371,7 +381,7 @@ class NVLinkTransport(Transport):
             combine_push_kernel[(grid,)](
                 x_words, w_in, recv_src, st.recv_prefix, dst_row, self.heap.peer_bases, area_off, area_off + w_rel,
                 self._off(self.arrive), self.epoch, self.counters[1:], m, cap, rank, num_ranks, XW=xw, K=max(k, 1),
-                R_POW2=self.r_pow2, TOK=_tokens_per_step(req.config), BLOCK=1024, BLOCK_K=pow2_block(k), HAS_W=k > 0,
+                R_POW2=self.r_pow2, TOK=tok, BLOCK=chunk_block(xw, tok), BLOCK_K=pow2_block(k), HAS_W=k > 0,
                 SINGLE_ROUND=single, VEC=xw % 4 == 0, num_warps=8, **self.flags_kw)
             wait_arrivals_kernel[(1,)](self.heap.peer_bases, self._off(self.arrive), self.epoch, self.err, rank,
                                        num_ranks, self._timeout(), R_POW2=self.r_pow2, **self.timer_kw)
@@ -400,6 +410,7 @@ class P2PTransport(NVLinkTransport):
     needs no remote atomics (single-writer flags only)."""
 
     name = "p2p"
+    link_gbps = 25.0  # PCIe 4/5 x16 in practice
 
     @classmethod
     def capabilities(cls) -> Capabilities:
@@ -419,8 +430,8 @@ def _words(t: torch.Tensor) -> int:
 
 def _tokens_per_step(config) -> int:
     """Tokens a program moves per step: ``Config.num_max_nvl_chunked_send_tokens`` rounded down to a power
-    of two, at most 8."""
-    v = max(1, min(8, config.num_max_nvl_chunked_send_tokens))
+    of two, at most 16."""
+    v = max(1, min(16, config.num_max_nvl_chunked_send_tokens))
     return 1 << (v.bit_length() - 1)
 
 
