@@ -109,5 +109,6 @@ def nccl_settings() -> dict[str, str]:
 
 
 def commit_override() -> str | None:
-    """``EPCOMM_COMMIT``: the commit to record in benchmark results when git cannot tell (a copied tree)."""
+    """``EPCOMM_COMMIT``: the commit to record in benchmark results (a copied tree, whose git may be absent or
+    stale); when set it wins over git."""
     return _get("EPCOMM_COMMIT")

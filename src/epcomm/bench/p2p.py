@@ -215,6 +215,7 @@ def run_bench(args, worker, name: str, title: str, notes: list, methods_of) -> i
         return 0
     base = result["base"]
     text = "\n".join([line.format(base=base) for line in notes] + result["notes"])
+    name = f"{name}_{args.world_size}ranks"  # the 2- and 4-rank tables live side by side
     paths = write_results(result["rows"], name, args.out, title, notes=text,
                           plot=plot_gbps(methods_of(base), f"{name}: GB/s"))
     print("\n".join(paths))

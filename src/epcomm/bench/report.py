@@ -15,19 +15,19 @@ import torch
 
 def environment() -> dict:
     """What a result row must carry to be reproducible."""
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
-                                timeout=10, cwd=os.path.dirname(__file__)).stdout.strip() or "unknown"
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, timeout=10, cwd=os.path.dirname(__file__)).stdout.strip()
-        if dirty and commit != "unknown":
-            commit += "+dirty"
-    except (OSError, subprocess.SubprocessError):
-        commit = "unknown"
     from .. import env
 
-    if commit == "unknown" and env.commit_override():
-        commit = env.commit_override()
+    commit = env.commit_override()  # a copied tree may carry a stale .git: an explicit commit wins
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
+                                    timeout=10, cwd=os.path.dirname(__file__)).stdout.strip() or "unknown"
+            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                   text=True, timeout=10, cwd=os.path.dirname(__file__)).stdout.strip()
+            if dirty and commit != "unknown":
+                commit += "+dirty"
+        except (OSError, subprocess.SubprocessError):
+            commit = "unknown"
     if torch.cuda.is_available():
         device = f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
     else:
