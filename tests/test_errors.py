@@ -125,6 +125,8 @@ def test_config_and_num_sms_validation():
     with pytest.raises(ValueError, match="^Buffer.set_num_sms"):
         Buffer.set_num_sms(5)
     assert Config(24).num_channels == 12
+    with pytest.raises(ValueError, match="^Config: strict_sms='yes'"):
+        Config(24, strict_sms="yes")
 
 
 @pytest.mark.parametrize("send_bytes, link_gbps, max_sms, expected", [

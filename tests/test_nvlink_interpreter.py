@@ -12,7 +12,8 @@ from epcomm.transports.nvlink import NVLinkTransport, P2PTransport  # noqa: E402
 
 CASES = [
     NormalCase(num_tokens=(5, 0, 7), hidden=64, num_experts=6, topk=2, dtype="bf16", bias=2, seed=31),
-    NormalCase(num_tokens=6, hidden=128, num_experts=6, topk=3, dtype="fp8", routing="dropped", seed=32),
+    NormalCase(num_tokens=6, hidden=128, num_experts=6, topk=3, dtype="fp8", routing="dropped", strict_sms=True,
+               seed=32),
     NormalCase(num_tokens=(4, 6, 1), hidden=32, num_experts=6, topk=2, dtype="fp32", worst=True,
                expert_alignment=4, seed=33),
     NormalCase(num_tokens=5, hidden=40, num_experts=6, topk=2, routing="one_rank", with_topk=False, seed=34),

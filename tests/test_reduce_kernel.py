@@ -23,6 +23,23 @@ SCRIPT = textwrap.dedent("""
         a = triton_reduce(buf, slot, bias, dtype)
         b = torch_reduce(buf, slot, bias, dtype)
         assert same_bits(a, b), (n, r, h, rows, nbias, dtype, (a.float() - b.float()).abs().max())
+    # the layout-driven form, one program per token vs a bounded number of persistent programs
+    from epcomm.kernels.reduce import reduce_from_layout
+    n, r, h, cap, k = 9, 3, 1030, 12, 4
+    itr = torch.rand(n, r, generator=gen) < 0.6
+    pos = (itr.to(torch.int32).cumsum(0) - itr.to(torch.int32)).to(torch.int32)
+    buf = torch.randn(r * cap, h, generator=gen).to(torch.bfloat16)
+    wbuf = torch.randn(r * cap, k, generator=gen)
+    bias = (torch.randn(n, h, generator=gen).to(torch.bfloat16),)
+    outs = []
+    for programs in (None, 2, 5):
+        out, w_out = torch.empty(n, h, dtype=torch.bfloat16), torch.empty(n, k)
+        reduce_from_layout(buf, itr, pos, cap, 1, n, bias, out, w_buf=wbuf, w_out=w_out, programs=programs)
+        outs.append((out[1:], w_out[1:]))
+    slot = torch.where(itr, torch.arange(r)[None, :] * cap + pos, -1)
+    want = torch_reduce(buf, slot[1:], (bias[0][1:],), torch.bfloat16)
+    for out, w_out in outs:
+        assert same_bits(out, want) and same_bits(w_out, outs[0][1]), "reduce_from_layout: persistent mode differs"
     # the rounding helper on every kind of float32: ties, overflow, inf, NaN, subnormals, negatives
     import triton, triton.language as tl
     from epcomm.kernels.numerics import f32_to_bf16_rne

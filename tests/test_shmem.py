@@ -90,6 +90,6 @@ def test_bench_p2p_on_cpu(tmp_path):
 
     assert p2p.main(["--world-size", "2", "--sizes", "4K,100003", "--iters", "2", "--warmup", "1",
                      "--out", str(tmp_path)]) == 0
-    text = (tmp_path / "p2p.md").read_text()
+    text = (tmp_path / "p2p_2ranks.md").read_text()
     assert "| 4 KiB |" in text and "100003 B" in text and "put_GBps" in text
-    assert (tmp_path / "p2p.csv").read_text().count("\n") == 3  # header + 2 sizes
+    assert (tmp_path / "p2p_2ranks.csv").read_text().count("\n") == 3  # header + 2 sizes

@@ -254,10 +254,10 @@ class Buffer:
                                  values_checked_later=self.runtime.checks_topk(data, num_worst_tokens))
         from ..transports.base import DispatchRequest
 
+        scope = self._scope(previous_event, async_finish, allocate_on_comm_stream)
         req = DispatchRequest(data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
                               num_tokens_per_expert, num_experts, expert_alignment, num_worst_tokens, handle,
-                              config, bad)
-        scope = self._scope(previous_event, async_finish, allocate_on_comm_stream)
+                              config, bad, overlapped=scope.comm_stream is not None)
         with scope:
             res = self.runtime.dispatch(req)
         outputs = (res.recv_x, res.recv_scales, res.recv_topk_idx, res.recv_topk_weights)
@@ -308,9 +308,10 @@ class Buffer:
                              f"[{handle.num_tokens}, {x.size(1)}] on {self.device}")
         from ..transports.base import CombineRequest
 
-        req = CombineRequest(x.contiguous(), handle, topk_weights, biases,
-                             config or self.get_combine_config(self.group_size))
         scope = self._scope(previous_event, async_finish, allocate_on_comm_stream)
+        req = CombineRequest(x.contiguous(), handle, topk_weights, biases,
+                             config or self.get_combine_config(self.group_size),
+                             overlapped=scope.comm_stream is not None)
         with scope:
             combined, combined_w = self.runtime.combine(req)
         event = scope.finish((combined, combined_w), (x, topk_weights, biases))

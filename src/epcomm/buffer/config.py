@@ -18,6 +18,12 @@ class Config:
         receive buffer; ``recv`` must be at least ``send``.
     num_max_rdma_chunked_send_tokens / num_max_rdma_chunked_recv_tokens: accepted for DeepEP compatibility;
         epcomm is intranode only and does not use them.
+    strict_sms: whether the one-sided transports' local passes (the dispatch's copy-out of received rows,
+        the combine's reduction) also stay within ``num_sms`` programs. None (the default): yes when the
+        call runs on the communication stream (``async_finish``, ``allocate_on_comm_stream`` or a
+        ``previous_event``: the caller means to overlap its own kernels), else those passes spread over
+        the whole GPU for their ~0.1 ms, which is 100-200 us faster per call at DeepSeek sizes on 4xH200
+        (``benchmarks/NOTES.md``). The pushes always keep to ``num_sms``.
     """
 
     num_sms: Optional[int] = None
@@ -25,6 +31,7 @@ class Config:
     num_max_nvl_chunked_recv_tokens: int = 256
     num_max_rdma_chunked_send_tokens: int = 6
     num_max_rdma_chunked_recv_tokens: int = 256
+    strict_sms: Optional[bool] = None
 
     def __post_init__(self) -> None:
         if self.num_sms is not None and (not isinstance(self.num_sms, int) or self.num_sms < 2 or self.num_sms % 2):
@@ -35,6 +42,8 @@ class Config:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"Config: {name}={value!r} must be a positive integer")
+        if self.strict_sms not in (None, True, False):
+            raise ValueError(f"Config: strict_sms={self.strict_sms!r} must be None, True or False")
         if self.num_max_nvl_chunked_recv_tokens < self.num_max_nvl_chunked_send_tokens:
             raise ValueError(f"Config: num_max_nvl_chunked_recv_tokens={self.num_max_nvl_chunked_recv_tokens} "
                              f"must be >= num_max_nvl_chunked_send_tokens={self.num_max_nvl_chunked_send_tokens}")

@@ -39,6 +39,7 @@ _K_ERR_BARRIER = tl.constexpr(ERR_BARRIER_TIMEOUT)
 _K_ERR_DONE = tl.constexpr(ERR_DONE_TIMEOUT)
 
 SUMMARY_HEAD = 8  # summary words before recv_prefix
+PUSH_WARPS = 8  # warps per push program (dispatch and combine)
 
 
 @triton.jit
@@ -481,4 +482,5 @@ def launch_push(*, x, scales, topk_idx, topk_weights, itr, pos, first, rows, bas
         t_begin, t_end, cap, rank, world, XW=xw, W=record_words(ns, k, has_w), NS=ns, K=max(k, 1),
         E_LOCAL=max(1, num_experts // world), R=world, R_POW2=max(2, triton.next_power_of_2(world)),
         TOK=tokens_per_step, BLOCK=chunk_block(xw, tokens_per_step), BLOCK_S=pow2_block(ns), BLOCK_K=pow2_block(k), HAS_SCALES=ns > 0, HAS_TOPK=k > 0,
-        HAS_W=has_w, SINGLE_ROUND=single_round, VEC=xw % 4 == 0, USE_PTX=use_ptx, PUBLISH=publish, num_warps=8)
+        HAS_W=has_w, SINGLE_ROUND=single_round, VEC=xw % 4 == 0, USE_PTX=use_ptx, PUBLISH=publish,
+        num_warps=PUSH_WARPS)

@@ -19,12 +19,36 @@ from .numerics import f32_to_bf16_rne
 
 
 @triton.jit
-def _reduce_kernel(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, t_begin, b0_ptr, b1_ptr, out_ptr,
+def _reduce_kernel(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, t_begin, t_end, b0_ptr, b1_ptr, out_ptr,
                    wbuf_ptr, wout_ptr, hidden, buf_stride, b0_stride, b1_stride, out_stride,
                    NUM_SLOTS: tl.constexpr, FROM_LAYOUT: tl.constexpr, FIRST_ZERO: tl.constexpr,
                    HAS_B0: tl.constexpr, HAS_B1: tl.constexpr, HAS_W: tl.constexpr, K: tl.constexpr,
-                   BLOCK_K: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr):
-    token = (t_begin + tl.program_id(0)).to(tl.int64)
+                   BLOCK_K: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr,
+                   PERSISTENT: tl.constexpr = False):
+    """Program ``(p, c)`` reduces columns block ``c`` of token ``t_begin + p``; ``PERSISTENT``: of tokens
+    ``t_begin + p``, ``t_begin + p + P``, ... below ``t_end`` (a grid of ``P`` programs per column block,
+    to keep the kernel on a bounded number of SMs)."""
+    if PERSISTENT:
+        token = (t_begin + tl.program_id(0)).to(tl.int64)
+        while token < t_end:
+            _reduce_one(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, token, b0_ptr, b1_ptr, out_ptr,
+                        wbuf_ptr, wout_ptr, hidden, buf_stride, b0_stride, b1_stride, out_stride, NUM_SLOTS,
+                        FROM_LAYOUT, FIRST_ZERO, HAS_B0, HAS_B1, HAS_W, K, BLOCK_K, OUT_BF16, BLOCK)
+            token += tl.num_programs(0)
+    else:
+        _reduce_one(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, (t_begin + tl.program_id(0)).to(tl.int64),
+                    b0_ptr, b1_ptr, out_ptr, wbuf_ptr, wout_ptr, hidden, buf_stride, b0_stride, b1_stride,
+                    out_stride, NUM_SLOTS, FROM_LAYOUT, FIRST_ZERO, HAS_B0, HAS_B1, HAS_W, K, BLOCK_K, OUT_BF16,
+                    BLOCK)
+
+
+@triton.jit
+def _reduce_one(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, token, b0_ptr, b1_ptr, out_ptr,
+                wbuf_ptr, wout_ptr, hidden, buf_stride, b0_stride, b1_stride, out_stride,
+                NUM_SLOTS: tl.constexpr, FROM_LAYOUT: tl.constexpr, FIRST_ZERO: tl.constexpr,
+                HAS_B0: tl.constexpr, HAS_B1: tl.constexpr, HAS_W: tl.constexpr, K: tl.constexpr,
+                BLOCK_K: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    """One token's columns block ``program_id(1)``: the ordered FP32 sum of its rows, plus the biases."""
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     col_mask = cols < hidden
     kc = tl.arange(0, BLOCK_K)
@@ -58,7 +82,7 @@ def _reduce_kernel(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, t_begin,
         tl.store(wout_ptr + token * K + kc, wacc, mask=kc < K)
 
 
-def _launch(buf, slot, itr, pos, first, cap, t_begin, t_end, bias, out, w_buf, w_out, num_slots):
+def _launch(buf, slot, itr, pos, first, cap, t_begin, t_end, bias, out, w_buf, w_out, num_slots, programs=None):
     hidden = buf.size(1)
     n = t_end - t_begin
     if n <= 0 or hidden == 0:
@@ -67,18 +91,24 @@ def _launch(buf, slot, itr, pos, first, cap, t_begin, t_end, bias, out, w_buf, w
         buf = torch.zeros(1, hidden, dtype=buf.dtype, device=buf.device)
     b0 = bias[0] if len(bias) > 0 else None
     b1 = bias[1] if len(bias) > 1 else None
-    block = min(1024, triton.next_power_of_2(hidden))
     k = w_out.size(1) if w_out is not None else 1
     dummy = out
-    _reduce_kernel[(n, triton.cdiv(hidden, block))](
+    if programs is None:  # one program per (token, 1024 columns): the whole GPU
+        block = min(1024, triton.next_power_of_2(hidden))
+        grid, warps = (n, triton.cdiv(hidden, block)), 4 if block >= 512 else 1
+    else:  # at most ``programs`` programs, each looping over tokens with whole rows (up to 8192 columns)
+        block = min(8192, triton.next_power_of_2(hidden))
+        col_blocks = triton.cdiv(hidden, block)
+        grid, warps = (max(1, min(n, programs // col_blocks)), col_blocks), 16 if block >= 4096 else 4
+    _reduce_kernel[grid](
         buf, slot if slot is not None else dummy, itr if itr is not None else dummy,
-        pos if pos is not None else dummy, first if first is not None else dummy, cap, t_begin,
+        pos if pos is not None else dummy, first if first is not None else dummy, cap, t_begin, t_end,
         b0 if b0 is not None else dummy, b1 if b1 is not None else dummy, out,
         w_buf if w_buf is not None else dummy, w_out if w_out is not None else dummy, hidden, buf.stride(0),
         b0.stride(0) if b0 is not None else 0, b1.stride(0) if b1 is not None else 0, out.stride(0),
         NUM_SLOTS=num_slots, FROM_LAYOUT=slot is None, FIRST_ZERO=first is None, HAS_B0=b0 is not None,
         HAS_B1=b1 is not None, HAS_W=w_out is not None, K=k, BLOCK_K=max(16, triton.next_power_of_2(k)),
-        OUT_BF16=out.dtype == torch.bfloat16, BLOCK=block, num_warps=4 if block >= 512 else 1)
+        OUT_BF16=out.dtype == torch.bfloat16, BLOCK=block, PERSISTENT=programs is not None, num_warps=warps)
     return out
 
 
@@ -94,9 +124,11 @@ def reduce_rows(buf: torch.Tensor, slot: torch.Tensor, bias: tuple = (), out_dty
 
 def reduce_from_layout(buf: torch.Tensor, is_token_in_rank: torch.Tensor, pos: torch.Tensor, cap: int,
                        t_begin: int, t_end: int, bias: tuple, out: torch.Tensor, first: Optional[torch.Tensor] = None,
-                       w_buf: Optional[torch.Tensor] = None, w_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                       w_buf: Optional[torch.Tensor] = None, w_out: Optional[torch.Tensor] = None,
+                       programs: Optional[int] = None) -> torch.Tensor:
     """Reduce tokens ``[t_begin, t_end)`` into ``out [N, H]`` (and their weights from ``w_buf [S, K]`` into
     ``w_out [N, K]``), the row of (t, r) being ``r * cap + pos[t, r] - first[r]`` (``first`` None: 0)
-    where ``is_token_in_rank[t, r]`` (int8/bool ``[N, R]``, ``pos`` int32 ``[N, R]``)."""
+    where ``is_token_in_rank[t, r]`` (int8/bool ``[N, R]``, ``pos`` int32 ``[N, R]``). ``programs``: at most
+    that many programs (persistent over tokens; None: one program per token and column block)."""
     itr = is_token_in_rank.view(torch.int8) if is_token_in_rank.dtype == torch.bool else is_token_in_rank
-    return _launch(buf, None, itr, pos, first, cap, t_begin, t_end, bias, out, w_buf, w_out, itr.size(1))
+    return _launch(buf, None, itr, pos, first, cap, t_begin, t_end, bias, out, w_buf, w_out, itr.size(1), programs)

@@ -4,7 +4,7 @@ script, so the CPU and GPU suites check the same things."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
 import torch
@@ -57,6 +57,7 @@ class NormalCase:
     column_major_scales: bool = False
     with_topk: bool = True
     overlap: bool = False  # previous_event + async_finish: the calls run on the communication stream
+    strict_sms: Optional[bool] = None  # Config.strict_sms of the dispatch and the combine
     seed: int = 0
 
     def label(self) -> str:
@@ -121,6 +122,8 @@ def check_normal(ctx, buf, case: NormalCase) -> CaseResult:
     max_recv = max(r.recv_x.size(0) for r in ref)
     worst = max(max_recv, 1) + 3 if case.worst else 0
     stream_kw = dict(previous_event=buf.capture(), async_finish=True) if case.overlap else {}
+    if case.strict_sms is not None:
+        stream_kw["config"] = replace(buf.get_dispatch_config(ctx.world_size), strict_sms=case.strict_sms)
     recv_x, recv_idx, recv_w, per_expert_list, handle, event = buf.dispatch(
         x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
         num_tokens_per_expert=per_expert if case.with_topk else None,
@@ -181,8 +184,9 @@ def check_normal(ctx, buf, case: NormalCase) -> CaseResult:
     if case.with_topk:
         w_in = torch.zeros(worst or m, case.topk)
         w_in[:m] = ref[rank].recv_topk_weights
-    if case.overlap:
-        stream_kw = dict(previous_event=buf.capture(), async_finish=True)
+    stream_kw = dict(previous_event=buf.capture(), async_finish=True) if case.overlap else {}
+    if case.strict_sms is not None:
+        stream_kw["config"] = replace(buf.get_combine_config(ctx.world_size), strict_sms=case.strict_sms)
     combined, combined_w, event = buf.combine(y.to(dev), handle,
                                               topk_weights=w_in.to(dev) if w_in is not None else None, bias=bias,
                                               **stream_kw)

@@ -45,6 +45,7 @@ class DispatchRequest:
     handle: Optional[DispatchHandle]
     config: Config
     bad_topk: Optional[torch.Tensor]  # device count of invalid topk entries, checked at the next host sync
+    overlapped: bool = False  # runs on the communication stream, meant to overlap the caller's kernels
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class CombineRequest:
     topk_weights: Optional[torch.Tensor]
     bias: tuple
     config: Config
+    overlapped: bool = False  # runs on the communication stream, meant to overlap the caller's kernels
 
 
 @dataclass(frozen=True)

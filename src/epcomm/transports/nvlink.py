@@ -291,7 +291,10 @@ class NVLinkTransport(Transport):
         dummy = self.counters
         grid = self._num_sms(req.config, n * (min(num_ranks, k) if k else num_ranks), (xw + mw) * 4)
         tok = _tokens_per_step(req.config)
-        copy_grid = max(1, min(self.sms * 4, -(-max(num_recv, 1) // 4)))
+        if _strict(req):  # the copy-out stays on the push's SMs too
+            copy_grid, copy_rows, copy_warps = grid, 8, 16
+        else:
+            copy_grid, copy_rows, copy_warps = max(1, min(self.sms * 4, -(-max(num_recv, 1) // 4))), 4, 8
         vec = xw % 4 == 0
         single = rounds.num_rounds == 1
         cum = None if single else torch.cat([torch.zeros(1, num_ranks, dtype=torch.int64, device=dev),
@@ -318,8 +321,8 @@ class NVLinkTransport(Transport):
                 recv_idx if recv_idx is not None and num_recv else dummy,
                 recv_w if recv_w is not None and num_recv else dummy, recv_src if num_recv else dummy, num_recv, cap,
                 rank, num_ranks, self._timeout(), XW=xw, W=mw, NS=ns, K=max(k, 1), R=num_ranks, R_POW2=self.r_pow2,
-                ROWS=4, BLOCK=1024, BLOCK_K=pow2_block(k), BLOCK_S=pow2_block(ns), HAS_SCALES=ns > 0,
-                HAS_TOPK=k > 0 and recv_idx is not None, HAS_W=recv_w is not None, VEC=vec, num_warps=8,
+                ROWS=copy_rows, BLOCK=1024, BLOCK_K=pow2_block(k), BLOCK_S=pow2_block(ns), HAS_SCALES=ns > 0,
+                HAS_TOPK=k > 0 and recv_idx is not None, HAS_W=recv_w is not None, VEC=vec, num_warps=copy_warps,
                 **self.flags_kw, **self.timer_kw)
 
     def _cached_dispatch(self, req: DispatchRequest) -> DispatchResult:
@@ -327,13 +330,13 @@ class NVLinkTransport(Transport):
         st: _NVLinkState = h.state
         self._barrier()
         plan_req = DispatchRequest(req.x, req.x_scales, None, None, st.num_tokens_per_rank, h.is_token_in_rank, None,
-                                   h.num_experts, 1, h.num_worst_tokens, None, req.config, None)
+                                   h.num_experts, 1, h.num_worst_tokens, None, req.config, None, req.overlapped)
         outs = self._alloc_recv(h.num_recv_tokens, req.x, req.x_scales, None, False, bool(h.num_worst_tokens))
         self._run_dispatch(plan_req, h.is_token_in_rank, st, outs, h.num_recv_tokens, h.num_worst_tokens)
         return DispatchResult(outs[0], outs[1], None, None, None, h)
 
     def combine(self, req: CombineRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        from ..kernels.ep import chunk_block, combine_push_kernel, pow2_block, wait_arrivals_kernel
+        from ..kernels.ep import PUSH_WARPS, chunk_block, combine_push_kernel, pow2_block, wait_arrivals_kernel
         from ..kernels.reduce import reduce_from_layout
 
         h: DispatchHandle = req.handle
@@ -382,12 +385,13 @@ class NVLinkTransport(Transport):
                 x_words, w_in, recv_src, st.recv_prefix, dst_row, self.heap.peer_bases, area_off, area_off + w_rel,
                 self._off(self.arrive), self.epoch, self.counters[1:], m, cap, rank, num_ranks, XW=xw, K=max(k, 1),
                 R_POW2=self.r_pow2, TOK=tok, BLOCK=chunk_block(xw, tok), BLOCK_K=pow2_block(k), HAS_W=k > 0,
-                SINGLE_ROUND=single, VEC=xw % 4 == 0, num_warps=8, **self.flags_kw)
+                SINGLE_ROUND=single, VEC=xw % 4 == 0, num_warps=PUSH_WARPS, **self.flags_kw)
             wait_arrivals_kernel[(1,)](self.heap.peer_bases, self._off(self.arrive), self.epoch, self.err, rank,
                                        num_ranks, self._timeout(), R_POW2=self.r_pow2, **self.timer_kw)
             if hi > lo:
                 first = None if single else cum[lo].to(torch.int32)
-                reduce_from_layout(buf, h.is_token_in_rank, st.pos, cap, lo, hi, req.bias, out, first, wbuf, out_w)
+                reduce_from_layout(buf, h.is_token_in_rank, st.pos, cap, lo, hi, req.bias, out, first, wbuf, out_w,
+                                   programs=grid if _strict(req) else None)
         return out, out_w
 
     # ------------------------------------------------------------------ low-latency mode (epcomm.transports.low_latency)
@@ -426,6 +430,14 @@ def _words(t: torch.Tensor) -> int:
         raise ValueError(f"Buffer.dispatch: rows of {nbytes} bytes; the one-sided transports need rows that are a "
                          f"multiple of 4 bytes (hidden a multiple of 8)")
     return nbytes // 4
+
+
+def _strict(req) -> bool:
+    """Whether the local passes keep to ``num_sms`` programs too (``Config.strict_sms``; None: when the call is
+    meant to overlap the caller's kernels). Bounded, they cost ~100 us (dispatch) and ~110-210 us (combine)
+    more at DeepSeek sizes on 4xH200."""
+    strict = req.config.strict_sms
+    return req.overlapped if strict is None else strict
 
 
 def _tokens_per_step(config) -> int:
