@@ -13,7 +13,7 @@ counts only rows that cross GPUs."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -35,6 +35,7 @@ class DispatchBenchOptions:
     iters: int
     num_sms: Optional[int]
     configs: tuple = ()  # (num_sms, tokens per step) pairs (None: the defaults) swept for the one-sided transports
+    strict_sms: Optional[bool] = None  # Config.strict_sms of every epcomm call
 
 
 def _copy_engine_ceiling(ctx, in_rank: torch.Tensor, hidden_bytes: int, iters: int):
@@ -114,7 +115,12 @@ def bench_worker(ctx, opts: DispatchBenchOptions) -> list:
                           topk_idx=idx, topk_weights=w)
             for conf in (opts.configs if one_sided and opts.configs else ((opts.num_sms, 6),)):
                 cfg = None if conf is None else Config(conf[0], conf[1], max(conf[1], 256))  # None: the defaults
-                label = "default config" if conf is None else f"sms={conf[0]} tok={conf[1]}"
+                ccfg = cfg  # the combine's
+                if opts.strict_sms is not None:
+                    cfg = replace(cfg or Buffer.get_dispatch_config(ctx.world_size), strict_sms=opts.strict_sms)
+                    ccfg = replace(ccfg or Buffer.get_combine_config(ctx.world_size), strict_sms=opts.strict_sms)
+                label = ("default config" if conf is None else f"sms={conf[0]} tok={conf[1]}") + (
+                    " strict_sms" if opts.strict_sms else "")
                 name = f"epcomm-{buf.transport}" + (f" {label}" if one_sided else "")
                 recv_x, _, _, _, handle, _ = buf.dispatch(x, **layout, config=cfg)
                 add(name, "get_dispatch_layout", t(lambda: buf.get_dispatch_layout(idx, opts.experts)), None)
@@ -122,13 +128,13 @@ def bench_worker(ctx, opts: DispatchBenchOptions) -> list:
                 add(name, "dispatch BF16", t(lambda: buf.dispatch(x, **layout, config=cfg)), "bf16")
                 add(name, "dispatch FP8 cached", t(lambda: buf.dispatch(x_fp8, handle=handle, config=cfg)), "fp8")
                 add(name, "dispatch BF16 cached", t(lambda: buf.dispatch(x, handle=handle, config=cfg)), "bf16")
-                add(name, "combine BF16", t(lambda: buf.combine(recv_x, handle, config=cfg)), "bf16")
+                add(name, "combine BF16", t(lambda: buf.combine(recv_x, handle, config=ccfg)), "bf16")
                 if ctx.device.type == "cuda":  # DeepEP's method: cached handle, a stream of calls, L2 flushed
                     add(name, "dispatch FP8 cached (stream)",
                         s(lambda: buf.dispatch(x_fp8, handle=handle, config=cfg)), "fp8")
                     add(name, "dispatch BF16 cached (stream)", s(lambda: buf.dispatch(x, handle=handle, config=cfg)),
                         "bf16")
-                    add(name, "combine BF16 (stream)", s(lambda: buf.combine(recv_x, handle, config=cfg)), "bf16")
+                    add(name, "combine BF16 (stream)", s(lambda: buf.combine(recv_x, handle, config=ccfg)), "bf16")
 
                 def layout_and_dispatch():
                     pr, _, pe, ir, _ = buf.get_dispatch_layout(idx, opts.experts)
@@ -150,7 +156,7 @@ def bench_worker(ctx, opts: DispatchBenchOptions) -> list:
                             time_graph(graph_step, ctx.group, ctx.device, iters=opts.iters), "bf16")
                         g_recv, _, _, _, g_handle, _ = graph_step()
                         add(name, "combine BF16 (graph, num_worst_tokens)",
-                            time_graph(lambda: buf.combine(g_recv, g_handle, config=cfg), ctx.group, ctx.device,
+                            time_graph(lambda: buf.combine(g_recv, g_handle, config=ccfg), ctx.group, ctx.device,
                                        iters=opts.iters), "bf16")
                         del g_recv, g_handle
                     except Exception as exc:  # noqa: BLE001 - a transport that cannot be captured is reported
@@ -201,11 +207,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", default="default",
                         help="one-sided transports: comma-separated num_sms:tokens_per_step pairs to sweep; "
                              "'default' uses Buffer.get_dispatch_config / get_combine_config")
+    parser.add_argument("--strict-sms", action="store_true",
+                        help="Config.strict_sms=True: the local passes too keep to num_sms (default: the Buffer's rule)")
     args = parser.parse_args(argv)
     opts = DispatchBenchOptions(args.tokens, args.hidden, args.topk, args.experts, tuple(args.routings.split(",")),
                                 tuple(args.transports.split(",")), args.iters, args.num_sms,
                                 tuple(None if c == "default" else tuple(int(v) for v in c.split(":"))
-                                      for c in args.configs.split(",") if c))
+                                      for c in args.configs.split(",") if c), True if args.strict_sms else None)
     rows = run(bench_worker, args.world_size, opts)[0]
     name = args.name or f"bench_dispatch_{rows[0]['ranks']}ranks"
     notes = ("GB/s (DeepEP) = mean over ranks of the bytes of all rows a rank receives (its own included) / median "
