@@ -100,6 +100,7 @@ class NVLinkTransport(Transport):
 
     name = "nvlink"
     link_gbps = 400.0  # what leaves one GPU over NVLink4 (18 links) in practice: the traffic model's ceiling
+    description = "one-sided Triton kernels writing into peers' symmetric memory over NVLink"
     validates_topk = True  # the exchange kernel checks expert ids; the Buffer need not
 
     def __init__(self, group, device: torch.device, buffer_id: int, num_nvl_bytes: int = 0,
@@ -150,8 +151,7 @@ class NVLinkTransport(Transport):
     def capabilities(cls) -> Capabilities:
         return Capabilities(
             name=cls.name, devices=("cuda",), one_sided=True, sync_free_normal=True,
-            graph_capturable_low_latency=True, needs_p2p=True, needs_p2p_atomics=False,
-            description="one-sided Triton kernels writing into peers' symmetric memory over NVLink")
+            graph_capturable_low_latency=True, needs_p2p=True, needs_p2p_atomics=False, description=cls.description)
 
     # ------------------------------------------------------------------ helpers
     def _off(self, t: torch.Tensor) -> int:
@@ -415,13 +415,7 @@ class P2PTransport(NVLinkTransport):
 
     name = "p2p"
     link_gbps = 25.0  # PCIe 4/5 x16 in practice
-
-    @classmethod
-    def capabilities(cls) -> Capabilities:
-        return Capabilities(
-            name=cls.name, devices=("cuda",), one_sided=True, sync_free_normal=True,
-            graph_capturable_low_latency=True, needs_p2p=True, needs_p2p_atomics=False,
-            description="one-sided Triton kernels with single-writer flags, for P2P without NVLink or atomics")
+    description = "one-sided Triton kernels with single-writer flags, for P2P without NVLink or atomics"
 
 
 def _words(t: torch.Tensor) -> int:
