@@ -18,6 +18,8 @@ CASES = [
                expert_alignment=4, seed=33),
     NormalCase(num_tokens=5, hidden=40, num_experts=6, topk=2, routing="one_rank", with_topk=False, seed=34),
 ]
+# enough tokens per pushing program that the streaming dispatch reports progress mid-way (every SIGNAL_TOKENS)
+LONG = NormalCase(num_tokens=(100, 37, 0), hidden=16, num_experts=6, topk=2, dtype="bf16", seed=37)
 
 
 def _run(world_size, transport, buffer_kwargs, cases):
@@ -28,7 +30,7 @@ def _run(world_size, transport, buffer_kwargs, cases):
 
 def test_one_sided_transport_single_round(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    _run(3, NVLinkTransport, {"num_nvl_bytes": 1 << 20}, CASES)
+    _run(3, NVLinkTransport, {"num_nvl_bytes": 1 << 20}, CASES + [LONG])
 
 
 def test_one_sided_transport_in_rounds(monkeypatch):

@@ -29,14 +29,18 @@ recv_prefix (R), recv_from (R), sent (R), tokens per local expert (E_local)]``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import triton
 import triton.language as tl
 
-from .shmem import arrive_last, block_barrier, fence_sys, st_release, wait_all_ge
-from .shmem_codes import ERR_BARRIER_TIMEOUT, ERR_DONE_TIMEOUT
+from .shmem import arrive_last, block_barrier, fence_sys, ld_acquire, st_release, wait_all_ge, wait_until
+from .shmem_codes import CMP_GE, ERR_BARRIER_TIMEOUT, ERR_DONE_TIMEOUT
 
 _K_ERR_BARRIER = tl.constexpr(ERR_BARRIER_TIMEOUT)
 _K_ERR_DONE = tl.constexpr(ERR_DONE_TIMEOUT)
+_K_CMP_GE = tl.constexpr(CMP_GE)
 
 SUMMARY_HEAD = 8  # summary words before recv_prefix
 PUSH_WARPS = 8  # warps per push program (dispatch and combine)
@@ -218,32 +222,63 @@ def _dest_row(itr_ptr, pos_ptr, first_ptr, t, live, r, rank, cap, R: tl.constexp
 
 
 @triton.jit
-def dispatch_push_kernel(x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_ptr, itr_ptr, pos_ptr,
-                         first_ptr, rows_ptr, bases_ptr, area_off, meta_off, hdr_off, arrive_off, epoch_ptr,
-                         counter_ptr, t_begin, t_end, cap, rank, world, XW: tl.constexpr, W: tl.constexpr,
-                         NS: tl.constexpr, K: tl.constexpr, E_LOCAL: tl.constexpr, R: tl.constexpr,
-                         R_POW2: tl.constexpr, TOK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
-                         BLOCK_K: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr,
-                         HAS_W: tl.constexpr, SINGLE_ROUND: tl.constexpr, VEC: tl.constexpr,
-                         USE_PTX: tl.constexpr, PUBLISH: tl.constexpr = True):
-    """Token-major push of tokens ``[t_begin, t_end)``: each program takes a contiguous range, ``TOK`` tokens
-    at a time, reads each row once and stores it, with its record built here, into every destination the
-    token goes to, at row ``rank * cap + pos[t, r] - first[r]`` of that destination's area.
+def _dest_end(itr_ptr, pos_ptr, t_last, rcols, R: tl.constexpr):
+    """Per destination ``rcols``: the position just past the last of tokens ``<= t_last`` that go there
+    (``pos[t_last, r] + is_token_in_rank[t_last, r]``); 0 when ``t_last < 0``."""
+    ok = (rcols < R) & (t_last >= 0)
+    t = tl.maximum(t_last, 0).to(tl.int64)
+    p = tl.load(pos_ptr + t * R + rcols, mask=ok, other=0)
+    return p + (tl.load(itr_ptr + t * R + rcols, mask=ok, other=0) != 0).to(tl.int32)
 
-    x_ptr: int32 ``[N, XW]``; scales_ptr: int32 words, ``[N, NS]`` with the given strides; topk_ptr ``[N, K]``
-    (int64 or int32); w_ptr float32 ``[N, K]``; itr_ptr int8 ``[N, R]``; pos_ptr int32 ``[N, R]``;
-    first_ptr/rows_ptr int32 ``[R]``: this round's first pair index and rows per destination (with
-    SINGLE_ROUND, first is 0 and rows_ptr is num_tokens_per_rank). With ``PUBLISH=False`` it only packs
-    (every ``bases`` entry is one local buffer: the portable transport's send area) and signals nobody."""
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
+
+@triton.jit
+def _progress(bases_ptr, prog_off, row, slot, value, rank, world, R_POW2: tl.constexpr, USE_PTX: tl.constexpr):
+    """Release ``value [R_POW2]`` (one per destination) into word ``slot`` of this rank's progress ``row`` in
+    every destination's heap (``prog`` int64 ``[R_src, PMAX + 2, 2]`` at ``prog_off``, see
+    ``dispatch_kernel``). Lanes past ``world`` write their (different) values into the row's spare pair of
+    this rank's own heap, never into a live lane's word."""
+    peers = tl.arange(0, R_POW2)
+    live = peers < world
+    base = tl.load(bases_ptr + tl.where(live, peers, rank))
+    word = tl.where(live, row * 2 + slot, row * 2 + 2)
+    st_release((base + prog_off + word * 8).to(tl.pointer_type(tl.int64)), value, USE_PTX)
+
+
+@triton.jit
+def _push_tokens(pid, nprog, x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_ptr, itr_ptr, pos_ptr, first_ptr,
+                 bases_ptr, area_off, meta_off, prog_off, tag, t_begin, t_end, cap, rank, world, XW: tl.constexpr,
+                 W: tl.constexpr, NS: tl.constexpr, K: tl.constexpr, E_LOCAL: tl.constexpr, R: tl.constexpr,
+                 R_POW2: tl.constexpr, TOK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
+                 BLOCK_K: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr,
+                 SINGLE_ROUND: tl.constexpr, VEC: tl.constexpr, USE_PTX: tl.constexpr, PMAX: tl.constexpr,
+                 SIG: tl.constexpr):
+    """Program ``pid`` of ``nprog`` pushes its contiguous range of tokens ``[t_begin, t_end)``, ``TOK`` at a
+    time: reads each row once and stores it, with its record, into every destination it goes to, at row
+    ``rank * cap + pos[t, r] - first[r]`` of that destination's area. ``SIG > 0`` (streaming dispatch) also
+    reports progress to every destination: first ``begin = tag | pos[lo, r]``, then every ``SIG`` steps and
+    at the end ``end = tag | pos past the tokens pushed so far`` (bit 31 set on the last), each after a
+    fence so that it publishes the rows before it (program 0 also announces ``nprog`` and ``first``)."""
     per = tl.cdiv(tl.cdiv(t_end - t_begin, nprog), TOK) * TOK
     lo = t_begin + pid * per
     hi = tl.minimum(lo + per, t_end)
     toks = tl.arange(0, TOK)
     scols = tl.arange(0, BLOCK_S)
     kc = tl.arange(0, BLOCK_K)
+    rcols = tl.arange(0, R_POW2)
+    row = rank * (PMAX + 2)  # this rank's row of progress words at each destination (pairs of int64)
+    if SIG > 0:
+        if pid == 0:
+            _progress(bases_ptr, prog_off, row, 0, tl.zeros([R_POW2], tl.int64) + tag + nprog, rank, world, R_POW2,
+                      USE_PTX)
+            if SINGLE_ROUND:
+                fr = tl.zeros([R_POW2], tl.int64)
+            else:
+                fr = tl.load(first_ptr + rcols, mask=rcols < R, other=0).to(tl.int64)
+            _progress(bases_ptr, prog_off, row, 1, tag + fr, rank, world, R_POW2, USE_PTX)
+        start = _dest_end(itr_ptr, pos_ptr, tl.where(hi > lo, lo - 1, -1), rcols, R)  # pos[lo, r]; 0 when empty
+        _progress(bases_ptr, prog_off, row, (2 + pid) * 2, tag + start.to(tl.int64), rank, world, R_POW2, USE_PTX)
     t0 = lo
+    steps = 0
     while t0 < hi:  # (a while loop: the interpreter cannot run for loops with run-time bounds)
         t = (t0 + toks).to(tl.int64)
         live = t < hi
@@ -281,12 +316,91 @@ def dispatch_push_kernel(x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_
                     wr = tl.where(mine, wv, 0.0).to(tl.int32, bitcast=True)
                     tl.store(rec[:, None] + 2 + NS + K + kc[None, :], wr, mask=gm)
         t0 += TOK
+        steps += 1
+        if SIG > 0:
+            if (steps % SIG == 0) & (t0 < hi):
+                fence_sys(USE_PTX)
+                tl.debug_barrier()
+                end = _dest_end(itr_ptr, pos_ptr, t0 - 1, rcols, R).to(tl.int64)
+                _progress(bases_ptr, prog_off, row, (2 + pid) * 2 + 1, tag + end, rank, world, R_POW2, USE_PTX)
+    if SIG > 0:
+        fence_sys(USE_PTX)
+        tl.debug_barrier()
+        end = _dest_end(itr_ptr, pos_ptr, tl.where(hi > lo, hi - 1, -1), rcols, R).to(tl.int64)
+        last = tag + end + (tl.full([], 1, tl.int64) << 31)
+        _progress(bases_ptr, prog_off, row, (2 + pid) * 2 + 1, last, rank, world, R_POW2, USE_PTX)
+
+
+@triton.jit
+def dispatch_push_kernel(x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_ptr, itr_ptr, pos_ptr,
+                         first_ptr, rows_ptr, bases_ptr, area_off, meta_off, hdr_off, arrive_off, epoch_ptr,
+                         counter_ptr, t_begin, t_end, cap, rank, world, XW: tl.constexpr, W: tl.constexpr,
+                         NS: tl.constexpr, K: tl.constexpr, E_LOCAL: tl.constexpr, R: tl.constexpr,
+                         R_POW2: tl.constexpr, TOK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
+                         BLOCK_K: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr,
+                         HAS_W: tl.constexpr, SINGLE_ROUND: tl.constexpr, VEC: tl.constexpr,
+                         USE_PTX: tl.constexpr, PUBLISH: tl.constexpr = True):
+    """Token-major push (``_push_tokens``) by every program, then the last one publishes the round (headers
+    and epoch, for ``dispatch_copyout_kernel``).
+
+    x_ptr: int32 ``[N, XW]``; scales_ptr: int32 words, ``[N, NS]`` with the given strides; topk_ptr ``[N, K]``
+    (int64 or int32); w_ptr float32 ``[N, K]``; itr_ptr int8 ``[N, R]``; pos_ptr int32 ``[N, R]``;
+    first_ptr/rows_ptr int32 ``[R]``: this round's first pair index and rows per destination (with
+    SINGLE_ROUND, first is 0 and rows_ptr is num_tokens_per_rank). With ``PUBLISH=False`` it only packs
+    (every ``bases`` entry is one local buffer: the portable transport's send area) and signals nobody."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    _push_tokens(pid, nprog, x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_ptr, itr_ptr, pos_ptr, first_ptr,
+                 bases_ptr, area_off, meta_off, 0, 0, t_begin, t_end, cap, rank, world, XW, W, NS, K, E_LOCAL, R,
+                 R_POW2, TOK, BLOCK, BLOCK_S, BLOCK_K, HAS_SCALES, HAS_TOPK, HAS_W, SINGLE_ROUND, VEC, USE_PTX, 1, 0)
     if PUBLISH:
         fence_sys(USE_PTX)
         tl.debug_barrier()
         if arrive_last(counter_ptr, nprog) != 0:
             _publish(bases_ptr, first_ptr, rows_ptr, hdr_off, arrive_off, epoch_ptr, rank, world, R_POW2, True,
                      SINGLE_ROUND, USE_PTX)
+
+
+@triton.jit
+def _copy_rows(area_ptr, meta_ptr, out_x_ptr, out_scales_ptr, out_idx_ptr, out_w_ptr, out_src_ptr, src0, dst0, lo,
+               hi, step, XW: tl.constexpr, W: tl.constexpr, NS: tl.constexpr, K: tl.constexpr, ROWS: tl.constexpr,
+               BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SCALES: tl.constexpr,
+               HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr, VEC: tl.constexpr, COPY_X: tl.constexpr):
+    """Rows ``i`` of ``[lo, hi)``, ``ROWS`` at a time from ``lo`` in strides of ``step``: copy area row
+    ``src0 + i`` to output row ``dst0 + i`` (with ``COPY_X``) and unpack its record: ``out_src`` int32 ``[M, 2]``
+    (source token, source rank), scales, int64 local top-k ids, float32 weights."""
+    kcols = tl.arange(0, BLOCK_K)
+    scols = tl.arange(0, BLOCK_S)
+    rr = tl.arange(0, ROWS)
+    i0 = lo
+    while i0 < hi:
+        i = i0 + rr
+        live = i < hi
+        src = (src0 + i).to(tl.int64)
+        dst = (dst0 + i).to(tl.int64)
+        if COPY_X:
+            for c0 in tl.static_range(0, XW, BLOCK):
+                cols = c0 + tl.arange(0, BLOCK)
+                if VEC:
+                    cols = tl.max_contiguous(tl.multiple_of(cols, 4), 4)
+                m = live[:, None] & (cols < XW)[None, :]
+                v = tl.load(area_ptr + src[:, None] * XW + cols[None, :], mask=m)
+                tl.store(out_x_ptr + dst[:, None] * XW + cols[None, :], v, mask=m)
+        rec = meta_ptr + src * W
+        tl.store(out_src_ptr + dst * 2, tl.load(rec, mask=live), mask=live)
+        tl.store(out_src_ptr + dst * 2 + 1, tl.load(rec + 1, mask=live), mask=live)
+        if HAS_SCALES:
+            sm = live[:, None] & (scols < NS)[None, :]
+            tl.store(out_scales_ptr + dst[:, None] * NS + scols[None, :],
+                     tl.load(rec[:, None] + 2 + scols[None, :], mask=sm), mask=sm)
+        if HAS_TOPK:
+            km = live[:, None] & (kcols < K)[None, :]
+            ids = tl.load(rec[:, None] + 2 + NS + kcols[None, :], mask=km)
+            tl.store(out_idx_ptr + dst[:, None] * K + kcols[None, :], ids.to(tl.int64), mask=km)
+            if HAS_W:
+                wv = tl.load(rec[:, None] + 2 + NS + K + kcols[None, :], mask=km).to(tl.float32, bitcast=True)
+                tl.store(out_w_ptr + dst[:, None] * K + kcols[None, :], wv, mask=km)
+        i0 += step
 
 
 @triton.jit
@@ -298,8 +412,7 @@ def dispatch_copyout_kernel(area_ptr, meta_ptr, hdr_ptr, bases_ptr, arrive_off, 
                             HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr, VEC: tl.constexpr,
                             USE_PTX: tl.constexpr, USE_TIMER: tl.constexpr, ONE_SIDED: tl.constexpr = True):
     """Wait for every source's round, then copy its rows from the area into the outputs and unpack the
-    records: ``out_src`` int32 ``[M, 2]`` (source token, source rank), scales, int64 local top-k ids,
-    float32 weights. Source ``s``'s rows of this round land at ``prefix[s] + first``; rows past
+    records (``_copy_rows``). Source ``s``'s rows of this round land at ``prefix[s] + first``; rows past
     ``out_rows`` (an overflowing ``num_worst_tokens``, reported on the host side) are dropped. Programs take
     ``ROWS`` rows at a time, cycling over every source's rows (a local copy: launch many programs).
     ``ONE_SIDED=False`` (the portable transport, whose all_to_all already put the rows in place): no wait,
@@ -310,9 +423,6 @@ def dispatch_copyout_kernel(area_ptr, meta_ptr, hdr_ptr, bases_ptr, arrive_off, 
         wait_all_ge(tl.load(bases_ptr + rank), arrive_off, world, tl.load(epoch_ptr), timeout, err_ptr, _K_ERR_DONE,
                     rank, R_POW2, USE_TIMER)
         tl.debug_barrier()
-    kcols = tl.arange(0, BLOCK_K)
-    scols = tl.arange(0, BLOCK_S)
-    rr = tl.arange(0, ROWS)
     for s in tl.static_range(R):
         if ONE_SIDED:
             first = tl.load(hdr_ptr + s * 2)
@@ -322,35 +432,84 @@ def dispatch_copyout_kernel(area_ptr, meta_ptr, hdr_ptr, bases_ptr, arrive_off, 
         else:
             rows = out_rows
             out0 = 0
-        i0 = pid * ROWS
-        while i0 < rows:
-            i = i0 + rr
-            live = i < rows
-            src = (s * cap + i).to(tl.int64)
-            dst = (out0 + i).to(tl.int64)
-            if ONE_SIDED:
-                for c0 in tl.static_range(0, XW, BLOCK):
-                    cols = c0 + tl.arange(0, BLOCK)
-                    if VEC:
-                        cols = tl.max_contiguous(tl.multiple_of(cols, 4), 4)
-                    m = live[:, None] & (cols < XW)[None, :]
-                    v = tl.load(area_ptr + src[:, None] * XW + cols[None, :], mask=m)
-                    tl.store(out_x_ptr + dst[:, None] * XW + cols[None, :], v, mask=m)
-            rec = meta_ptr + src * W
-            tl.store(out_src_ptr + dst * 2, tl.load(rec, mask=live), mask=live)
-            tl.store(out_src_ptr + dst * 2 + 1, tl.load(rec + 1, mask=live), mask=live)
-            if HAS_SCALES:
-                sm = live[:, None] & (scols < NS)[None, :]
-                tl.store(out_scales_ptr + dst[:, None] * NS + scols[None, :],
-                         tl.load(rec[:, None] + 2 + scols[None, :], mask=sm), mask=sm)
-            if HAS_TOPK:
-                km = live[:, None] & (kcols < K)[None, :]
-                ids = tl.load(rec[:, None] + 2 + NS + kcols[None, :], mask=km)
-                tl.store(out_idx_ptr + dst[:, None] * K + kcols[None, :], ids.to(tl.int64), mask=km)
-                if HAS_W:
-                    wv = tl.load(rec[:, None] + 2 + NS + K + kcols[None, :], mask=km).to(tl.float32, bitcast=True)
-                    tl.store(out_w_ptr + dst[:, None] * K + kcols[None, :], wv, mask=km)
-            i0 += nprog * ROWS
+        _copy_rows(area_ptr, meta_ptr, out_x_ptr, out_scales_ptr, out_idx_ptr, out_w_ptr, out_src_ptr, s * cap, out0,
+                   pid * ROWS, rows, nprog * ROWS, XW, W, NS, K, ROWS, BLOCK, BLOCK_K, BLOCK_S, HAS_SCALES, HAS_TOPK,
+                   HAS_W, VEC, ONE_SIDED)
+
+
+@triton.jit
+def _await(ptr, value, timeout, err_ptr, rank, peer, slot, USE_TIMER: tl.constexpr):
+    """``wait_until(*ptr >= value)`` (acquire), then the low 32 bits of the word, or -1 after a timeout."""
+    ok = wait_until(ptr, _K_CMP_GE, value, timeout, err_ptr, _K_ERR_DONE, rank, peer, slot, USE_TIMER)
+    word = ld_acquire(ptr).to(tl.int64)
+    low = word - ((word >> 32) << 32)
+    return tl.where(ok != 0, low, -1)
+
+
+@triton.jit
+def dispatch_kernel(x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_ptr, itr_ptr, pos_ptr, first_ptr,
+                    bases_ptr, area_off, meta_off, prog_off, epoch_ptr, t_begin, t_end, cap, rank, world, num_push,
+                    num_recv_progs, area_ptr, meta_ptr, prog_ptr, err_ptr, prefix_ptr, out_x_ptr, out_scales_ptr,
+                    out_idx_ptr, out_w_ptr, out_src_ptr, out_rows, timeout, XW: tl.constexpr, W: tl.constexpr,
+                    NS: tl.constexpr, K: tl.constexpr, E_LOCAL: tl.constexpr, R: tl.constexpr, R_POW2: tl.constexpr,
+                    TOK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
+                    HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr, HAS_IDX: tl.constexpr,
+                    SINGLE_ROUND: tl.constexpr, VEC: tl.constexpr, USE_PTX: tl.constexpr, USE_TIMER: tl.constexpr,
+                    PMAX: tl.constexpr, SIG: tl.constexpr, ROWS: tl.constexpr):
+    """Streaming dispatch: push and receive in one launch, so that received rows are copied out while the
+    pushes are still running.
+
+    Programs ``[0, num_push)`` push (``_push_tokens`` with progress reports); programs ``num_push + s *
+    num_recv_progs + q`` receive from source ``s``: for each of the sender's programs ``p = q, q +
+    num_recv_progs, ...`` (the sender announces how many it runs), they wait for its ``begin`` word, then
+    copy each newly reported stretch of rows ``[copied, end)`` into the outputs (``_copy_rows``) until the
+    ``end`` word carries the last-report bit. Received rows of source ``s`` with global position ``g`` go
+    to output row ``prefix[s] + g``; rows at or past ``out_rows`` are dropped (an overflowing
+    ``num_worst_tokens``, reported on the host side).
+
+    Progress words (int64, this rank's heap, ``prog`` ``[R_src, PMAX + 2, 2]``; every word has one writer,
+    the sender): ``[s, 0, :]`` = (programs of s, first position of s's round), ``[s, 2 + p, :]`` = (begin,
+    end) of s's program p. Each word is ``epoch << 32 | value``: the epoch is this round's barrier epoch
+    (equal on every rank), so words of earlier rounds never satisfy a wait (``>=`` comparisons) and the
+    words need no reset (CUDA-graph replays work).
+
+    A receiving program may wait for a pushing program of the same launch (its own rank's rows): pushing
+    programs have the lower ids and never wait for anything, and blocks are dispatched in id order, so they
+    are resident first (the same forward-progress argument as a decoupled look-back scan). The Triton
+    interpreter runs programs in id order, which satisfies it too."""
+    pid = tl.program_id(0)
+    tag = tl.load(epoch_ptr) << 32
+    if pid < num_push:
+        _push_tokens(pid, num_push, x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_ptr, itr_ptr, pos_ptr,
+                     first_ptr, bases_ptr, area_off, meta_off, prog_off, tag, t_begin, t_end, cap, rank, world, XW, W,
+                     NS, K, E_LOCAL, R, R_POW2, TOK, BLOCK, BLOCK_S, BLOCK_K, HAS_SCALES, HAS_TOPK, HAS_W,
+                     SINGLE_ROUND, VEC, USE_PTX, PMAX, SIG)
+    else:
+        j = pid - num_push
+        s = j // num_recv_progs
+        q = j % num_recv_progs
+        row = prog_ptr + s * (PMAX + 2) * 2
+        nsend = _await(row, tag, timeout, err_ptr, rank, s, -1, USE_TIMER)
+        first = _await(row + 1, tag, timeout, err_ptr, rank, s, -1, USE_TIMER)
+        ok = (nsend >= 0) & (first >= 0)
+        base = tl.load(prefix_ptr + s)
+        p = q
+        while ok & (p < nsend):
+            start = _await(row + (2 + p) * 2, tag, timeout, err_ptr, rank, s, p, USE_TIMER)
+            ok = start >= 0
+            copied = start
+            fin = tl.zeros([], tl.int64)
+            while ok & (fin == 0):
+                word = _await(row + (2 + p) * 2 + 1, tag + copied + 1, timeout, err_ptr, rank, s, p, USE_TIMER)
+                ok = word >= 0
+                fin = (word >> 31) & 1
+                end = tl.where(ok, word & 0x7FFFFFFF, copied)
+                hi = tl.minimum(end, out_rows - base)
+                _copy_rows(area_ptr, meta_ptr, out_x_ptr, out_scales_ptr, out_idx_ptr, out_w_ptr, out_src_ptr,
+                           s * cap - first, base, copied, hi, ROWS, XW, W, NS, K, ROWS, 1024, BLOCK_K, BLOCK_S,
+                           HAS_SCALES, HAS_IDX, HAS_W, VEC, True)
+                copied = end
+            p += num_recv_progs
 
 
 @triton.jit
@@ -461,12 +620,43 @@ def launch_unpack_records(records, out_scales, out_idx, out_w, out_src, num_scal
         ONE_SIDED=False, num_warps=4)
 
 
+@dataclass(frozen=True)
+class ReceiveSide:
+    """What the receiving programs of a streaming dispatch (``dispatch_kernel``) need: the local area
+    (``area_rows [R * cap, XW]`` / ``meta_rows [R * cap, W]`` int32 views), the progress words ``prog`` (int64
+    ``[R, PROGRESS_SLOTS + 2, 2]``, heap offset ``prog_off``), the error record, ``prefix [R]`` int32 (first
+    output row of each source), the outputs (``out_x`` int32 view ``[M, XW]``, scales ``[M, NS]`` int32
+    view, ``out_idx [M, K]`` int64, ``out_w [M, K]`` float32, ``out_src [M, 2]`` int32; None to skip),
+    ``out_rows`` = M, ``timeout`` (``timeout_units``) and ``programs`` per source."""
+
+    area_rows: object
+    meta_rows: object
+    prog: object
+    prog_off: int
+    err: object
+    prefix: object
+    out_x: object
+    out_scales: object
+    out_idx: object
+    out_w: object
+    out_src: object
+    out_rows: int
+    timeout: int
+    programs: int
+
+
+PROGRESS_SLOTS = 256  # most pushing programs a streaming dispatch runs (progress words per source)
+SIGNAL_TOKENS = 32  # a streaming push reports progress after about this many tokens
+
+
 def launch_push(*, x, scales, topk_idx, topk_weights, itr, pos, first, rows, bases, area_off: int, meta_off: int,
                 hdr_off: int, arrive_off: int, epoch, counter, t_begin: int, t_end: int, cap: int, rank: int,
                 world: int, num_experts: int, grid: int, tokens_per_step: int, use_ptx: bool, single_round: bool,
-                publish: bool, dummy) -> None:
+                publish: bool, dummy, receive: Optional[ReceiveSide] = None) -> None:
     """``dispatch_push_kernel`` for rows of ``x [N, H]`` (any dtype; rows a multiple of 4 bytes), optional
-    ``scales [N, S]`` (4-byte dtype, any strides), ``topk_idx``/``topk_weights [N, K]``."""
+    ``scales [N, S]`` (4-byte dtype, any strides), ``topk_idx``/``topk_weights [N, K]``; with ``receive``,
+    the streaming ``dispatch_kernel`` instead (``grid`` pushing programs, at most ``PROGRESS_SLOTS``, plus
+    ``receive.programs`` receiving programs per source)."""
     import torch
 
     n = x.size(0)
@@ -475,12 +665,24 @@ def launch_push(*, x, scales, topk_idx, topk_weights, itr, pos, first, rows, bas
     k = topk_idx.size(1) if topk_idx is not None else 0
     has_w = topk_weights is not None
     x_words = x.view(torch.int32) if n else torch.empty(1, xw, dtype=torch.int32, device=x.device)
-    dispatch_push_kernel[(grid,)](
-        x_words, scales.view(torch.int32) if ns else dummy, scales.stride(0) if ns else 0,
-        scales.stride(1) if ns else 0, topk_idx if k else dummy, topk_weights if has_w else dummy,
-        itr.view(torch.int8), pos, first, rows, bases, area_off, meta_off, hdr_off, arrive_off, epoch, counter,
-        t_begin, t_end, cap, rank, world, XW=xw, W=record_words(ns, k, has_w), NS=ns, K=max(k, 1),
-        E_LOCAL=max(1, num_experts // world), R=world, R_POW2=max(2, triton.next_power_of_2(world)),
-        TOK=tokens_per_step, BLOCK=chunk_block(xw, tokens_per_step), BLOCK_S=pow2_block(ns), BLOCK_K=pow2_block(k), HAS_SCALES=ns > 0, HAS_TOPK=k > 0,
-        HAS_W=has_w, SINGLE_ROUND=single_round, VEC=xw % 4 == 0, USE_PTX=use_ptx, PUBLISH=publish,
-        num_warps=PUSH_WARPS)
+    push_args = (x_words, scales.view(torch.int32) if ns else dummy, scales.stride(0) if ns else 0,
+                 scales.stride(1) if ns else 0, topk_idx if k else dummy, topk_weights if has_w else dummy,
+                 itr.view(torch.int8), pos, first)
+    meta = dict(XW=xw, W=record_words(ns, k, has_w), NS=ns, K=max(k, 1), E_LOCAL=max(1, num_experts // world), R=world,
+                R_POW2=max(2, triton.next_power_of_2(world)), TOK=tokens_per_step, BLOCK=chunk_block(xw, tokens_per_step),
+                BLOCK_S=pow2_block(ns), BLOCK_K=pow2_block(k), HAS_SCALES=ns > 0, HAS_TOPK=k > 0, HAS_W=has_w,
+                SINGLE_ROUND=single_round, VEC=xw % 4 == 0, USE_PTX=use_ptx, num_warps=PUSH_WARPS)
+    if receive is None:
+        dispatch_push_kernel[(grid,)](*push_args, rows, bases, area_off, meta_off, hdr_off, arrive_off, epoch, counter,
+                                      t_begin, t_end, cap, rank, world, PUBLISH=publish, **meta)
+        return
+    if not 1 <= grid <= PROGRESS_SLOTS:
+        raise ValueError(f"launch_push: {grid} pushing programs; a streaming dispatch runs 1..{PROGRESS_SLOTS}")
+    rv = receive
+    out = [t if t is not None else dummy for t in (rv.out_x, rv.out_scales, rv.out_idx, rv.out_w, rv.out_src)]
+    dispatch_kernel[(grid + world * rv.programs,)](
+        *push_args, bases, area_off, meta_off, rv.prog_off, epoch, t_begin, t_end, cap, rank, world, grid,
+        rv.programs, rv.area_rows, rv.meta_rows, rv.prog, rv.err, rv.prefix, *out, rv.out_rows, rv.timeout,
+        HAS_IDX=rv.out_idx is not None, USE_TIMER=use_ptx, PMAX=PROGRESS_SLOTS,
+        SIG=max(1, SIGNAL_TOKENS // tokens_per_step), ROWS=4, **meta)
+

@@ -116,7 +116,9 @@ class NVLinkTransport(Transport):
         r = self.num_ranks
         self.area_bytes = align_up(int(num_nvl_bytes) or DEFAULT_AREA_BYTES, 1 << 12)
         self.table_words = 2 + MAX_LOCAL_EXPERTS
-        ctrl = r * r * self.table_words * 4 + 4 * 8 * r + 8 * r * 2 + 4096
+        from ..kernels.ep import PROGRESS_SLOTS
+
+        ctrl = r * r * self.table_words * 4 + 4 * 8 * r + 8 * r * 2 + r * (PROGRESS_SLOTS + 2) * 16 + 4096
         try:
             self.heap = SymmetricHeap(group, self.area_bytes + ctrl, device)
         except torch.cuda.OutOfMemoryError as exc:
@@ -127,8 +129,9 @@ class NVLinkTransport(Transport):
         self.flags = h.empty((r,), torch.int64)
         self.arrive = h.empty((r,), torch.int64)
         self.hdr = h.empty((r, 2), torch.int32)
+        self.prog = h.empty((r, PROGRESS_SLOTS + 2, 2), torch.int64)
         self.area = h.empty((self.area_bytes,), torch.uint8)
-        for t in (self.flags, self.arrive, self.hdr):
+        for t in (self.flags, self.arrive, self.hdr, self.prog):
             t.zero_()
         self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
         self.counters = torch.zeros(4, dtype=torch.int32, device=device)
@@ -283,7 +286,6 @@ class NVLinkTransport(Transport):
         mw = record_words(ns, k, has_w)
         rounds = state.rounds((xw + mw) * 4, self.area_bytes, num_ranks, worst, "Buffer.dispatch")
         cap = rounds.cap
-        recv_x, recv_scales, recv_idx, recv_w, recv_src = outs
         area_off = self._off(self.area)
         meta_rel = align_up(num_ranks * cap * xw * 4, 256)
         area_rows = self.area[:num_ranks * cap * xw * 4].view(torch.int32).view(num_ranks * cap, xw)
@@ -291,14 +293,23 @@ class NVLinkTransport(Transport):
         dummy = self.counters
         grid = self._num_sms(req.config, n * (min(num_ranks, k) if k else num_ranks), (xw + mw) * 4)
         tok = _tokens_per_step(req.config)
-        if _strict(req):  # the copy-out stays on the push's SMs too
+        strict = _strict(req)
+        if strict:  # the copy-out stays on the push's SMs too: push, then copy
             copy_grid, copy_rows, copy_warps = grid, 8, 16
-        else:
-            copy_grid, copy_rows, copy_warps = max(1, min(self.sms * 4, -(-max(num_recv, 1) // 4))), 4, 8
+        else:  # streaming: receiving programs copy rows out while the pushes run
+            from ..kernels.ep import PROGRESS_SLOTS, ReceiveSide
+
+            grid = min(grid, PROGRESS_SLOTS)
         vec = xw % 4 == 0
         single = rounds.num_rounds == 1
         cum = None if single else torch.cat([torch.zeros(1, num_ranks, dtype=torch.int64, device=dev),
                                              torch.cumsum(itr, dim=0, dtype=torch.int64)])
+        outs_or_dummy = [t if t is not None and num_recv else None for t in outs]
+        out_x, out_scales, out_idx, out_w, out_src = outs_or_dummy
+        if out_x is not None:
+            out_x = out_x.view(torch.int32)
+        if out_scales is not None:
+            out_scales = out_scales.view(torch.int32)
         for j in range(rounds.num_rounds):
             if j:
                 self._barrier()
@@ -308,22 +319,27 @@ class NVLinkTransport(Transport):
             else:
                 first = cum[lo].to(torch.int32)
                 rows = (cum[hi] - cum[lo]).to(torch.int32)
+            receive = None if strict else ReceiveSide(
+                area_rows, meta_rows, self.prog, self._off(self.prog), self.err, state.recv_prefix, out_x, out_scales,
+                out_idx if k else None, out_w, out_src, num_recv, self._timeout(), grid)
             launch_push(x=x, scales=scales, topk_idx=req.topk_idx, topk_weights=req.topk_weights, itr=itr,
                         pos=state.pos, first=first, rows=rows, bases=self.heap.peer_bases, area_off=area_off,
                         meta_off=area_off + meta_rel, hdr_off=self._off(self.hdr), arrive_off=self._off(self.arrive),
                         epoch=self.epoch, counter=self.counters, t_begin=lo, t_end=hi, cap=cap, rank=rank,
                         world=num_ranks, num_experts=req.num_experts, grid=grid, tokens_per_step=tok,
-                        use_ptx=self.device.type == "cuda", single_round=single, publish=True, dummy=dummy)
-            dispatch_copyout_kernel[(copy_grid,)](
-                area_rows, meta_rows, self.hdr, self.heap.peer_bases, self._off(self.arrive), self.epoch, self.err,
-                state.recv_prefix, recv_x.view(torch.int32) if num_recv else dummy,
-                recv_scales.view(torch.int32) if recv_scales is not None and num_recv else dummy,
-                recv_idx if recv_idx is not None and num_recv else dummy,
-                recv_w if recv_w is not None and num_recv else dummy, recv_src if num_recv else dummy, num_recv, cap,
-                rank, num_ranks, self._timeout(), XW=xw, W=mw, NS=ns, K=max(k, 1), R=num_ranks, R_POW2=self.r_pow2,
-                ROWS=copy_rows, BLOCK=1024, BLOCK_K=pow2_block(k), BLOCK_S=pow2_block(ns), HAS_SCALES=ns > 0,
-                HAS_TOPK=k > 0 and recv_idx is not None, HAS_W=recv_w is not None, VEC=vec, num_warps=copy_warps,
-                **self.flags_kw, **self.timer_kw)
+                        use_ptx=self.device.type == "cuda", single_round=single, publish=True, dummy=dummy,
+                        receive=receive)
+            if strict:
+                dispatch_copyout_kernel[(copy_grid,)](
+                    area_rows, meta_rows, self.hdr, self.heap.peer_bases, self._off(self.arrive), self.epoch, self.err,
+                    state.recv_prefix, out_x if out_x is not None else dummy,
+                    out_scales if out_scales is not None else dummy,
+                    out_idx if out_idx is not None and k else dummy, out_w if out_w is not None else dummy,
+                    out_src if out_src is not None else dummy, num_recv, cap, rank, num_ranks, self._timeout(), XW=xw,
+                    W=mw, NS=ns, K=max(k, 1), R=num_ranks, R_POW2=self.r_pow2, ROWS=copy_rows, BLOCK=1024,
+                    BLOCK_K=pow2_block(k), BLOCK_S=pow2_block(ns), HAS_SCALES=ns > 0,
+                    HAS_TOPK=k > 0 and out_idx is not None, HAS_W=out_w is not None, VEC=vec, num_warps=copy_warps,
+                    **self.flags_kw, **self.timer_kw)
 
     def _cached_dispatch(self, req: DispatchRequest) -> DispatchResult:
         h: DispatchHandle = req.handle
