@@ -31,28 +31,28 @@ def _reduce_kernel(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, t_begin,
     if PERSISTENT:
         token = (t_begin + tl.program_id(0)).to(tl.int64)
         while token < t_end:
-            _reduce_one(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, token, b0_ptr, b1_ptr, out_ptr,
-                        wbuf_ptr, wout_ptr, hidden, buf_stride, b0_stride, b1_stride, out_stride, NUM_SLOTS,
+            reduce_token(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, token, tl.program_id(1), b0_ptr, b1_ptr,
+                        out_ptr, wbuf_ptr, wout_ptr, hidden, buf_stride, b0_stride, b1_stride, out_stride, NUM_SLOTS,
                         FROM_LAYOUT, FIRST_ZERO, HAS_B0, HAS_B1, HAS_W, K, BLOCK_K, OUT_BF16, BLOCK)
             token += tl.num_programs(0)
     else:
-        _reduce_one(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, (t_begin + tl.program_id(0)).to(tl.int64),
-                    b0_ptr, b1_ptr, out_ptr, wbuf_ptr, wout_ptr, hidden, buf_stride, b0_stride, b1_stride,
-                    out_stride, NUM_SLOTS, FROM_LAYOUT, FIRST_ZERO, HAS_B0, HAS_B1, HAS_W, K, BLOCK_K, OUT_BF16,
-                    BLOCK)
+        reduce_token(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, (t_begin + tl.program_id(0)).to(tl.int64),
+                    tl.program_id(1), b0_ptr, b1_ptr, out_ptr, wbuf_ptr, wout_ptr, hidden, buf_stride, b0_stride,
+                    b1_stride, out_stride, NUM_SLOTS, FROM_LAYOUT, FIRST_ZERO, HAS_B0, HAS_B1, HAS_W, K, BLOCK_K,
+                    OUT_BF16, BLOCK)
 
 
 @triton.jit
-def _reduce_one(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, token, b0_ptr, b1_ptr, out_ptr,
+def reduce_token(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, token, cblock, b0_ptr, b1_ptr, out_ptr,
                 wbuf_ptr, wout_ptr, hidden, buf_stride, b0_stride, b1_stride, out_stride,
                 NUM_SLOTS: tl.constexpr, FROM_LAYOUT: tl.constexpr, FIRST_ZERO: tl.constexpr,
                 HAS_B0: tl.constexpr, HAS_B1: tl.constexpr, HAS_W: tl.constexpr, K: tl.constexpr,
                 BLOCK_K: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr):
-    """One token's columns block ``program_id(1)``: the ordered FP32 sum of its rows, plus the biases."""
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    """One token's columns block ``cblock``: the ordered FP32 sum of its rows, plus the biases."""
+    cols = cblock * BLOCK + tl.arange(0, BLOCK)
     col_mask = cols < hidden
     kc = tl.arange(0, BLOCK_K)
-    do_w = HAS_W & (tl.program_id(1) == 0)
+    do_w = HAS_W & (cblock == 0)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     wacc = tl.zeros([BLOCK_K], dtype=tl.float32)
     for r in tl.static_range(NUM_SLOTS):
