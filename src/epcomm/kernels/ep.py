@@ -440,11 +440,15 @@ def dispatch_copyout_kernel(area_ptr, meta_ptr, hdr_ptr, bases_ptr, arrive_off, 
 
 @triton.jit
 def _await(ptr, value, timeout, err_ptr, rank, peer, slot, USE_TIMER: tl.constexpr):
-    """``wait_until(*ptr >= value)`` (acquire), then the low 32 bits of the word, or -1 after a timeout."""
-    ok = wait_until(ptr, _K_CMP_GE, value, timeout, err_ptr, _K_ERR_DONE, rank, peer, slot, USE_TIMER)
+    """Wait until ``*ptr >= value`` (acquire loads; one load when it already holds, ``wait_until`` with its
+    timeout otherwise), then return the low 32 bits of the word, or -1 after a timeout."""
     word = ld_acquire(ptr).to(tl.int64)
+    ok = word >= value
+    if word < value:
+        ok = wait_until(ptr, _K_CMP_GE, value, timeout, err_ptr, _K_ERR_DONE, rank, peer, slot, USE_TIMER) != 0
+        word = ld_acquire(ptr).to(tl.int64)
     low = word - ((word >> 32) << 32)
-    return tl.where(ok != 0, low, -1)
+    return tl.where(ok, low, -1)
 
 
 @triton.jit
@@ -601,25 +605,29 @@ def combine_push_kernel(x_ptr, w_ptr, src_ptr, prefix_ptr, dst_row_ptr, bases_pt
 
 
 @triton.jit
-def _await_rows(row_ptr, cursor, need, nsend, tag, timeout, err_ptr, rank, peer, PMAX: tl.constexpr,
+def _await_rows(row_ptr, cursor, known, need, nsend, tag, timeout, err_ptr, rank, peer, PMAX: tl.constexpr,
                 USE_TIMER: tl.constexpr):
-    """Wait until source ``peer`` has delivered rows ``[0, need)`` of this rank's region from it: walk its
-    programs' progress words (``row_ptr``: its row of ``prog``) from program ``cursor`` on; a program whose
-    slice starts at or past ``need``, or whose report reaches ``need``, ends the walk; a finished program
-    below ``need`` moves the cursor on. Returns the new cursor, or -1 after a timeout."""
+    """Wait until source ``peer`` has delivered rows ``[0, need)`` of this rank's region from it, given that
+    ``[0, known)`` are known to be there: walk its programs' progress words (``row_ptr``: its row of
+    ``prog``) from program ``cursor`` on; a program whose slice starts at or past ``need``, or whose report
+    reaches ``need``, ends the walk; a finished program below ``need`` moves the cursor on. Returns
+    ``(cursor, known)``, cursor -1 after a timeout."""
     c = cursor
-    walking = need > 0
+    k = known
+    walking = need > k
     while walking & (c < nsend) & (c >= 0):
         begin = _await(row_ptr + (2 + c) * 2, tag, timeout, err_ptr, rank, peer, c, USE_TIMER)
         bad = begin < 0
         stop = begin >= need
+        k = tl.maximum(k, begin)
         if (begin >= 0) & (begin < need):
             word = _await(row_ptr + (2 + c) * 2 + 1, tag + need, timeout, err_ptr, rank, peer, c, USE_TIMER)
             bad = word < 0
             stop = (word & 0x7FFFFFFF) >= need
+            k = tl.where(stop, word & 0x7FFFFFFF, k)
         c = tl.where(bad, -1, tl.where(stop, c, c + 1))
         walking = stop == 0
-    return c
+    return c, k
 
 
 @triton.jit
@@ -658,17 +666,20 @@ def combine_kernel(x_ptr, w_ptr, src_ptr, prefix_ptr, count_ptr, bases_ptr, area
             ok = ok & (v >= 0)
             nsend = tl.where(lanes == q, v, nsend)
         cursor = tl.zeros([R_POW2], tl.int64)
+        known = tl.zeros([R_POW2], tl.int64)
         t0 = t_lo
         while ok & (t0 < t_hi):
             last = tl.minimum(t0 + TB, t_hi) - 1
             for q in tl.static_range(R):
                 need = (tl.load(pos_ptr + last.to(tl.int64) * R + q)
                         + (tl.load(itr_ptr + last.to(tl.int64) * R + q) != 0).to(tl.int32)).to(tl.int64)
-                c = tl.sum(tl.where(lanes == q, cursor, 0))
-                c = _await_rows(prog_ptr + q * (PMAX + 2) * 2, c, need, tl.sum(tl.where(lanes == q, nsend, 0)), tag,
-                                timeout, err_ptr, rank, q, PMAX, USE_TIMER)
+                c, kq = _await_rows(prog_ptr + q * (PMAX + 2) * 2, tl.sum(tl.where(lanes == q, cursor, 0)),
+                                    tl.sum(tl.where(lanes == q, known, 0)), need,
+                                    tl.sum(tl.where(lanes == q, nsend, 0)), tag, timeout, err_ptr, rank, q, PMAX,
+                                    USE_TIMER)
                 ok = ok & (c >= 0)
                 cursor = tl.where(lanes == q, c, cursor)
+                known = tl.where(lanes == q, kq, known)
             t = t0
             while ok & (t <= last):
                 cb = 0

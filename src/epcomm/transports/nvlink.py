@@ -439,9 +439,10 @@ class NVLinkTransport(Transport):
             out_w if k else dummy, hidden, buf.stride(0), b0.stride(0) if b0 is not None else 0,
             b1.stride(0) if b1 is not None else 0, out.stride(0), self.prog, self.err, self._timeout(), XW=xw,
             K=max(k, 1), R=self.num_ranks, R_POW2=self.r_pow2, TOK=tok, BLOCK=chunk_block(xw, tok),
-            BLOCK_K=pow2_block(k), HAS_W=k > 0, VEC=xw % 4 == 0, PMAX=PROGRESS_SLOTS, SIG=max(1, SIGNAL_TOKENS // tok),
+            BLOCK_K=pow2_block(k), HAS_W=k > 0, VEC=xw % 4 == 0, PMAX=PROGRESS_SLOTS,
+            SIG=max(1, 4 * SIGNAL_TOKENS // tok),  # rows, not tokens: report every ~128 rows
             HAS_B0=b0 is not None, HAS_B1=b1 is not None, OUT_BF16=out.dtype == torch.bfloat16,
-            RBLOCK=min(8192, max(16, 1 << (hidden - 1).bit_length())), RBLOCK_K=pow2_block(k), TB=4,
+            RBLOCK=min(8192, max(16, 1 << (hidden - 1).bit_length())), RBLOCK_K=pow2_block(k), TB=8,
             num_warps=PUSH_WARPS, **self.flags_kw, **self.timer_kw)
 
     # ------------------------------------------------------------------ low-latency mode (epcomm.transports.low_latency)
