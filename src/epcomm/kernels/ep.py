@@ -36,7 +36,6 @@ import triton
 import triton.language as tl
 
 from .shmem import arrive_last, block_barrier, fence_sys, ld_acquire, st_release, wait_all_ge, wait_until
-from .reduce import reduce_token
 from .shmem_codes import CMP_GE, ERR_BARRIER_TIMEOUT, ERR_DONE_TIMEOUT
 
 _K_ERR_BARRIER = tl.constexpr(ERR_BARRIER_TIMEOUT)
@@ -518,39 +517,28 @@ def dispatch_kernel(x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_ptr, 
 
 
 @triton.jit
-def _combine_rows(pid, nprog, x_ptr, w_ptr, src_ptr, prefix_ptr, count_ptr, dst_row_ptr, bases_ptr, area_off, w_off,
-                  prog_off, tag, num_rows, cap, rank, world, XW: tl.constexpr, K: tl.constexpr, R_POW2: tl.constexpr,
-                  TOK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, HAS_W: tl.constexpr,
-                  SINGLE_ROUND: tl.constexpr, VEC: tl.constexpr, USE_PTX: tl.constexpr, PMAX: tl.constexpr,
-                  SIG: tl.constexpr):
-    """Program ``pid`` of ``nprog`` sends its contiguous range of received rows back to their source ranks
-    (``src_ptr``: int32 ``[M, 2]`` source token, source rank): single round, to row ``rank * cap + m -
-    prefix[source]`` of the source's area; otherwise to ``dst_row[m]`` (-1: not in this round). With
-    weights, its ``K`` top-k weights too. ``SIG > 0`` (streaming combine, single round): progress reports
-    to every source ``s`` as in ``_push_tokens``, in rows of this rank's region there (rows ``m`` in
-    ``[prefix[s], prefix[s] + count[s])`` are its rows ``m - prefix[s]``)."""
+def combine_push_kernel(x_ptr, w_ptr, src_ptr, prefix_ptr, dst_row_ptr, bases_ptr, area_off, w_off, arrive_off,
+                        epoch_ptr, counter_ptr, num_rows, cap, rank, world, XW: tl.constexpr, K: tl.constexpr,
+                        R_POW2: tl.constexpr, TOK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
+                        HAS_W: tl.constexpr, SINGLE_ROUND: tl.constexpr, VEC: tl.constexpr,
+                        USE_PTX: tl.constexpr):
+    """Send every received row back to its source rank (``src_ptr``: int32 ``[M, 2]`` source token, source
+    rank): single round, to row ``rank * cap + m - prefix[source]`` of the source's area; otherwise to
+    ``dst_row[m]`` (-1: not in this round). With weights, its ``K`` top-k weights too. Rows from this rank
+    itself stay where they are: the reduce reads them from ``x`` (``epcomm.kernels.reduce.OwnRows``)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
     per = tl.cdiv(tl.cdiv(num_rows, nprog), TOK) * TOK
     lo = pid * per
     hi = tl.minimum(lo + per, num_rows)
     kcols = tl.arange(0, BLOCK_K)
     toks = tl.arange(0, TOK)
-    lanes = tl.arange(0, R_POW2)
-    row = rank * (PMAX + 2)
-    if SIG > 0:
-        s_lo = tl.load(prefix_ptr + lanes, mask=lanes < world, other=0).to(tl.int64)
-        s_hi = s_lo + tl.load(count_ptr + lanes, mask=lanes < world, other=0).to(tl.int64)
-        if pid == 0:
-            _progress(bases_ptr, prog_off, row, 0, tl.zeros([R_POW2], tl.int64) + tag + nprog, rank, world, R_POW2,
-                      USE_PTX)
-        start = tl.minimum(tl.maximum(s_lo, lo), s_hi) - s_lo
-        _progress(bases_ptr, prog_off, row, (2 + pid) * 2, tag + start, rank, world, R_POW2, USE_PTX)
     m0 = lo
-    steps = 0
     while m0 < hi:
         m = (m0 + toks).to(tl.int64)
         live = m < hi
         s = tl.load(src_ptr + m * 2 + 1, mask=live, other=-1)
-        ok = live & (s >= 0)
+        ok = live & (s >= 0) & (s != rank)
         s = tl.where(ok, s, 0)
         if SINGLE_ROUND:
             a = rank * cap + m - tl.load(prefix_ptr + s, mask=ok, other=0)
@@ -570,126 +558,11 @@ def _combine_rows(pid, nprog, x_ptr, w_ptr, src_ptr, prefix_ptr, count_ptr, dst_
             km = ok[:, None] & (kcols < K)[None, :]
             tl.store(wd[:, None] + kcols[None, :], tl.load(w_ptr + m[:, None] * K + kcols[None, :], mask=km), mask=km)
         m0 += TOK
-        steps += 1
-        if SIG > 0:
-            if (steps % SIG == 0) & (m0 < hi):
-                fence_sys(USE_PTX)
-                tl.debug_barrier()
-                done = tl.minimum(tl.maximum(s_lo, m0), s_hi) - s_lo
-                _progress(bases_ptr, prog_off, row, (2 + pid) * 2 + 1, tag + done, rank, world, R_POW2, USE_PTX)
-    if SIG > 0:
-        fence_sys(USE_PTX)
-        tl.debug_barrier()
-        done = tl.minimum(tl.maximum(s_lo, tl.maximum(hi, lo)), s_hi) - s_lo
-        last = tag + done + (tl.full([], 1, tl.int64) << 31)
-        _progress(bases_ptr, prog_off, row, (2 + pid) * 2 + 1, last, rank, world, R_POW2, USE_PTX)
-
-
-@triton.jit
-def combine_push_kernel(x_ptr, w_ptr, src_ptr, prefix_ptr, dst_row_ptr, bases_ptr, area_off, w_off, arrive_off,
-                        epoch_ptr, counter_ptr, num_rows, cap, rank, world, XW: tl.constexpr, K: tl.constexpr,
-                        R_POW2: tl.constexpr, TOK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
-                        HAS_W: tl.constexpr, SINGLE_ROUND: tl.constexpr, VEC: tl.constexpr,
-                        USE_PTX: tl.constexpr):
-    """Every program sends its rows back (``_combine_rows``); the last one publishes the round's epoch."""
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    _combine_rows(pid, nprog, x_ptr, w_ptr, src_ptr, prefix_ptr, prefix_ptr, dst_row_ptr, bases_ptr, area_off, w_off,
-                  0, 0, num_rows, cap, rank, world, XW, K, R_POW2, TOK, BLOCK, BLOCK_K, HAS_W, SINGLE_ROUND, VEC,
-                  USE_PTX, 1, 0)
     fence_sys(USE_PTX)
     tl.debug_barrier()
     if arrive_last(counter_ptr, nprog) != 0:
         _publish(bases_ptr, bases_ptr, bases_ptr, 0, arrive_off, epoch_ptr, rank, world, R_POW2, False, False,
                  USE_PTX)
-
-
-@triton.jit
-def _await_rows(row_ptr, cursor, known, need, nsend, tag, timeout, err_ptr, rank, peer, PMAX: tl.constexpr,
-                USE_TIMER: tl.constexpr):
-    """Wait until source ``peer`` has delivered rows ``[0, need)`` of this rank's region from it, given that
-    ``[0, known)`` are known to be there: walk its programs' progress words (``row_ptr``: its row of
-    ``prog``) from program ``cursor`` on; a program whose slice starts at or past ``need``, or whose report
-    reaches ``need``, ends the walk; a finished program below ``need`` moves the cursor on. Returns
-    ``(cursor, known)``, cursor -1 after a timeout."""
-    c = cursor
-    k = known
-    walking = need > k
-    while walking & (c < nsend) & (c >= 0):
-        begin = _await(row_ptr + (2 + c) * 2, tag, timeout, err_ptr, rank, peer, c, USE_TIMER)
-        bad = begin < 0
-        stop = begin >= need
-        k = tl.maximum(k, begin)
-        if (begin >= 0) & (begin < need):
-            word = _await(row_ptr + (2 + c) * 2 + 1, tag + need, timeout, err_ptr, rank, peer, c, USE_TIMER)
-            bad = word < 0
-            stop = (word & 0x7FFFFFFF) >= need
-            k = tl.where(stop, word & 0x7FFFFFFF, k)
-        c = tl.where(bad, -1, tl.where(stop, c, c + 1))
-        walking = stop == 0
-    return c, k
-
-
-@triton.jit
-def combine_kernel(x_ptr, w_ptr, src_ptr, prefix_ptr, count_ptr, bases_ptr, area_off, w_off, prog_off, epoch_ptr,
-                   num_rows, cap, rank, world, num_push, buf_ptr, itr_ptr, pos_ptr, n, b0_ptr, b1_ptr, out_ptr,
-                   wbuf_ptr, wout_ptr, hidden, buf_stride, b0_stride, b1_stride, out_stride, prog_ptr, err_ptr,
-                   timeout, XW: tl.constexpr, K: tl.constexpr, R: tl.constexpr, R_POW2: tl.constexpr,
-                   TOK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, HAS_W: tl.constexpr,
-                   VEC: tl.constexpr, USE_PTX: tl.constexpr, USE_TIMER: tl.constexpr, PMAX: tl.constexpr,
-                   SIG: tl.constexpr, HAS_B0: tl.constexpr, HAS_B1: tl.constexpr, OUT_BF16: tl.constexpr,
-                   RBLOCK: tl.constexpr, RBLOCK_K: tl.constexpr, TB: tl.constexpr):
-    """Streaming combine (single round): programs ``[0, num_push)`` send rows back (``_combine_rows`` with
-    progress reports); the others reduce this rank's tokens as their rows arrive: each takes a contiguous
-    range of tokens, ``TB`` at a time, waits until every source has delivered the rows of those tokens
-    (``_await_rows``: the row of (t, r) is ``r * cap + pos[t, r]``, and each source's rows arrive in token
-    order within each of its programs' slices), then reduces them with the ordered FP32 sum
-    (``epcomm.kernels.reduce.reduce_token``; bit-identical to the reference). Progress words and the
-    forward-progress argument are those of ``dispatch_kernel``."""
-    pid = tl.program_id(0)
-    tag = tl.load(epoch_ptr) << 32
-    if pid < num_push:
-        _combine_rows(pid, num_push, x_ptr, w_ptr, src_ptr, prefix_ptr, count_ptr, src_ptr, bases_ptr, area_off,
-                      w_off, prog_off, tag, num_rows, cap, rank, world, XW, K, R_POW2, TOK, BLOCK, BLOCK_K, HAS_W,
-                      True, VEC, USE_PTX, PMAX, SIG)
-    else:
-        j = pid - num_push
-        nred = tl.num_programs(0) - num_push
-        per = tl.cdiv(n, nred)
-        t_lo = j * per
-        t_hi = tl.minimum(t_lo + per, n)
-        lanes = tl.arange(0, R_POW2)
-        nsend = tl.zeros([R_POW2], tl.int64)
-        ok = n >= 0
-        for q in tl.static_range(R):
-            v = _await(prog_ptr + q * (PMAX + 2) * 2, tag, timeout, err_ptr, rank, q, -1, USE_TIMER)
-            ok = ok & (v >= 0)
-            nsend = tl.where(lanes == q, v, nsend)
-        cursor = tl.zeros([R_POW2], tl.int64)
-        known = tl.zeros([R_POW2], tl.int64)
-        t0 = t_lo
-        while ok & (t0 < t_hi):
-            last = tl.minimum(t0 + TB, t_hi) - 1
-            for q in tl.static_range(R):
-                need = (tl.load(pos_ptr + last.to(tl.int64) * R + q)
-                        + (tl.load(itr_ptr + last.to(tl.int64) * R + q) != 0).to(tl.int32)).to(tl.int64)
-                c, kq = _await_rows(prog_ptr + q * (PMAX + 2) * 2, tl.sum(tl.where(lanes == q, cursor, 0)),
-                                    tl.sum(tl.where(lanes == q, known, 0)), need,
-                                    tl.sum(tl.where(lanes == q, nsend, 0)), tag, timeout, err_ptr, rank, q, PMAX,
-                                    USE_TIMER)
-                ok = ok & (c >= 0)
-                cursor = tl.where(lanes == q, c, cursor)
-                known = tl.where(lanes == q, kq, known)
-            t = t0
-            while ok & (t <= last):
-                cb = 0
-                while cb * RBLOCK < hidden:
-                    reduce_token(buf_ptr, buf_ptr, itr_ptr, pos_ptr, buf_ptr, cap, t.to(tl.int64), cb, b0_ptr, b1_ptr,
-                                 out_ptr, wbuf_ptr, wout_ptr, hidden, buf_stride, b0_stride, b1_stride, out_stride, R,
-                                 True, True, HAS_B0, HAS_B1, HAS_W, K, RBLOCK_K, OUT_BF16, RBLOCK)
-                    cb += 1
-                t += 1
-            t0 += TB
 
 
 @triton.jit

@@ -3,12 +3,15 @@
 ``out[t] = cast(sum over r = 0..R-1 with a row for (t, r) of float32(buf[row]) + bias0[t] + bias1[t])``,
 added in that order starting from +0.0, so results are bit-identical to ``epcomm.reference.combine``.
 The row of (t, r) comes from a slot table (``reduce_rows``) or from the layout itself (``reduce_from_layout``:
-``r * cap + pos[t, r] - first[r]`` where ``is_token_in_rank[t, r]``), which saves building the table.
+``r * cap + pos[t, r] - first[r]`` where ``is_token_in_rank[t, r]``), which saves building the table; there,
+the rows of one rank ``r = self_rank`` may come from a second tensor instead (``self_x`` row ``self_base +
+pos[t, r]``: the one-sided combine reads its own rows where they are instead of sending them to itself).
 One program handles one token and one block of columns; each row of ``buf`` is read once. With weights, the
 programs of column block 0 also reduce the token's top-k weights the same way."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -20,55 +23,68 @@ from .numerics import f32_to_bf16_rne
 
 @triton.jit
 def _reduce_kernel(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, t_begin, t_end, b0_ptr, b1_ptr, out_ptr,
-                   wbuf_ptr, wout_ptr, hidden, buf_stride, b0_stride, b1_stride, out_stride,
-                   NUM_SLOTS: tl.constexpr, FROM_LAYOUT: tl.constexpr, FIRST_ZERO: tl.constexpr,
-                   HAS_B0: tl.constexpr, HAS_B1: tl.constexpr, HAS_W: tl.constexpr, K: tl.constexpr,
-                   BLOCK_K: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr,
-                   PERSISTENT: tl.constexpr = False):
+                   wbuf_ptr, wout_ptr, hidden, buf_stride, b0_stride, b1_stride, out_stride, self_ptr, self_w_ptr,
+                   self_base_ptr, self_rank, self_stride, NUM_SLOTS: tl.constexpr, FROM_LAYOUT: tl.constexpr,
+                   FIRST_ZERO: tl.constexpr, HAS_B0: tl.constexpr, HAS_B1: tl.constexpr, HAS_W: tl.constexpr,
+                   K: tl.constexpr, BLOCK_K: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr,
+                   PERSISTENT: tl.constexpr = False, HAS_SELF: tl.constexpr = False):
     """Program ``(p, c)`` reduces columns block ``c`` of token ``t_begin + p``; ``PERSISTENT``: of tokens
     ``t_begin + p``, ``t_begin + p + P``, ... below ``t_end`` (a grid of ``P`` programs per column block,
     to keep the kernel on a bounded number of SMs)."""
     if PERSISTENT:
         token = (t_begin + tl.program_id(0)).to(tl.int64)
         while token < t_end:
-            reduce_token(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, token, tl.program_id(1), b0_ptr, b1_ptr,
-                        out_ptr, wbuf_ptr, wout_ptr, hidden, buf_stride, b0_stride, b1_stride, out_stride, NUM_SLOTS,
-                        FROM_LAYOUT, FIRST_ZERO, HAS_B0, HAS_B1, HAS_W, K, BLOCK_K, OUT_BF16, BLOCK)
+            _reduce_one(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, token, b0_ptr, b1_ptr, out_ptr,
+                        wbuf_ptr, wout_ptr, hidden, buf_stride, b0_stride, b1_stride, out_stride, self_ptr, self_w_ptr,
+                        self_base_ptr, self_rank, self_stride, NUM_SLOTS, FROM_LAYOUT, FIRST_ZERO, HAS_B0, HAS_B1,
+                        HAS_W, K, BLOCK_K, OUT_BF16, BLOCK, HAS_SELF)
             token += tl.num_programs(0)
     else:
-        reduce_token(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, (t_begin + tl.program_id(0)).to(tl.int64),
-                    tl.program_id(1), b0_ptr, b1_ptr, out_ptr, wbuf_ptr, wout_ptr, hidden, buf_stride, b0_stride,
-                    b1_stride, out_stride, NUM_SLOTS, FROM_LAYOUT, FIRST_ZERO, HAS_B0, HAS_B1, HAS_W, K, BLOCK_K,
-                    OUT_BF16, BLOCK)
+        _reduce_one(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, (t_begin + tl.program_id(0)).to(tl.int64),
+                    b0_ptr, b1_ptr, out_ptr, wbuf_ptr, wout_ptr, hidden, buf_stride, b0_stride, b1_stride,
+                    out_stride, self_ptr, self_w_ptr, self_base_ptr, self_rank, self_stride, NUM_SLOTS, FROM_LAYOUT,
+                    FIRST_ZERO, HAS_B0, HAS_B1, HAS_W, K, BLOCK_K, OUT_BF16, BLOCK, HAS_SELF)
 
 
 @triton.jit
-def reduce_token(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, token, cblock, b0_ptr, b1_ptr, out_ptr,
-                wbuf_ptr, wout_ptr, hidden, buf_stride, b0_stride, b1_stride, out_stride,
-                NUM_SLOTS: tl.constexpr, FROM_LAYOUT: tl.constexpr, FIRST_ZERO: tl.constexpr,
-                HAS_B0: tl.constexpr, HAS_B1: tl.constexpr, HAS_W: tl.constexpr, K: tl.constexpr,
-                BLOCK_K: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr):
-    """One token's columns block ``cblock``: the ordered FP32 sum of its rows, plus the biases."""
-    cols = cblock * BLOCK + tl.arange(0, BLOCK)
+def _reduce_one(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, token, b0_ptr, b1_ptr, out_ptr,
+                wbuf_ptr, wout_ptr, hidden, buf_stride, b0_stride, b1_stride, out_stride, self_ptr, self_w_ptr,
+                self_base_ptr, self_rank, self_stride, NUM_SLOTS: tl.constexpr, FROM_LAYOUT: tl.constexpr,
+                FIRST_ZERO: tl.constexpr, HAS_B0: tl.constexpr, HAS_B1: tl.constexpr, HAS_W: tl.constexpr,
+                K: tl.constexpr, BLOCK_K: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr,
+                HAS_SELF: tl.constexpr):
+    """One token's columns block ``program_id(1)``: the ordered FP32 sum of its rows, plus the biases."""
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     col_mask = cols < hidden
     kc = tl.arange(0, BLOCK_K)
-    do_w = HAS_W & (cblock == 0)
+    do_w = HAS_W & (tl.program_id(1) == 0)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     wacc = tl.zeros([BLOCK_K], dtype=tl.float32)
     for r in tl.static_range(NUM_SLOTS):
+        row_ptr = buf_ptr
+        w_row_ptr = wbuf_ptr
         if FROM_LAYOUT:
             present = tl.load(itr_ptr + token * NUM_SLOTS + r) != 0
-            slot = r * cap + tl.load(pos_ptr + token * NUM_SLOTS + r)
+            p = tl.load(pos_ptr + token * NUM_SLOTS + r)
+            slot = r * cap + p
             if not FIRST_ZERO:
                 slot -= tl.load(first_ptr + r)
             slot = tl.where(present, slot, -1).to(tl.int64)
+            row_ptr = buf_ptr + slot * buf_stride
+            w_row_ptr = wbuf_ptr + slot * K
+            if HAS_SELF:
+                srow = (tl.load(self_base_ptr) + p).to(tl.int64)
+                row_ptr = tl.where(r == self_rank, self_ptr + srow * self_stride, row_ptr)
+                w_row_ptr = tl.where(r == self_rank, self_w_ptr + srow * K, w_row_ptr)
         else:
             slot = tl.load(slot_ptr + token * NUM_SLOTS + r).to(tl.int64)
+            row_ptr = buf_ptr + slot * buf_stride
+            w_row_ptr = wbuf_ptr + slot * K
         # a masked-out slot adds +0.0, which leaves acc unchanged (acc is never -0.0: it starts at +0.0)
-        v = tl.load(buf_ptr + slot * buf_stride + cols, mask=col_mask & (slot >= 0), other=0.0)
+        v = tl.load(row_ptr + cols, mask=col_mask & (slot >= 0), other=0.0)
         acc += v.to(tl.float32)
         if do_w:
-            wacc += tl.load(wbuf_ptr + slot * K + kc, mask=(kc < K) & (slot >= 0), other=0.0)
+            wacc += tl.load(w_row_ptr + kc, mask=(kc < K) & (slot >= 0), other=0.0)
     if HAS_B0:
         acc += tl.load(b0_ptr + token * b0_stride + cols, mask=col_mask, other=0.0).to(tl.float32)
     if HAS_B1:
@@ -82,7 +98,8 @@ def reduce_token(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, token, cbl
         tl.store(wout_ptr + token * K + kc, wacc, mask=kc < K)
 
 
-def _launch(buf, slot, itr, pos, first, cap, t_begin, t_end, bias, out, w_buf, w_out, num_slots, programs=None):
+def _launch(buf, slot, itr, pos, first, cap, t_begin, t_end, bias, out, w_buf, w_out, num_slots, programs=None,
+            own=None):
     hidden = buf.size(1)
     n = t_end - t_begin
     if n <= 0 or hidden == 0:
@@ -106,10 +123,24 @@ def _launch(buf, slot, itr, pos, first, cap, t_begin, t_end, bias, out, w_buf, w
         b0 if b0 is not None else dummy, b1 if b1 is not None else dummy, out,
         w_buf if w_buf is not None else dummy, w_out if w_out is not None else dummy, hidden, buf.stride(0),
         b0.stride(0) if b0 is not None else 0, b1.stride(0) if b1 is not None else 0, out.stride(0),
-        NUM_SLOTS=num_slots, FROM_LAYOUT=slot is None, FIRST_ZERO=first is None, HAS_B0=b0 is not None,
+        own.x if own is not None else dummy, own.w if own is not None and own.w is not None else dummy,
+        own.base if own is not None else dummy, own.rank if own is not None else -1,
+        own.x.stride(0) if own is not None else 0, HAS_SELF=own is not None, NUM_SLOTS=num_slots, FROM_LAYOUT=slot is None, FIRST_ZERO=first is None, HAS_B0=b0 is not None,
         HAS_B1=b1 is not None, HAS_W=w_out is not None, K=k, BLOCK_K=max(16, triton.next_power_of_2(k)),
         OUT_BF16=out.dtype == torch.bfloat16, BLOCK=block, PERSISTENT=programs is not None, num_warps=warps)
     return out
+
+
+@dataclass(frozen=True)
+class OwnRows:
+    """Where ``reduce_from_layout`` reads the rows of rank ``rank`` instead of the receive buffer: ``x [M, H]``
+    (same dtype as the buffer, unit column stride) row ``base[0] + pos[t, rank]`` (``base``: int32 ``[1]`` on
+    the device), and their weights from ``w [M, K]`` float32 (None without weights)."""
+
+    x: torch.Tensor
+    w: Optional[torch.Tensor]
+    base: torch.Tensor
+    rank: int
 
 
 def reduce_rows(buf: torch.Tensor, slot: torch.Tensor, bias: tuple = (), out_dtype: Optional[torch.dtype] = None,
@@ -125,10 +156,12 @@ def reduce_rows(buf: torch.Tensor, slot: torch.Tensor, bias: tuple = (), out_dty
 def reduce_from_layout(buf: torch.Tensor, is_token_in_rank: torch.Tensor, pos: torch.Tensor, cap: int,
                        t_begin: int, t_end: int, bias: tuple, out: torch.Tensor, first: Optional[torch.Tensor] = None,
                        w_buf: Optional[torch.Tensor] = None, w_out: Optional[torch.Tensor] = None,
-                       programs: Optional[int] = None) -> torch.Tensor:
+                       programs: Optional[int] = None, own: Optional[OwnRows] = None) -> torch.Tensor:
     """Reduce tokens ``[t_begin, t_end)`` into ``out [N, H]`` (and their weights from ``w_buf [S, K]`` into
     ``w_out [N, K]``), the row of (t, r) being ``r * cap + pos[t, r] - first[r]`` (``first`` None: 0)
     where ``is_token_in_rank[t, r]`` (int8/bool ``[N, R]``, ``pos`` int32 ``[N, R]``). ``programs``: at most
-    that many programs (persistent over tokens; None: one program per token and column block)."""
+    that many programs (persistent over tokens; None: one program per token and column block). ``own``: the rows
+    of one rank come from elsewhere (``OwnRows``)."""
     itr = is_token_in_rank.view(torch.int8) if is_token_in_rank.dtype == torch.bool else is_token_in_rank
-    return _launch(buf, None, itr, pos, first, cap, t_begin, t_end, bias, out, w_buf, w_out, itr.size(1), programs)
+    return _launch(buf, None, itr, pos, first, cap, t_begin, t_end, bias, out, w_buf, w_out, itr.size(1), programs,
+                   own)

@@ -353,7 +353,7 @@ class NVLinkTransport(Transport):
 
     def combine(self, req: CombineRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         from ..kernels.ep import PUSH_WARPS, chunk_block, combine_push_kernel, pow2_block, wait_arrivals_kernel
-        from ..kernels.reduce import reduce_from_layout
+        from ..kernels.reduce import OwnRows, reduce_from_layout
 
         h: DispatchHandle = req.handle
         st: _NVLinkState = h.state
@@ -385,10 +385,8 @@ class NVLinkTransport(Transport):
             valid = src_rank >= 0
             src_safe = src_rank.clamp(min=0)
             k_in_src = torch.arange(m, device=dev) - st.recv_prefix.long()[src_safe]
+        own = OwnRows(x if m else buf, w_in if k else None, st.recv_prefix[rank:rank + 1], rank)
         self._barrier()
-        if single and not _strict(req):  # streaming: the reduce runs as rows arrive, in the same launch
-            self._streaming_combine(req, st, x_words, w_in, recv_src, grid, tok, cap, w_rel, buf, wbuf, out, out_w)
-            return out, out_w
         for j in range(num_rounds):
             if j:
                 self._barrier()
@@ -410,40 +408,8 @@ class NVLinkTransport(Transport):
             if hi > lo:
                 first = None if single else cum[lo].to(torch.int32)
                 reduce_from_layout(buf, h.is_token_in_rank, st.pos, cap, lo, hi, req.bias, out, first, wbuf, out_w,
-                                   programs=grid if _strict(req) else None)
+                                   programs=grid if _strict(req) else None, own=own)
         return out, out_w
-
-    def _streaming_combine(self, req: CombineRequest, st: _NVLinkState, x_words, w_in, recv_src, grid: int, tok: int,
-                           cap: int, w_rel: int, buf, wbuf, out, out_w) -> None:
-        """``combine_kernel``: ``grid`` programs send rows back while the rest of the GPU's SMs reduce this
-        rank's tokens as their rows arrive (one round, local passes not bounded by ``num_sms``)."""
-        from ..kernels.ep import (PROGRESS_SLOTS, PUSH_WARPS, SIGNAL_TOKENS, SUMMARY_HEAD, chunk_block, combine_kernel,
-                                  pow2_block)
-
-        h: DispatchHandle = req.handle
-        n, hidden = out.shape
-        k = out_w.size(1) if out_w is not None else 0
-        xw = x_words.size(1)
-        grid = min(grid, PROGRESS_SLOTS)
-        reducers = max(1, min(n, self.sms - grid))
-        bias = req.bias or ()
-        b0 = bias[0] if len(bias) > 0 else None
-        b1 = bias[1] if len(bias) > 1 else None
-        itr = h.is_token_in_rank.view(torch.int8)
-        dummy = self.counters
-        combine_kernel[(grid + reducers,)](
-            x_words, w_in, recv_src, st.recv_prefix, st.summary[SUMMARY_HEAD + self.num_ranks:], self.heap.peer_bases,
-            self._off(self.area), self._off(self.area) + w_rel,
-            self._off(self.prog), self.epoch, req.x.size(0), cap, self.rank, self.num_ranks, grid, buf, itr, st.pos, n,
-            b0 if b0 is not None else out, b1 if b1 is not None else out, out, wbuf if k else dummy,
-            out_w if k else dummy, hidden, buf.stride(0), b0.stride(0) if b0 is not None else 0,
-            b1.stride(0) if b1 is not None else 0, out.stride(0), self.prog, self.err, self._timeout(), XW=xw,
-            K=max(k, 1), R=self.num_ranks, R_POW2=self.r_pow2, TOK=tok, BLOCK=chunk_block(xw, tok),
-            BLOCK_K=pow2_block(k), HAS_W=k > 0, VEC=xw % 4 == 0, PMAX=PROGRESS_SLOTS,
-            SIG=max(1, 4 * SIGNAL_TOKENS // tok),  # rows, not tokens: report every ~128 rows
-            HAS_B0=b0 is not None, HAS_B1=b1 is not None, OUT_BF16=out.dtype == torch.bfloat16,
-            RBLOCK=min(8192, max(16, 1 << (hidden - 1).bit_length())), RBLOCK_K=pow2_block(k), TB=8,
-            num_warps=PUSH_WARPS, **self.flags_kw, **self.timer_kw)
 
     # ------------------------------------------------------------------ low-latency mode (epcomm.transports.low_latency)
     def low_latency_dispatch(self, req: LowLatencyDispatchRequest) -> LowLatencyDispatchResult:
