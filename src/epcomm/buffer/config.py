@@ -21,9 +21,11 @@ class Config:
     strict_sms: whether the one-sided transports' local passes (the dispatch's copy-out of received rows,
         the combine's reduction) also stay within ``num_sms`` programs. None (the default): yes when the
         call runs on the communication stream (``async_finish``, ``allocate_on_comm_stream`` or a
-        ``previous_event``: the caller means to overlap its own kernels), else those passes spread over
-        the whole GPU for their ~0.1 ms, which is 100-200 us faster per call at DeepSeek sizes on 4xH200
-        (``benchmarks/NOTES.md``). The pushes always keep to ``num_sms``.
+        ``previous_event``: the caller means to overlap its own kernels); otherwise the dispatch copies
+        rows out on receiving programs while it pushes (one program per push program and source rank)
+        and the combine's reduction spreads over the whole GPU for its ~0.1 ms, which is 100-200 us
+        faster per call at DeepSeek sizes on 4xH200 (``benchmarks/NOTES.md``). The pushes always keep to
+        ``num_sms``.
     """
 
     num_sms: Optional[int] = None

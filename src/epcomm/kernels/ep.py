@@ -1,7 +1,9 @@
 """Triton kernels of the one-sided normal-mode dispatch and combine (``epcomm.transports.nvlink``).
 
-Per call the host launches three kernels for a dispatch (exchange, push, copy-out) and four for a combine
-(barrier (``epcomm.kernels.shmem``), push, wait, ordered reduce (``epcomm.kernels.reduce``)); everything else (layout checks, positions, metadata records,
+Per call the host launches two kernels for a dispatch (exchange; ``dispatch_kernel``, whose receiving
+programs copy rows out while its pushing programs run; with bounded local passes, ``dispatch_push_kernel``
+then ``dispatch_copyout_kernel``) and four for a combine (barrier (``epcomm.kernels.shmem``), push, wait,
+ordered reduce (``epcomm.kernels.reduce``)); everything else (layout checks, positions, metadata records,
 offsets) is computed inside them, because every extra host-side operation costs tens of microseconds.
 
 Symmetric layout (same offsets on every rank):

@@ -9,14 +9,18 @@ Normal dispatch (``epcomm.kernels.ep``):
      expert) into every peer's symmetric matrix, then a barrier. One kernel, no NCCL.
   2. Exact mode reads the matrix to the host once (the receive size, DeepEP's per-expert list).
      ``num_worst_tokens`` and cached handles skip this: no host synchronisation, CUDA-graph capturable.
-  3. Rounds (one when the traffic fits the buffer): ``dispatch_push`` reads every token once and stores it
-     with its record into the receive area of each destination rank (token-major, ``num_sms`` programs),
-     the last program publishes; ``dispatch_copyout`` waits for every source and copies the rows into
-     ``recv_x`` and unpacks scales, local top-k ids and weights. Traffic larger than the buffer is split
-     into rounds over token ranges; each round begins with a barrier.
-Combine: a barrier, then per round ``combine_push`` returns every row to its source rank's area, and the
-source waits and reduces with the ordered FP32 kernel (``epcomm.kernels.reduce``), bit-identical to the
-reference. A round covers a range of source tokens, so every contribution to a token arrives in one round.
+  3. Rounds (one when the traffic fits the buffer), each one launch of ``dispatch_kernel``: ``num_sms``
+     pushing programs read every token once and store it with its record into the receive area of each
+     destination rank (token-major), reporting their progress to every destination; receiving programs
+     (one per pushing program of each source) copy each reported stretch of rows into ``recv_x`` and
+     unpack scales, local top-k ids and weights while the pushes go on. With bounded local passes
+     (``Config.strict_sms``) the push publishes at its end and ``dispatch_copyout`` copies afterwards on
+     ``num_sms`` programs. Traffic larger than the buffer is split into rounds over token ranges; each
+     round begins with a barrier.
+Combine: a barrier, then per round ``combine_push`` returns every row to its source rank's area (rows a
+rank sends itself stay where they are), and the source waits and reduces with the ordered FP32 kernel
+(``epcomm.kernels.reduce``, reading its own rows from the combine input), bit-identical to the reference.
+A round covers a range of source tokens, so every contribution to a token arrives in one round.
 
 Low-latency mode: ``epcomm.transports.low_latency`` (one-sided, double-buffered, graph-capturable).
 """
