@@ -8,9 +8,9 @@ ERR_NONE = 0
 ERR_WAIT_TIMEOUT = 1  # wait(): a signal slot did not satisfy the comparison in time
 ERR_BARRIER_TIMEOUT = 2  # barrier(): a peer did not arrive in time (peer = first missing rank)
 ERR_READY_TIMEOUT = 3  # all-gather: a peer did not say it may be written to (previous result consumed)
-ERR_DONE_TIMEOUT = 4  # all-gather: a peer's data did not arrive in time
+ERR_DONE_TIMEOUT = 4  # a peer's data (all-gather shard, dispatch or combine rows) did not arrive in time
 ERROR_NAMES = {ERR_WAIT_TIMEOUT: "wait timeout", ERR_BARRIER_TIMEOUT: "barrier timeout",
-               ERR_READY_TIMEOUT: "all-gather ready timeout", ERR_DONE_TIMEOUT: "all-gather done timeout"}
+               ERR_READY_TIMEOUT: "all-gather ready timeout", ERR_DONE_TIMEOUT: "data arrival timeout"}
 
 # Comparisons of wait (runtime values, so one compiled kernel serves all of them)
 CMP_EQ, CMP_NE, CMP_GT, CMP_GE, CMP_LT, CMP_LE = range(6)
