@@ -304,16 +304,14 @@ class NVLinkTransport(Transport):
             from ..kernels.ep import PROGRESS_SLOTS, ReceiveSide
 
             grid = min(grid, PROGRESS_SLOTS)
-        vec = xw % 4 == 0
         single = rounds.num_rounds == 1
         cum = None if single else torch.cat([torch.zeros(1, num_ranks, dtype=torch.int64, device=dev),
                                              torch.cumsum(itr, dim=0, dtype=torch.int64)])
-        outs_or_dummy = [t if t is not None and num_recv else None for t in outs]
-        out_x, out_scales, out_idx, out_w, out_src = outs_or_dummy
-        if out_x is not None:
-            out_x = out_x.view(torch.int32)
-        if out_scales is not None:
-            out_scales = out_scales.view(torch.int32)
+        # the outputs as the kernels take them (None: nothing to write)
+        out_x, out_scales, out_idx, out_w, out_src = [t if t is not None and num_recv else None for t in outs]
+        out_x = out_x.view(torch.int32) if out_x is not None else None
+        out_scales = out_scales.view(torch.int32) if out_scales is not None else None
+        out_idx = out_idx if k else None
         for j in range(rounds.num_rounds):
             if j:
                 self._barrier()
@@ -325,7 +323,7 @@ class NVLinkTransport(Transport):
                 rows = (cum[hi] - cum[lo]).to(torch.int32)
             receive = None if strict else ReceiveSide(
                 area_rows, meta_rows, self.prog, self._off(self.prog), self.err, state.recv_prefix, out_x, out_scales,
-                out_idx if k else None, out_w, out_src, num_recv, self._timeout(), grid)
+                out_idx, out_w, out_src, num_recv, self._timeout(), grid)
             launch_push(x=x, scales=scales, topk_idx=req.topk_idx, topk_weights=req.topk_weights, itr=itr,
                         pos=state.pos, first=first, rows=rows, bases=self.heap.peer_bases, area_off=area_off,
                         meta_off=area_off + meta_rel, hdr_off=self._off(self.hdr), arrive_off=self._off(self.arrive),
@@ -338,11 +336,11 @@ class NVLinkTransport(Transport):
                     area_rows, meta_rows, self.hdr, self.heap.peer_bases, self._off(self.arrive), self.epoch, self.err,
                     state.recv_prefix, out_x if out_x is not None else dummy,
                     out_scales if out_scales is not None else dummy,
-                    out_idx if out_idx is not None and k else dummy, out_w if out_w is not None else dummy,
+                    out_idx if out_idx is not None else dummy, out_w if out_w is not None else dummy,
                     out_src if out_src is not None else dummy, num_recv, cap, rank, num_ranks, self._timeout(), XW=xw,
                     W=mw, NS=ns, K=max(k, 1), R=num_ranks, R_POW2=self.r_pow2, ROWS=copy_rows, BLOCK=1024,
                     BLOCK_K=pow2_block(k), BLOCK_S=pow2_block(ns), HAS_SCALES=ns > 0,
-                    HAS_TOPK=k > 0 and out_idx is not None, HAS_W=out_w is not None, VEC=vec, num_warps=copy_warps,
+                    HAS_TOPK=out_idx is not None, HAS_W=out_w is not None, VEC=xw % 4 == 0, num_warps=copy_warps,
                     **self.flags_kw, **self.timer_kw)
 
     def _cached_dispatch(self, req: DispatchRequest) -> DispatchResult:
