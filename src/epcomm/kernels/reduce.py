@@ -61,8 +61,6 @@ def _reduce_one(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, token, b0_p
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     wacc = tl.zeros([BLOCK_K], dtype=tl.float32)
     for r in tl.static_range(NUM_SLOTS):
-        row_ptr = buf_ptr
-        w_row_ptr = wbuf_ptr
         if FROM_LAYOUT:
             present = tl.load(itr_ptr + token * NUM_SLOTS + r) != 0
             p = tl.load(pos_ptr + token * NUM_SLOTS + r)
@@ -70,16 +68,14 @@ def _reduce_one(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, token, b0_p
             if not FIRST_ZERO:
                 slot -= tl.load(first_ptr + r)
             slot = tl.where(present, slot, -1).to(tl.int64)
-            row_ptr = buf_ptr + slot * buf_stride
-            w_row_ptr = wbuf_ptr + slot * K
-            if HAS_SELF:
-                srow = (tl.load(self_base_ptr) + p).to(tl.int64)
-                row_ptr = tl.where(r == self_rank, self_ptr + srow * self_stride, row_ptr)
-                w_row_ptr = tl.where(r == self_rank, self_w_ptr + srow * K, w_row_ptr)
         else:
             slot = tl.load(slot_ptr + token * NUM_SLOTS + r).to(tl.int64)
-            row_ptr = buf_ptr + slot * buf_stride
-            w_row_ptr = wbuf_ptr + slot * K
+        row_ptr = buf_ptr + slot * buf_stride
+        w_row_ptr = wbuf_ptr + slot * K
+        if HAS_SELF:  # (only with FROM_LAYOUT) rank self_rank's rows come from self_ptr
+            srow = (tl.load(self_base_ptr) + p).to(tl.int64)
+            row_ptr = tl.where(r == self_rank, self_ptr + srow * self_stride, row_ptr)
+            w_row_ptr = tl.where(r == self_rank, self_w_ptr + srow * K, w_row_ptr)
         # a masked-out slot adds +0.0, which leaves acc unchanged (acc is never -0.0: it starts at +0.0)
         v = tl.load(row_ptr + cols, mask=col_mask & (slot >= 0), other=0.0)
         acc += v.to(tl.float32)

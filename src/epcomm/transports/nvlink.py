@@ -278,7 +278,8 @@ class NVLinkTransport(Transport):
         return recv_x, recv_scales, recv_idx, recv_w, recv_src
 
     def _run_dispatch(self, req: DispatchRequest, itr, state: _NVLinkState, outs, num_recv: int, worst: int) -> None:
-        from ..kernels.ep import dispatch_copyout_kernel, launch_push, pow2_block, record_words
+        from ..kernels.ep import (PROGRESS_SLOTS, ReceiveSide, dispatch_copyout_kernel, launch_push, pow2_block,
+                                  record_words)
 
         num_ranks, rank, dev = self.num_ranks, self.rank, self.device
         x, scales = req.x, req.x_scales
@@ -301,8 +302,6 @@ class NVLinkTransport(Transport):
         if strict:  # the copy-out stays on the push's SMs too: push, then copy
             copy_grid, copy_rows, copy_warps = grid, 8, 16
         else:  # streaming: receiving programs copy rows out while the pushes run
-            from ..kernels.ep import PROGRESS_SLOTS, ReceiveSide
-
             grid = min(grid, PROGRESS_SLOTS)
         single = rounds.num_rounds == 1
         cum = None if single else torch.cat([torch.zeros(1, num_ranks, dtype=torch.int64, device=dev),
