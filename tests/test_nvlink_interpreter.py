@@ -49,22 +49,30 @@ def test_portable_transport_kernels(monkeypatch):
     _run(3, AllToAllTransport, {}, CASES)
 
 
-def _peer_skips_push(ctx):
-    """Rank 1 exchanges counts but never pushes its rows: rank 0's receiving programs must time out, record
-    the error and report it (naming both ranks), not hang."""
+def _peer_skips_push(ctx, op):
+    """Rank 1 takes part in the barriers and count exchanges of ``op`` ("dispatch" or "combine") but never
+    pushes its rows: rank 0's receiving programs must time out, record the error and report it (naming
+    both ranks), not hang."""
     import torch
 
+    import epcomm.kernels.ep as ep
     from epcomm.buffer import Buffer
     from epcomm.errors import EpcommError
     from epcomm.testing.routing import make_inputs
 
     buf = Buffer(ctx.group, transport=NVLinkTransport, num_nvl_bytes=1 << 20)
     mine = make_inputs(5, 2, 4, 64, 4, 2, "uniform", torch.bfloat16)[ctx.rank]
-    if ctx.rank == 1:
+    if ctx.rank == 1 and op == "dispatch":
         buf.runtime._run_dispatch = lambda *args, **kwargs: None
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(mine.topk_idx, 4)
-    buf.dispatch(mine.x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-                 topk_idx=mine.topk_idx)
+    recv_x, _, recv_w, _, handle, _ = buf.dispatch(mine.x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                  num_tokens_per_expert=per_expert, topk_idx=mine.topk_idx,
+                                                  topk_weights=mine.topk_weights)
+    if op == "combine":
+        buf.check_errors()
+        if ctx.rank == 1:
+            ep.launch_combine = lambda **kwargs: None
+        buf.combine(recv_x, handle, topk_weights=recv_w)
     message = ""
     if ctx.rank == 0:
         try:
@@ -74,8 +82,9 @@ def _peer_skips_push(ctx):
     return message
 
 
-def test_missing_push_times_out(monkeypatch):
+@pytest.mark.parametrize("op", ["dispatch", "combine"])
+def test_missing_push_times_out(monkeypatch, op):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("EPCOMM_TIMEOUT_S", "0.2")
-    message = spawn(_peer_skips_push, 2, device="cpu", timeout_s=300)[0]
+    message = spawn(_peer_skips_push, 2, op, device="cpu", timeout_s=300)[0]
     assert message.startswith("Buffer.check_errors: rank 0: data arrival timeout waiting for rank 1"), message

@@ -36,28 +36,29 @@ def _reduce_kernel(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, t_begin,
         while token < t_end:
             _reduce_one(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, token, b0_ptr, b1_ptr, out_ptr,
                         wbuf_ptr, wout_ptr, hidden, buf_stride, b0_stride, b1_stride, out_stride, self_ptr, self_w_ptr,
-                        self_base_ptr, self_rank, self_stride, NUM_SLOTS, FROM_LAYOUT, FIRST_ZERO, HAS_B0, HAS_B1,
-                        HAS_W, K, BLOCK_K, OUT_BF16, BLOCK, HAS_SELF)
+                        self_base_ptr, self_rank, self_stride, tl.program_id(1), NUM_SLOTS, FROM_LAYOUT, FIRST_ZERO,
+                        HAS_B0, HAS_B1, HAS_W, K, BLOCK_K, OUT_BF16, BLOCK, HAS_SELF)
             token += tl.num_programs(0)
     else:
         _reduce_one(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, (t_begin + tl.program_id(0)).to(tl.int64),
                     b0_ptr, b1_ptr, out_ptr, wbuf_ptr, wout_ptr, hidden, buf_stride, b0_stride, b1_stride,
-                    out_stride, self_ptr, self_w_ptr, self_base_ptr, self_rank, self_stride, NUM_SLOTS, FROM_LAYOUT,
-                    FIRST_ZERO, HAS_B0, HAS_B1, HAS_W, K, BLOCK_K, OUT_BF16, BLOCK, HAS_SELF)
+                    out_stride, self_ptr, self_w_ptr, self_base_ptr, self_rank, self_stride, tl.program_id(1), NUM_SLOTS,
+                    FROM_LAYOUT, FIRST_ZERO, HAS_B0, HAS_B1, HAS_W, K, BLOCK_K, OUT_BF16, BLOCK, HAS_SELF)
 
 
 @triton.jit
 def _reduce_one(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, token, b0_ptr, b1_ptr, out_ptr,
                 wbuf_ptr, wout_ptr, hidden, buf_stride, b0_stride, b1_stride, out_stride, self_ptr, self_w_ptr,
-                self_base_ptr, self_rank, self_stride, NUM_SLOTS: tl.constexpr, FROM_LAYOUT: tl.constexpr,
+                self_base_ptr, self_rank, self_stride, cb, NUM_SLOTS: tl.constexpr, FROM_LAYOUT: tl.constexpr,
                 FIRST_ZERO: tl.constexpr, HAS_B0: tl.constexpr, HAS_B1: tl.constexpr, HAS_W: tl.constexpr,
                 K: tl.constexpr, BLOCK_K: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr,
                 HAS_SELF: tl.constexpr):
-    """One token's columns block ``program_id(1)``: the ordered FP32 sum of its rows, plus the biases."""
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    """One token's column block ``cb``: the ordered FP32 sum of its rows, plus the biases (and, in block 0,
+    of its weights). Also the receiving half of ``epcomm.kernels.ep.combine_kernel``."""
+    cols = cb * BLOCK + tl.arange(0, BLOCK)
     col_mask = cols < hidden
     kc = tl.arange(0, BLOCK_K)
-    do_w = HAS_W & (tl.program_id(1) == 0)
+    do_w = HAS_W & (cb == 0)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     wacc = tl.zeros([BLOCK_K], dtype=tl.float32)
     for r in tl.static_range(NUM_SLOTS):
