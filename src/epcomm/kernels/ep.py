@@ -593,8 +593,8 @@ def combine_kernel(x_ptr, w_ptr, summary_ptr, bases_ptr, area_off, w_off, prog_o
                    XW: tl.constexpr, K: tl.constexpr, R: tl.constexpr, R_POW2: tl.constexpr, TOK: tl.constexpr,
                    BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, HAS_W: tl.constexpr, VEC: tl.constexpr,
                    PMAX: tl.constexpr, PB: tl.constexpr, NPH: tl.constexpr, RBLOCK: tl.constexpr,
-                   NCB: tl.constexpr, HAS_B0: tl.constexpr, HAS_B1: tl.constexpr, OUT_BF16: tl.constexpr,
-                   USE_PTX: tl.constexpr, USE_TIMER: tl.constexpr):
+                   NCB: tl.constexpr, TB: tl.constexpr, HAS_B0: tl.constexpr, HAS_B1: tl.constexpr,
+                   OUT_BF16: tl.constexpr, USE_PTX: tl.constexpr, USE_TIMER: tl.constexpr):
     """Phased combine (single round): push and ordered reduce in one launch, so that most of the reduce runs
     while rows are still arriving.
 
@@ -607,9 +607,10 @@ def combine_kernel(x_ptr, w_ptr, summary_ptr, bases_ptr, area_off, w_off, prog_o
 
     Reducing programs ``num_push + q``: for each phase ``ph``, wait until every peer's pushing programs have
     reported phase ``ph + 1`` (one vector poll, ``wait_words_ge``), then reduce (``_reduce_one``, the same
-    ordered FP32 sum as ``reduce_from_layout``) the tokens ``t = q, q + Q, ...`` whose last row arrives in
-    phase ``ph``: the largest phase over peers ``s`` of position ``pos[t, s]`` in a block of
-    ``sent[s]`` rows. Pushing programs never wait, and have the lower ids (see ``dispatch_kernel``)."""
+    ordered FP32 sum as ``reduce_from_layout``) those of the tokens ``t = q, q + Q, ...`` whose last row
+    arrives in phase ``ph``: the largest phase over peers ``s`` of position ``pos[t, s]`` in a block of
+    ``sent[s]`` rows (computed for ``TB`` tokens at once; the chosen ones are then taken one by one).
+    Pushing programs never wait, and have the lower ids (see ``dispatch_kernel``)."""
     pid = tl.program_id(0)
     tag = tl.load(epoch_ptr) << 32
     rcols = tl.arange(0, R_POW2)
@@ -648,25 +649,34 @@ def combine_kernel(x_ptr, w_ptr, summary_ptr, bases_ptr, area_off, w_off, prog_o
         wptrs = prog_ptr + (ws * (PMAX + 2) + 2 + wp) * 2
         sent = tl.load(summary_ptr + _K_HEAD + 2 * R + rcols, mask=rcols < R, other=0)
         peer = (rcols < R) & (rcols != rank)
+        jj = tl.arange(0, TB)
         ok = tl.full([], 1, tl.int32)
         for ph in tl.static_range(NPH):
             if ok != 0:
                 ok = wait_words_ge(wptrs, wlive, tag + ph + 1, ws, wp, timeout, err_ptr, _K_ERR_DONE, rank, USE_PTX,
                                    USE_TIMER)
-            t = q.to(tl.int64)
-            while t < n:
-                there = peer & (tl.load(itr_ptr + t * R + rcols, mask=rcols < R, other=0) != 0)
-                p = tl.load(pos_ptr + t * R + rcols, mask=there, other=0)
-                need = tl.zeros([R_POW2], tl.int32)
+            b = 0
+            while q + b * nq < n:  # TB of this program's tokens at a time: which of them complete in phase ph
+                t = q + (b + jj).to(tl.int64) * nq
+                live = t < n
+                m2 = live[:, None] & peer[None, :]
+                there = m2 & (tl.load(itr_ptr + t[:, None] * R + rcols[None, :], mask=m2, other=0) != 0)
+                p = tl.load(pos_ptr + t[:, None] * R + rcols[None, :], mask=there, other=0)
+                need = tl.zeros([TB, R_POW2], tl.int32)
                 for f in tl.static_range(1, NPH):
-                    need += (p >= _phase_end(sent, f, NPH)).to(tl.int32)
-                if tl.max(tl.where(there, need, 0)) == ph:
+                    need += (p >= _phase_end(sent, f, NPH)[None, :]).to(tl.int32)
+                todo = live & (tl.max(tl.where(there, need, 0), axis=1) == ph)
+                left = tl.sum(todo.to(tl.int32))
+                while left > 0:
+                    j = tl.min(tl.where(todo, jj, TB))
                     for cb in tl.static_range(NCB):
-                        _reduce_one(buf_ptr, itr_ptr, itr_ptr, pos_ptr, itr_ptr, cap, t, b0_ptr, b1_ptr, out_ptr,
-                                    wbuf_ptr, wout_ptr, hidden, hidden, b0_stride, b1_stride, hidden, self_ptr,
-                                    self_w_ptr, summary_ptr + _K_HEAD + rank, rank, hidden, cb, R, True, True,
-                                    HAS_B0, HAS_B1, HAS_W, K, BLOCK_K, OUT_BF16, RBLOCK, True)
-                t += nq
+                        _reduce_one(buf_ptr, itr_ptr, itr_ptr, pos_ptr, itr_ptr, cap, q + (b + j).to(tl.int64) * nq,
+                                    b0_ptr, b1_ptr, out_ptr, wbuf_ptr, wout_ptr, hidden, hidden, b0_stride, b1_stride,
+                                    hidden, self_ptr, self_w_ptr, summary_ptr + _K_HEAD + rank, rank, hidden, cb, R,
+                                    True, True, HAS_B0, HAS_B1, HAS_W, K, BLOCK_K, OUT_BF16, RBLOCK, True)
+                    todo = todo & (jj != j)
+                    left -= 1
+                b += TB
 
 
 @triton.jit
@@ -826,6 +836,6 @@ def launch_combine(*, x, values, w, summary, bases, area_off: int, w_off: int, p
         b1.stride(0) if b1 is not None else 0, values, w if k else dummy, XW=xw, K=max(k, 1), R=world,
         R_POW2=max(2, triton.next_power_of_2(world)), TOK=tokens_per_step, BLOCK=chunk_block(xw, tokens_per_step),
         BLOCK_K=pow2_block(k), HAS_W=k > 0, VEC=xw % 4 == 0, PMAX=PROGRESS_SLOTS,
-        PB=max(2, triton.next_power_of_2(grid)), NPH=COMBINE_PHASES, RBLOCK=rblock, NCB=triton.cdiv(hidden, rblock),
+        PB=max(2, triton.next_power_of_2(grid)), NPH=COMBINE_PHASES, RBLOCK=rblock, NCB=triton.cdiv(hidden, rblock), TB=64,
         HAS_B0=b0 is not None, HAS_B1=b1 is not None, OUT_BF16=out.dtype == torch.bfloat16, USE_PTX=use_ptx,
         USE_TIMER=use_ptx, num_warps=PUSH_WARPS)

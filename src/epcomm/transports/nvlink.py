@@ -47,6 +47,7 @@ from .base import (Capabilities, CombineRequest, DispatchRequest, DispatchResult
 log = logging.getLogger(__name__)
 
 MAX_LOCAL_EXPERTS = 1024
+PHASED_COMBINE = True  # False: push, wait, then reduce (the path of bounded local passes and of rounds), to compare
 DEFAULT_AREA_BYTES = 1 << 30
 
 
@@ -390,7 +391,7 @@ class NVLinkTransport(Transport):
             valid = src_rank >= 0
             src_safe = src_rank.clamp(min=0)
             k_in_src = torch.arange(m, device=dev) - st.recv_prefix.long()[src_safe]
-        if single and not _strict(req):  # push and reduce in one launch, the reduce as rows arrive
+        if PHASED_COMBINE and single and not _strict(req):  # push and reduce in one launch, reducing as rows arrive
             self._barrier()
             launch_combine(x=x_words, values=x if m else buf, w=w_in if k else None, summary=st.summary,
                            bases=self.heap.peer_bases, area_off=area_off, w_off=area_off + w_rel,
