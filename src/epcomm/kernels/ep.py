@@ -649,6 +649,7 @@ def combine_kernel(x_ptr, w_ptr, summary_ptr, bases_ptr, area_off, w_off, prog_o
         wptrs = prog_ptr + (ws * (PMAX + 2) + 2 + wp) * 2
         sent = tl.load(summary_ptr + _K_HEAD + 2 * R + rcols, mask=rcols < R, other=0)
         peer = (rcols < R) & (rcols != rank)
+        own0 = tl.load(summary_ptr + _K_HEAD + rank)  # first row of the own rows in x
         jj = tl.arange(0, TB)
         ok = tl.full([], 1, tl.int32)
         for ph in tl.static_range(NPH):
@@ -659,21 +660,24 @@ def combine_kernel(x_ptr, w_ptr, summary_ptr, bases_ptr, area_off, w_off, prog_o
             while q + b * nq < n:  # TB of this program's tokens at a time: which of them complete in phase ph
                 t = q + (b + jj).to(tl.int64) * nq
                 live = t < n
-                m2 = live[:, None] & peer[None, :]
+                m2 = live[:, None] & (rcols < R)[None, :]
                 there = m2 & (tl.load(itr_ptr + t[:, None] * R + rcols[None, :], mask=m2, other=0) != 0)
                 p = tl.load(pos_ptr + t[:, None] * R + rcols[None, :], mask=there, other=0)
                 need = tl.zeros([TB, R_POW2], tl.int32)
                 for f in tl.static_range(1, NPH):
                     need += (p >= _phase_end(sent, f, NPH)[None, :]).to(tl.int32)
-                todo = live & (tl.max(tl.where(there, need, 0), axis=1) == ph)
+                todo = live & (tl.max(tl.where(there & peer[None, :], need, 0), axis=1) == ph)
+                # each slot's row: in the receive area, or (own rank) in x
+                rows = tl.where(there, tl.where(rcols == rank, own0, rcols * cap)[None, :] + p, -1).to(tl.int64)
                 left = tl.sum(todo.to(tl.int32))
                 while left > 0:
                     j = tl.min(tl.where(todo, jj, TB))
+                    given = tl.sum(tl.where((jj == j)[:, None], rows, 0), axis=0)
                     for cb in tl.static_range(NCB):
                         _reduce_one(buf_ptr, itr_ptr, itr_ptr, pos_ptr, itr_ptr, cap, q + (b + j).to(tl.int64) * nq,
                                     b0_ptr, b1_ptr, out_ptr, wbuf_ptr, wout_ptr, hidden, hidden, b0_stride, b1_stride,
-                                    hidden, self_ptr, self_w_ptr, summary_ptr + _K_HEAD + rank, rank, hidden, cb, R,
-                                    True, True, HAS_B0, HAS_B1, HAS_W, K, BLOCK_K, OUT_BF16, RBLOCK, True)
+                                    hidden, self_ptr, self_w_ptr, summary_ptr, rank, hidden, cb, given, R, True, True,
+                                    HAS_B0, HAS_B1, HAS_W, K, BLOCK_K, OUT_BF16, RBLOCK, True, True)
                     todo = todo & (jj != j)
                     left -= 1
                 b += TB

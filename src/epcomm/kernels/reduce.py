@@ -36,25 +36,28 @@ def _reduce_kernel(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, t_begin,
         while token < t_end:
             _reduce_one(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, token, b0_ptr, b1_ptr, out_ptr,
                         wbuf_ptr, wout_ptr, hidden, buf_stride, b0_stride, b1_stride, out_stride, self_ptr, self_w_ptr,
-                        self_base_ptr, self_rank, self_stride, tl.program_id(1), NUM_SLOTS, FROM_LAYOUT, FIRST_ZERO,
+                        self_base_ptr, self_rank, self_stride, tl.program_id(1), 0, NUM_SLOTS, FROM_LAYOUT, FIRST_ZERO,
                         HAS_B0, HAS_B1, HAS_W, K, BLOCK_K, OUT_BF16, BLOCK, HAS_SELF)
             token += tl.num_programs(0)
     else:
         _reduce_one(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, (t_begin + tl.program_id(0)).to(tl.int64),
                     b0_ptr, b1_ptr, out_ptr, wbuf_ptr, wout_ptr, hidden, buf_stride, b0_stride, b1_stride,
-                    out_stride, self_ptr, self_w_ptr, self_base_ptr, self_rank, self_stride, tl.program_id(1), NUM_SLOTS,
+                    out_stride, self_ptr, self_w_ptr, self_base_ptr, self_rank, self_stride, tl.program_id(1), 0, NUM_SLOTS,
                     FROM_LAYOUT, FIRST_ZERO, HAS_B0, HAS_B1, HAS_W, K, BLOCK_K, OUT_BF16, BLOCK, HAS_SELF)
 
 
 @triton.jit
 def _reduce_one(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, token, b0_ptr, b1_ptr, out_ptr,
                 wbuf_ptr, wout_ptr, hidden, buf_stride, b0_stride, b1_stride, out_stride, self_ptr, self_w_ptr,
-                self_base_ptr, self_rank, self_stride, cb, NUM_SLOTS: tl.constexpr, FROM_LAYOUT: tl.constexpr,
+                self_base_ptr, self_rank, self_stride, cb, given, NUM_SLOTS: tl.constexpr, FROM_LAYOUT: tl.constexpr,
                 FIRST_ZERO: tl.constexpr, HAS_B0: tl.constexpr, HAS_B1: tl.constexpr, HAS_W: tl.constexpr,
                 K: tl.constexpr, BLOCK_K: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr,
-                HAS_SELF: tl.constexpr):
+                HAS_SELF: tl.constexpr, GIVEN: tl.constexpr = False):
     """One token's column block ``cb``: the ordered FP32 sum of its rows, plus the biases (and, in block 0,
-    of its weights). Also the receiving half of ``epcomm.kernels.ep.combine_kernel``."""
+    of its weights). ``GIVEN``: the rows are the vector ``given`` (``[>= NUM_SLOTS]`` int64: the row of slot
+    ``r`` in ``buf``, or in ``self_ptr`` for ``r == self_rank``, -1 absent), computed by the caller for many
+    tokens at once (the receiving half of ``epcomm.kernels.ep.combine_kernel``); ``given`` is unused
+    otherwise."""
     cols = cb * BLOCK + tl.arange(0, BLOCK)
     col_mask = cols < hidden
     kc = tl.arange(0, BLOCK_K)
@@ -62,7 +65,10 @@ def _reduce_one(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, token, b0_p
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     wacc = tl.zeros([BLOCK_K], dtype=tl.float32)
     for r in tl.static_range(NUM_SLOTS):
-        if FROM_LAYOUT:
+        if GIVEN:
+            slot = tl.sum(tl.where(tl.arange(0, given.shape[0]) == r, given, 0))
+            p = slot
+        elif FROM_LAYOUT:
             present = tl.load(itr_ptr + token * NUM_SLOTS + r) != 0
             p = tl.load(pos_ptr + token * NUM_SLOTS + r)
             slot = r * cap + p
@@ -73,8 +79,11 @@ def _reduce_one(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, token, b0_p
             slot = tl.load(slot_ptr + token * NUM_SLOTS + r).to(tl.int64)
         row_ptr = buf_ptr + slot * buf_stride
         w_row_ptr = wbuf_ptr + slot * K
-        if HAS_SELF:  # (only with FROM_LAYOUT) rank self_rank's rows come from self_ptr
-            srow = (tl.load(self_base_ptr) + p).to(tl.int64)
+        if HAS_SELF:  # (only with FROM_LAYOUT or GIVEN) rank self_rank's rows come from self_ptr
+            if GIVEN:
+                srow = slot
+            else:
+                srow = (tl.load(self_base_ptr) + p).to(tl.int64)
             row_ptr = tl.where(r == self_rank, self_ptr + srow * self_stride, row_ptr)
             w_row_ptr = tl.where(r == self_rank, self_w_ptr + srow * K, w_row_ptr)
         # a masked-out slot adds +0.0, which leaves acc unchanged (acc is never -0.0: it starts at +0.0)
