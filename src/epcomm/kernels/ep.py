@@ -810,7 +810,7 @@ def launch_push(*, x, scales, topk_idx, topk_weights, itr, pos, first, rows, bas
         SIG=max(1, SIGNAL_TOKENS // tokens_per_step), ROWS=4, **meta)
 
 
-COMBINE_PHASES = 4  # a phased combine sends halves, quarters, ...: the last 1/8 of rows is reduced after the push
+COMBINE_PHASES = 3  # a phased combine sends halves, quarters, ...: the last quarter of rows is reduced after the push
 
 
 def launch_combine(*, x, values, w, summary, bases, area_off: int, w_off: int, prog, prog_off: int, epoch, cap: int,
@@ -828,7 +828,7 @@ def launch_combine(*, x, values, w, summary, bases, area_off: int, w_off: int, p
     n, hidden = out.shape
     xw = x.size(1)
     k = w.size(1) if w is not None else 0
-    rblock = min(8192, triton.next_power_of_2(max(hidden, 16)))
+    rblock = min(4096, triton.next_power_of_2(max(hidden, 16)))  # [R, 4096] rows at once per reducing program
     b0 = bias[0] if len(bias) > 0 else None
     b1 = bias[1] if len(bias) > 1 else None
     itr8 = itr.view(torch.int8) if itr.dtype == torch.bool else itr
