@@ -71,13 +71,13 @@ def _reduce_one(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, token, b0_p
         mine = (rr == self_rank)[:, None]
         ptrs = tl.where(mine, self_ptr + row[:, None] * self_stride, buf_ptr + row[:, None] * buf_stride)
         v2 = tl.load(ptrs + cols[None, :], mask=has[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
-        if do_w:
+        if HAS_W:  # (loaded, as a whole, only in column block 0)
             wptrs = tl.where(mine, self_w_ptr + row[:, None] * K, wbuf_ptr + row[:, None] * K)
-            w2 = tl.load(wptrs + kc[None, :], mask=has[:, None] & (kc < K)[None, :], other=0.0)
+            w2 = tl.load(wptrs + kc[None, :], mask=do_w & has[:, None] & (kc < K)[None, :], other=0.0)
         for r in tl.static_range(NUM_SLOTS):
             # the sum of one row and zeros is that row (a -0.0 becomes +0.0, which adds the same to acc)
             acc += tl.sum(tl.where((rr == r)[:, None], v2, 0.0), axis=0)
-            if do_w:
+            if HAS_W:
                 wacc += tl.sum(tl.where((rr == r)[:, None], w2, 0.0), axis=0)
     else:
         for r in tl.static_range(NUM_SLOTS):
