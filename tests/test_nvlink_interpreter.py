@@ -88,3 +88,29 @@ def test_missing_push_times_out(monkeypatch, op):
     monkeypatch.setenv("EPCOMM_TIMEOUT_S", "0.2")
     message = spawn(_peer_skips_push, 2, op, device="cpu", timeout_s=300)[0]
     assert message.startswith("Buffer.check_errors: rank 0: data arrival timeout waiting for rank 1"), message
+
+
+def _combine_with_uneven_programs(ctx):
+    """Each rank pushes its combine rows with a different number of programs (num_sms depends on the rank, as
+    the traffic model's choice does on the rank's row count): the receivers must wait for all of them."""
+    import torch
+
+    from epcomm.buffer import Buffer, Config
+    from epcomm.testing.routing import make_inputs
+
+    buf = Buffer(ctx.group, transport=NVLinkTransport, num_nvl_bytes=1 << 20)
+    mine = make_inputs(9, 2, 12, 64, 4, 2, "uniform", torch.bfloat16)[ctx.rank]
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(mine.topk_idx, 4)
+    recv_x, _, recv_w, _, handle, _ = buf.dispatch(mine.x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                  num_tokens_per_expert=per_expert, topk_idx=mine.topk_idx,
+                                                  topk_weights=mine.topk_weights)
+    same, _, _ = buf.combine(recv_x, handle, topk_weights=recv_w, config=Config(num_sms=2))
+    uneven, _, _ = buf.combine(recv_x, handle, topk_weights=recv_w, config=Config(num_sms=2 + 4 * ctx.rank))
+    buf.check_errors()
+    return torch.equal(same.view(torch.int16), uneven.view(torch.int16)) and same.abs().sum().item() > 0
+
+
+def test_combine_with_uneven_program_counts(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("EPCOMM_TIMEOUT_S", "5")
+    assert spawn(_combine_with_uneven_programs, 2, device="cpu", timeout_s=300) == [True, True]

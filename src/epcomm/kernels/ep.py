@@ -592,7 +592,7 @@ def combine_kernel(x_ptr, w_ptr, summary_ptr, bases_ptr, area_off, w_off, prog_o
                    out_ptr, wout_ptr, hidden, b0_stride, b1_stride, self_ptr, self_w_ptr,
                    XW: tl.constexpr, K: tl.constexpr, R: tl.constexpr, R_POW2: tl.constexpr, TOK: tl.constexpr,
                    BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, HAS_W: tl.constexpr, VEC: tl.constexpr,
-                   PMAX: tl.constexpr, PB: tl.constexpr, NPH: tl.constexpr, RBLOCK: tl.constexpr,
+                   PMAX: tl.constexpr, NPH: tl.constexpr, RBLOCK: tl.constexpr,
                    NCB: tl.constexpr, TB: tl.constexpr, HAS_B0: tl.constexpr, HAS_B1: tl.constexpr,
                    OUT_BF16: tl.constexpr, USE_PTX: tl.constexpr, USE_TIMER: tl.constexpr):
     """Phased combine (single round): push and ordered reduce in one launch, so that most of the reduce runs
@@ -602,7 +602,8 @@ def combine_kernel(x_ptr, w_ptr, summary_ptr, bases_ptr, area_off, w_off, prog_o
     from ``d``, ordered by ``d``'s token). Pushing programs ``[0, num_push)`` send each block in ``NPH`` phases
     (its first half, the next quarter, ... ``_phase_end``), every phase split evenly over the programs and
     the destinations visited in a rotated order; after phase ``ph`` a program fences and releases
-    ``epoch << 32 | ph + 1`` into its word ``prog[rank, 2 + pid, 0]`` at every destination. Rows a rank sends
+    ``epoch << 32 | ph + 1`` into its word ``prog[rank, 2 + pid, 0]`` at every destination (program 0 first
+    announces ``epoch << 32 | num_push`` in ``prog[rank, 0, 0]``: ranks push with different program counts). Rows a rank sends
     itself are not pushed (the reduce reads them from ``x``).
 
     Reducing programs ``num_push + q``: for each phase ``ph``, wait until every peer's pushing programs have
@@ -617,6 +618,9 @@ def combine_kernel(x_ptr, w_ptr, summary_ptr, bases_ptr, area_off, w_off, prog_o
     if pid < num_push:
         toks = tl.arange(0, TOK)
         row = rank * (PMAX + 2)  # this rank's progress words at every destination
+        if pid == 0:  # how many programs push here (it depends on this rank's row count)
+            _progress(bases_ptr, prog_off, row, 0, tl.zeros([R_POW2], tl.int64) + tag + num_push, rank, world,
+                      R_POW2, USE_PTX)
         for ph in tl.static_range(NPH):
             for j in tl.static_range(1, R):
                 d = (rank + j + pid) % R  # (pid rotates the order; the own block stays where it is)
@@ -642,16 +646,21 @@ def combine_kernel(x_ptr, w_ptr, summary_ptr, bases_ptr, area_off, w_off, prog_o
     else:
         q = pid - num_push
         nq = tl.num_programs(0) - num_push
-        lanes = tl.arange(0, R_POW2 * PB)
-        ws = lanes // PB
-        wp = lanes % PB
-        wlive = (ws < R) & (ws != rank) & (wp < num_push)
+        # every peer's number of pushing programs, then one lane per (peer, pushing program)
+        hdr = prog_ptr + rcols * ((PMAX + 2) * 2)
+        peer = (rcols < R) & (rcols != rank)
+        ok = wait_words_ge(hdr, peer, tag, rcols, rcols * 0, timeout, err_ptr, _K_ERR_DONE, rank, USE_PTX,
+                           USE_TIMER)
+        lanes = tl.arange(0, R_POW2 * PMAX)
+        ws = lanes // PMAX
+        wp = lanes % PMAX
+        wpeer = (ws < R) & (ws != rank)
+        nsend = tl.load(prog_ptr + ws * ((PMAX + 2) * 2), mask=wpeer, other=0, volatile=True) & 0xFFFFFFFF
+        wlive = wpeer & (wp < nsend)
         wptrs = prog_ptr + (ws * (PMAX + 2) + 2 + wp) * 2
         sent = tl.load(summary_ptr + _K_HEAD + 2 * R + rcols, mask=rcols < R, other=0)
-        peer = (rcols < R) & (rcols != rank)
         own0 = tl.load(summary_ptr + _K_HEAD + rank)  # first row of the own rows in x
         jj = tl.arange(0, TB)
-        ok = tl.full([], 1, tl.int32)
         for ph in tl.static_range(NPH):
             if ok != 0:
                 ok = wait_words_ge(wptrs, wlive, tag + ph + 1, ws, wp, timeout, err_ptr, _K_ERR_DONE, rank, USE_PTX,
@@ -840,6 +849,6 @@ def launch_combine(*, x, values, w, summary, bases, area_off: int, w_off: int, p
         b1.stride(0) if b1 is not None else 0, values, w if k else dummy, XW=xw, K=max(k, 1), R=world,
         R_POW2=max(2, triton.next_power_of_2(world)), TOK=tokens_per_step, BLOCK=chunk_block(xw, tokens_per_step),
         BLOCK_K=pow2_block(k), HAS_W=k > 0, VEC=xw % 4 == 0, PMAX=PROGRESS_SLOTS,
-        PB=max(2, triton.next_power_of_2(grid)), NPH=COMBINE_PHASES, RBLOCK=rblock, NCB=triton.cdiv(hidden, rblock), TB=64,
+        NPH=COMBINE_PHASES, RBLOCK=rblock, NCB=triton.cdiv(hidden, rblock), TB=64,
         HAS_B0=b0 is not None, HAS_B1=b1 is not None, OUT_BF16=out.dtype == torch.bfloat16, USE_PTX=use_ptx,
         USE_TIMER=use_ptx, num_warps=PUSH_WARPS)
