@@ -49,6 +49,13 @@ def test_portable_transport_kernels(monkeypatch):
     _run(3, AllToAllTransport, {}, CASES)
 
 
+class _NoLaunch:
+    """Stands in for a Triton kernel: ``kernel[grid](...)`` launches nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
 def _peer_skips_push(ctx, op):
     """Rank 1 takes part in the barriers and count exchanges of ``op`` ("dispatch" or "combine") but never
     pushes its rows: rank 0's receiving programs must time out, record the error and report it (naming
@@ -71,7 +78,7 @@ def _peer_skips_push(ctx, op):
     if op == "combine":
         buf.check_errors()
         if ctx.rank == 1:
-            ep.launch_combine = lambda **kwargs: None
+            ep.combine_push_kernel = _NoLaunch()
         buf.combine(recv_x, handle, topk_weights=recv_w)
     message = ""
     if ctx.rank == 0:
@@ -92,7 +99,7 @@ def test_missing_push_times_out(monkeypatch, op):
 
 def _combine_with_uneven_programs(ctx):
     """Each rank pushes its combine rows with a different number of programs (num_sms depends on the rank, as
-    the traffic model's choice does on the rank's row count): the receivers must wait for all of them."""
+    the traffic model's choice does on the rank's row count): the results must not change."""
     import torch
 
     from epcomm.buffer import Buffer, Config

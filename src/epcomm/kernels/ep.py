@@ -2,9 +2,8 @@
 
 Per call the host launches two kernels for a dispatch (exchange; ``dispatch_kernel``, whose receiving
 programs copy rows out while its pushing programs run; with bounded local passes, ``dispatch_push_kernel``
-then ``dispatch_copyout_kernel``) and two for a combine (barrier (``epcomm.kernels.shmem``), then
-``combine_kernel``: push and ordered reduce (``epcomm.kernels.reduce``) in one launch; with bounded local
-passes or in several rounds: push, wait, reduce); everything else (layout checks, positions, metadata records,
+then ``dispatch_copyout_kernel``) and four for a combine (barrier (``epcomm.kernels.shmem``), push, wait,
+ordered reduce (``epcomm.kernels.reduce``)); everything else (layout checks, positions, metadata records,
 offsets) is computed inside them, because every extra host-side operation costs tens of microseconds.
 
 Symmetric layout (same offsets on every rank):
@@ -38,9 +37,7 @@ from typing import Optional
 import triton
 import triton.language as tl
 
-from .reduce import _reduce_one
-from .shmem import (arrive_last, block_barrier, fence_sys, ld_acquire, st_release, wait_all_ge, wait_until,
-                     wait_words_ge)
+from .shmem import arrive_last, block_barrier, fence_sys, ld_acquire, st_release, wait_all_ge, wait_until
 from .shmem_codes import CMP_GE, ERR_BARRIER_TIMEOUT, ERR_DONE_TIMEOUT
 
 _K_ERR_BARRIER = tl.constexpr(ERR_BARRIER_TIMEOUT)
@@ -49,7 +46,6 @@ _K_CMP_GE = tl.constexpr(CMP_GE)
 
 SUMMARY_HEAD = 8  # summary words before recv_prefix
 PUSH_WARPS = 8  # warps per push program (dispatch and combine)
-_K_HEAD = tl.constexpr(SUMMARY_HEAD)
 
 
 @triton.jit
@@ -523,25 +519,6 @@ def dispatch_kernel(x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_ptr, 
 
 
 @triton.jit
-def _send_back(x_ptr, w_ptr, m, ok, a, base, area_off, w_off, XW: tl.constexpr, K: tl.constexpr,
-               BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, HAS_W: tl.constexpr, VEC: tl.constexpr):
-    """Store rows ``m`` (int64 ``[TOK]``, where ``ok``) of ``x [M, XW]`` int32 words to rows ``a`` of the area at
-    ``base + area_off`` (``base``: each row's destination heap), with their ``K`` weights at ``base + w_off``."""
-    dst = (base + area_off + a * (XW * 4)).to(tl.pointer_type(tl.int32))
-    for c0 in tl.static_range(0, XW, BLOCK):
-        cols = c0 + tl.arange(0, BLOCK)
-        if VEC:
-            cols = tl.max_contiguous(tl.multiple_of(cols, 4), 4)
-        cm = ok[:, None] & (cols < XW)[None, :]
-        tl.store(dst[:, None] + cols[None, :], tl.load(x_ptr + m[:, None] * XW + cols[None, :], mask=cm), mask=cm)
-    if HAS_W:
-        kcols = tl.arange(0, BLOCK_K)
-        wd = (base + w_off + a * (K * 4)).to(tl.pointer_type(tl.float32))
-        km = ok[:, None] & (kcols < K)[None, :]
-        tl.store(wd[:, None] + kcols[None, :], tl.load(w_ptr + m[:, None] * K + kcols[None, :], mask=km), mask=km)
-
-
-@triton.jit
 def combine_push_kernel(x_ptr, w_ptr, src_ptr, prefix_ptr, dst_row_ptr, bases_ptr, area_off, w_off, arrive_off,
                         epoch_ptr, counter_ptr, num_rows, cap, rank, world, XW: tl.constexpr, K: tl.constexpr,
                         R_POW2: tl.constexpr, TOK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -556,6 +533,7 @@ def combine_push_kernel(x_ptr, w_ptr, src_ptr, prefix_ptr, dst_row_ptr, bases_pt
     per = tl.cdiv(tl.cdiv(num_rows, nprog), TOK) * TOK
     lo = pid * per
     hi = tl.minimum(lo + per, num_rows)
+    kcols = tl.arange(0, BLOCK_K)
     toks = tl.arange(0, TOK)
     m0 = lo
     while m0 < hi:
@@ -570,126 +548,23 @@ def combine_push_kernel(x_ptr, w_ptr, src_ptr, prefix_ptr, dst_row_ptr, bases_pt
             a = tl.load(dst_row_ptr + m, mask=ok, other=-1)
             ok = ok & (a >= 0)
         base = tl.load(bases_ptr + s, mask=ok, other=0)
-        _send_back(x_ptr, w_ptr, m, ok, a, base, area_off, w_off, XW, K, BLOCK, BLOCK_K, HAS_W, VEC)
+        dst = (base + area_off + a * (XW * 4)).to(tl.pointer_type(tl.int32))
+        for c0 in tl.static_range(0, XW, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            if VEC:
+                cols = tl.max_contiguous(tl.multiple_of(cols, 4), 4)
+            cm = ok[:, None] & (cols < XW)[None, :]
+            tl.store(dst[:, None] + cols[None, :], tl.load(x_ptr + m[:, None] * XW + cols[None, :], mask=cm), mask=cm)
+        if HAS_W:
+            wd = (base + w_off + a * (K * 4)).to(tl.pointer_type(tl.float32))
+            km = ok[:, None] & (kcols < K)[None, :]
+            tl.store(wd[:, None] + kcols[None, :], tl.load(w_ptr + m[:, None] * K + kcols[None, :], mask=km), mask=km)
         m0 += TOK
     fence_sys(USE_PTX)
     tl.debug_barrier()
     if arrive_last(counter_ptr, nprog) != 0:
         _publish(bases_ptr, bases_ptr, bases_ptr, 0, arrive_off, epoch_ptr, rank, world, R_POW2, False, False,
                  USE_PTX)
-
-
-@triton.jit
-def _phase_end(c, ph, NPH: tl.constexpr):
-    """Rows ``[0, _phase_end(c, ph))`` of a block of ``c`` rows are sent in phases ``< ph`` of a phased combine:
-    ``c - c // 2**ph`` (halves, quarters, ...), all ``c`` at ``ph = NPH``."""
-    return tl.where(ph >= NPH, c, c - (c >> ph))
-
-
-@triton.jit
-def combine_kernel(x_ptr, w_ptr, summary_ptr, bases_ptr, area_off, w_off, prog_off, epoch_ptr, cap, rank, world,
-                   num_push, prog_ptr, err_ptr, timeout, buf_ptr, wbuf_ptr, itr_ptr, pos_ptr, n, b0_ptr, b1_ptr,
-                   out_ptr, wout_ptr, hidden, b0_stride, b1_stride, self_ptr, self_w_ptr,
-                   XW: tl.constexpr, K: tl.constexpr, R: tl.constexpr, R_POW2: tl.constexpr, TOK: tl.constexpr,
-                   BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, HAS_W: tl.constexpr, VEC: tl.constexpr,
-                   PMAX: tl.constexpr, NPH: tl.constexpr, RBLOCK: tl.constexpr,
-                   NCB: tl.constexpr, TB: tl.constexpr, HAS_B0: tl.constexpr, HAS_B1: tl.constexpr,
-                   OUT_BF16: tl.constexpr, USE_PTX: tl.constexpr, USE_TIMER: tl.constexpr):
-    """Phased combine (single round): push and ordered reduce in one launch, so that most of the reduce runs
-    while rows are still arriving.
-
-    Every rank's rows for destination ``d`` are the block ``[prefix[d], prefix[d] + c_d)`` of ``x`` (received
-    from ``d``, ordered by ``d``'s token). Pushing programs ``[0, num_push)`` send each block in ``NPH`` phases
-    (its first half, the next quarter, ... ``_phase_end``), every phase split evenly over the programs and
-    the destinations visited in a rotated order; after phase ``ph`` a program fences and releases
-    ``epoch << 32 | ph + 1`` into its word ``prog[rank, 2 + pid, 0]`` at every destination (program 0 first
-    announces ``epoch << 32 | num_push`` in ``prog[rank, 0, 0]``: ranks push with different program counts). Rows a rank sends
-    itself are not pushed (the reduce reads them from ``x``).
-
-    Reducing programs ``num_push + q``: for each phase ``ph``, wait until every peer's pushing programs have
-    reported phase ``ph + 1`` (one vector poll, ``wait_words_ge``), then reduce (``_reduce_one``, the same
-    ordered FP32 sum as ``reduce_from_layout``) those of the tokens ``t = q, q + Q, ...`` whose last row
-    arrives in phase ``ph``: the largest phase over peers ``s`` of position ``pos[t, s]`` in a block of
-    ``sent[s]`` rows (computed for ``TB`` tokens at once; the chosen ones are then taken one by one).
-    Pushing programs never wait, and have the lower ids (see ``dispatch_kernel``)."""
-    pid = tl.program_id(0)
-    tag = tl.load(epoch_ptr) << 32
-    rcols = tl.arange(0, R_POW2)
-    if pid < num_push:
-        toks = tl.arange(0, TOK)
-        row = rank * (PMAX + 2)  # this rank's progress words at every destination
-        if pid == 0:  # how many programs push here (it depends on this rank's row count)
-            _progress(bases_ptr, prog_off, row, 0, tl.zeros([R_POW2], tl.int64) + tag + num_push, rank, world,
-                      R_POW2, USE_PTX)
-        for ph in tl.static_range(NPH):
-            for j in tl.static_range(1, R):
-                d = (rank + j + pid) % R  # (pid rotates the order; the own block stays where it is)
-                d = tl.where(d == rank, (rank + R - j) % R, d)
-                start = tl.load(summary_ptr + _K_HEAD + d)
-                c = tl.load(summary_ptr + _K_HEAD + R + d)
-                lo0 = _phase_end(c, ph, NPH)
-                size = _phase_end(c, ph + 1, NPH) - lo0
-                per = tl.cdiv(tl.cdiv(size, num_push), TOK) * TOK
-                lo = lo0 + pid * per
-                hi = tl.minimum(lo + per, lo0 + size)
-                base = tl.load(bases_ptr + d)
-                m0 = lo
-                while m0 < hi:
-                    k = (m0 + toks).to(tl.int64)
-                    _send_back(x_ptr, w_ptr, start + k, k < hi, rank * cap + k, base, area_off, w_off, XW, K, BLOCK,
-                               BLOCK_K, HAS_W, VEC)
-                    m0 += TOK
-            fence_sys(USE_PTX)
-            tl.debug_barrier()
-            _progress(bases_ptr, prog_off, row, (2 + pid) * 2, tl.zeros([R_POW2], tl.int64) + tag + ph + 1, rank,
-                      world, R_POW2, USE_PTX)
-    else:
-        q = pid - num_push
-        nq = tl.num_programs(0) - num_push
-        # every peer's number of pushing programs, then one lane per (peer, pushing program)
-        hdr = prog_ptr + rcols * ((PMAX + 2) * 2)
-        peer = (rcols < R) & (rcols != rank)
-        ok = wait_words_ge(hdr, peer, tag, rcols, rcols * 0, timeout, err_ptr, _K_ERR_DONE, rank, USE_PTX,
-                           USE_TIMER)
-        lanes = tl.arange(0, R_POW2 * PMAX)
-        ws = lanes // PMAX
-        wp = lanes % PMAX
-        wpeer = (ws < R) & (ws != rank)
-        nsend = tl.load(prog_ptr + ws * ((PMAX + 2) * 2), mask=wpeer, other=0, volatile=True) & 0xFFFFFFFF
-        wlive = wpeer & (wp < nsend)
-        wptrs = prog_ptr + (ws * (PMAX + 2) + 2 + wp) * 2
-        sent = tl.load(summary_ptr + _K_HEAD + 2 * R + rcols, mask=rcols < R, other=0)
-        own0 = tl.load(summary_ptr + _K_HEAD + rank)  # first row of the own rows in x
-        jj = tl.arange(0, TB)
-        for ph in tl.static_range(NPH):
-            if ok != 0:
-                ok = wait_words_ge(wptrs, wlive, tag + ph + 1, ws, wp, timeout, err_ptr, _K_ERR_DONE, rank, USE_PTX,
-                                   USE_TIMER)
-            b = 0
-            while q + b * nq < n:  # TB of this program's tokens at a time: which of them complete in phase ph
-                t = q + (b + jj).to(tl.int64) * nq
-                live = t < n
-                m2 = live[:, None] & (rcols < R)[None, :]
-                there = m2 & (tl.load(itr_ptr + t[:, None] * R + rcols[None, :], mask=m2, other=0) != 0)
-                p = tl.load(pos_ptr + t[:, None] * R + rcols[None, :], mask=there, other=0)
-                need = tl.zeros([TB, R_POW2], tl.int32)
-                for f in tl.static_range(1, NPH):
-                    need += (p >= _phase_end(sent, f, NPH)[None, :]).to(tl.int32)
-                todo = live & (tl.max(tl.where(there & peer[None, :], need, 0), axis=1) == ph)
-                # each slot's row: in the receive area, or (own rank) in x
-                rows = tl.where(there, tl.where(rcols == rank, own0, rcols * cap)[None, :] + p, -1).to(tl.int64)
-                left = tl.sum(todo.to(tl.int32))
-                while left > 0:
-                    j = tl.min(tl.where(todo, jj, TB))
-                    given = tl.sum(tl.where((jj == j)[:, None], rows, 0), axis=0)
-                    for cb in tl.static_range(NCB):
-                        _reduce_one(buf_ptr, itr_ptr, itr_ptr, pos_ptr, itr_ptr, cap, q + (b + j).to(tl.int64) * nq,
-                                    b0_ptr, b1_ptr, out_ptr, wbuf_ptr, wout_ptr, hidden, hidden, b0_stride, b1_stride,
-                                    hidden, self_ptr, self_w_ptr, summary_ptr, rank, hidden, cb, given, R, True, True,
-                                    HAS_B0, HAS_B1, HAS_W, K, BLOCK_K, OUT_BF16, RBLOCK, True, True)
-                    todo = todo & (jj != j)
-                    left -= 1
-                b += TB
 
 
 @triton.jit
@@ -818,37 +693,3 @@ def launch_push(*, x, scales, topk_idx, topk_weights, itr, pos, first, rows, bas
         HAS_IDX=rv.out_idx is not None, USE_TIMER=use_ptx, PMAX=PROGRESS_SLOTS,
         SIG=max(1, SIGNAL_TOKENS // tokens_per_step), ROWS=4, **meta)
 
-
-COMBINE_PHASES = 3  # a phased combine sends halves, quarters, ...: the last quarter of rows is reduced after the push
-
-
-def launch_combine(*, x, values, w, summary, bases, area_off: int, w_off: int, prog, prog_off: int, epoch, cap: int,
-                   rank: int, world: int, grid: int, reducers: int, err, timeout: int, buf, wbuf, itr, pos, bias: tuple,
-                   out, out_w, tokens_per_step: int, use_ptx: bool) -> None:
-    """``combine_kernel`` (single round): ``x [M, XW]`` int32 view of the rows to send back (``values``: the same
-    rows in their dtype, for the own rows), ``w [M, K]`` float32 weights or None, ``summary`` of the dispatch;
-    ``grid`` pushing programs (at most ``PROGRESS_SLOTS``) and ``reducers`` reducing programs; the local area
-    ``buf [R * cap, H]`` / ``wbuf [R * cap, K]``, ``itr``/``pos [N, R]``, up to two ``[N, H]`` biases, ``out [N, H]``
-    and ``out_w [N, K]`` (None without weights)."""
-    if not 1 <= grid <= PROGRESS_SLOTS:
-        raise ValueError(f"launch_combine: {grid} pushing programs; a phased combine runs 1..{PROGRESS_SLOTS}")
-    import torch
-
-    n, hidden = out.shape
-    xw = x.size(1)
-    k = w.size(1) if w is not None else 0
-    rblock = min(4096, triton.next_power_of_2(max(hidden, 16)))  # [R, 4096] rows at once per reducing program
-    b0 = bias[0] if len(bias) > 0 else None
-    b1 = bias[1] if len(bias) > 1 else None
-    itr8 = itr.view(torch.int8) if itr.dtype == torch.bool else itr
-    dummy = summary
-    combine_kernel[(grid + reducers,)](
-        x, w if k else dummy, summary, bases, area_off, w_off, prog_off, epoch, cap, rank, world, grid, prog, err,
-        timeout, buf, wbuf if k else dummy, itr8, pos, n, b0 if b0 is not None else out,
-        b1 if b1 is not None else out, out, out_w if k else dummy, hidden, b0.stride(0) if b0 is not None else 0,
-        b1.stride(0) if b1 is not None else 0, values, w if k else dummy, XW=xw, K=max(k, 1), R=world,
-        R_POW2=max(2, triton.next_power_of_2(world)), TOK=tokens_per_step, BLOCK=chunk_block(xw, tokens_per_step),
-        BLOCK_K=pow2_block(k), HAS_W=k > 0, VEC=xw % 4 == 0, PMAX=PROGRESS_SLOTS,
-        NPH=COMBINE_PHASES, RBLOCK=rblock, NCB=triton.cdiv(hidden, rblock), TB=64,
-        HAS_B0=b0 is not None, HAS_B1=b1 is not None, OUT_BF16=out.dtype == torch.bfloat16, USE_PTX=use_ptx,
-        USE_TIMER=use_ptx, num_warps=PUSH_WARPS)

@@ -36,71 +36,51 @@ def _reduce_kernel(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, t_begin,
         while token < t_end:
             _reduce_one(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, token, b0_ptr, b1_ptr, out_ptr,
                         wbuf_ptr, wout_ptr, hidden, buf_stride, b0_stride, b1_stride, out_stride, self_ptr, self_w_ptr,
-                        self_base_ptr, self_rank, self_stride, tl.program_id(1), 0, NUM_SLOTS, FROM_LAYOUT, FIRST_ZERO,
-                        HAS_B0, HAS_B1, HAS_W, K, BLOCK_K, OUT_BF16, BLOCK, HAS_SELF)
+                        self_base_ptr, self_rank, self_stride, NUM_SLOTS, FROM_LAYOUT, FIRST_ZERO, HAS_B0, HAS_B1,
+                        HAS_W, K, BLOCK_K, OUT_BF16, BLOCK, HAS_SELF)
             token += tl.num_programs(0)
     else:
         _reduce_one(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, (t_begin + tl.program_id(0)).to(tl.int64),
                     b0_ptr, b1_ptr, out_ptr, wbuf_ptr, wout_ptr, hidden, buf_stride, b0_stride, b1_stride,
-                    out_stride, self_ptr, self_w_ptr, self_base_ptr, self_rank, self_stride, tl.program_id(1), 0, NUM_SLOTS,
-                    FROM_LAYOUT, FIRST_ZERO, HAS_B0, HAS_B1, HAS_W, K, BLOCK_K, OUT_BF16, BLOCK, HAS_SELF)
+                    out_stride, self_ptr, self_w_ptr, self_base_ptr, self_rank, self_stride, NUM_SLOTS, FROM_LAYOUT,
+                    FIRST_ZERO, HAS_B0, HAS_B1, HAS_W, K, BLOCK_K, OUT_BF16, BLOCK, HAS_SELF)
 
 
 @triton.jit
 def _reduce_one(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, token, b0_ptr, b1_ptr, out_ptr,
                 wbuf_ptr, wout_ptr, hidden, buf_stride, b0_stride, b1_stride, out_stride, self_ptr, self_w_ptr,
-                self_base_ptr, self_rank, self_stride, cb, given, NUM_SLOTS: tl.constexpr, FROM_LAYOUT: tl.constexpr,
+                self_base_ptr, self_rank, self_stride, NUM_SLOTS: tl.constexpr, FROM_LAYOUT: tl.constexpr,
                 FIRST_ZERO: tl.constexpr, HAS_B0: tl.constexpr, HAS_B1: tl.constexpr, HAS_W: tl.constexpr,
                 K: tl.constexpr, BLOCK_K: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr,
-                HAS_SELF: tl.constexpr, GIVEN: tl.constexpr = False):
-    """One token's column block ``cb``: the ordered FP32 sum of its rows, plus the biases (and, in block 0,
-    of its weights). ``GIVEN``: the rows are the vector ``given`` (``[>= NUM_SLOTS]`` int64: the row of slot
-    ``r`` in ``buf``, or in ``self_ptr`` for ``r == self_rank``, -1 absent), computed by the caller for many
-    tokens at once (the receiving half of ``epcomm.kernels.ep.combine_kernel``, one program per SM: it
-    loads all the rows at once to keep enough bytes in flight); ``given`` is unused otherwise."""
-    cols = cb * BLOCK + tl.arange(0, BLOCK)
+                HAS_SELF: tl.constexpr):
+    """One token's columns block ``program_id(1)``: the ordered FP32 sum of its rows, plus the biases."""
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     col_mask = cols < hidden
     kc = tl.arange(0, BLOCK_K)
-    do_w = HAS_W & (cb == 0)
+    do_w = HAS_W & (tl.program_id(1) == 0)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     wacc = tl.zeros([BLOCK_K], dtype=tl.float32)
-    if GIVEN:  # every slot's row in one 2-D load (all in flight at once), then added in slot order
-        rr = tl.arange(0, given.shape[0])
-        row = given.to(tl.int64)
-        has = row >= 0
-        mine = (rr == self_rank)[:, None]
-        ptrs = tl.where(mine, self_ptr + row[:, None] * self_stride, buf_ptr + row[:, None] * buf_stride)
-        v2 = tl.load(ptrs + cols[None, :], mask=has[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
-        if HAS_W:  # (loaded, as a whole, only in column block 0)
-            wptrs = tl.where(mine, self_w_ptr + row[:, None] * K, wbuf_ptr + row[:, None] * K)
-            w2 = tl.load(wptrs + kc[None, :], mask=do_w & has[:, None] & (kc < K)[None, :], other=0.0)
-        for r in tl.static_range(NUM_SLOTS):
-            # the sum of one row and zeros is that row (a -0.0 becomes +0.0, which adds the same to acc)
-            acc += tl.sum(tl.where((rr == r)[:, None], v2, 0.0), axis=0)
-            if HAS_W:
-                wacc += tl.sum(tl.where((rr == r)[:, None], w2, 0.0), axis=0)
-    else:
-        for r in tl.static_range(NUM_SLOTS):
-            if FROM_LAYOUT:
-                present = tl.load(itr_ptr + token * NUM_SLOTS + r) != 0
-                p = tl.load(pos_ptr + token * NUM_SLOTS + r)
-                slot = r * cap + p
-                if not FIRST_ZERO:
-                    slot -= tl.load(first_ptr + r)
-                slot = tl.where(present, slot, -1).to(tl.int64)
-            else:
-                slot = tl.load(slot_ptr + token * NUM_SLOTS + r).to(tl.int64)
-            row_ptr = buf_ptr + slot * buf_stride
-            w_row_ptr = wbuf_ptr + slot * K
-            if HAS_SELF:  # (only with FROM_LAYOUT) rank self_rank's rows come from self_ptr
-                srow = (tl.load(self_base_ptr) + p).to(tl.int64)
-                row_ptr = tl.where(r == self_rank, self_ptr + srow * self_stride, row_ptr)
-                w_row_ptr = tl.where(r == self_rank, self_w_ptr + srow * K, w_row_ptr)
-            # a masked-out slot adds +0.0, which leaves acc unchanged (acc is never -0.0: it starts at +0.0)
-            v = tl.load(row_ptr + cols, mask=col_mask & (slot >= 0), other=0.0)
-            acc += v.to(tl.float32)
-            if do_w:
-                wacc += tl.load(w_row_ptr + kc, mask=(kc < K) & (slot >= 0), other=0.0)
+    for r in tl.static_range(NUM_SLOTS):
+        if FROM_LAYOUT:
+            present = tl.load(itr_ptr + token * NUM_SLOTS + r) != 0
+            p = tl.load(pos_ptr + token * NUM_SLOTS + r)
+            slot = r * cap + p
+            if not FIRST_ZERO:
+                slot -= tl.load(first_ptr + r)
+            slot = tl.where(present, slot, -1).to(tl.int64)
+        else:
+            slot = tl.load(slot_ptr + token * NUM_SLOTS + r).to(tl.int64)
+        row_ptr = buf_ptr + slot * buf_stride
+        w_row_ptr = wbuf_ptr + slot * K
+        if HAS_SELF:  # (only with FROM_LAYOUT) rank self_rank's rows come from self_ptr
+            srow = (tl.load(self_base_ptr) + p).to(tl.int64)
+            row_ptr = tl.where(r == self_rank, self_ptr + srow * self_stride, row_ptr)
+            w_row_ptr = tl.where(r == self_rank, self_w_ptr + srow * K, w_row_ptr)
+        # a masked-out slot adds +0.0, which leaves acc unchanged (acc is never -0.0: it starts at +0.0)
+        v = tl.load(row_ptr + cols, mask=col_mask & (slot >= 0), other=0.0)
+        acc += v.to(tl.float32)
+        if do_w:
+            wacc += tl.load(w_row_ptr + kc, mask=(kc < K) & (slot >= 0), other=0.0)
     if HAS_B0:
         acc += tl.load(b0_ptr + token * b0_stride + cols, mask=col_mask, other=0.0).to(tl.float32)
     if HAS_B1:

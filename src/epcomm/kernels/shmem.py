@@ -241,36 +241,6 @@ def wait_all_ge(base, flags_off, world, value, timeout, err_ptr, err_code, rank,
 
 
 @triton.jit
-def wait_words_ge(ptrs, live, value, peers, slots, timeout, err_ptr, err_code, rank, USE_PTX: tl.constexpr,
-                  USE_TIMER: tl.constexpr):
-    """Wait until every int64 word at ``ptrs`` (a 1-D tensor of pointers; lanes where ``live``) is ``>= value``:
-    one vector of volatile loads per poll (relaxed, system scope), a short sleep between polls, then
-    ``fence_sys`` + ``bar.sync``, which make the polls an acquire for every thread of the program. The poll
-    condition is a reduction, so uniform. On a timeout the error record names the first late lane's
-    ``peers``/``slots`` value and the word it held; returns 1, or 0 after a timeout."""
-    seen = tl.load(ptrs, mask=live, other=value, volatile=True)
-    short = tl.sum((seen < value).to(tl.int32))
-    t0 = now(USE_TIMER)
-    polls = tl.full([], 0, tl.int64)
-    late = tl.full([], 0, tl.int32)
-    while (short > 0) & (late == 0):
-        if USE_PTX:
-            tl.inline_asm_elementwise("nanosleep.u32 100; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
-                                      is_pure=False, pack=1)
-        seen = tl.load(ptrs, mask=live, other=value, volatile=True)
-        short = tl.sum((seen < value).to(tl.int32))
-        polls += 1
-        late = expired(t0, polls, timeout, USE_TIMER)
-    if short > 0:
-        key = tl.min(tl.where(live & (seen < value), peers * 65536 + slots, 0x7FFFFFFF))
-        held = tl.max(tl.where(peers * 65536 + slots == key, seen, -1))
-        record_error(err_ptr, err_code, rank, key // 65536, key % 65536, value, held, _K_CMP_GE)
-    fence_sys(USE_PTX)
-    tl.debug_barrier()
-    return (short == 0).to(tl.int32)
-
-
-@triton.jit
 def arrive_last(counter_ptr, total):
     """Count this program as done on the int32 counter at ``counter_ptr`` (device-local, starts at 0) and
     return 1 in the program that completes the count of ``total`` (0 in the others). That program also

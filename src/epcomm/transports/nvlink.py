@@ -17,13 +17,10 @@ Normal dispatch (``epcomm.kernels.ep``):
      (``Config.strict_sms``) the push publishes at its end and ``dispatch_copyout`` copies afterwards on
      ``num_sms`` programs. Traffic larger than the buffer is split into rounds over token ranges; each
      round begins with a barrier.
-Combine: a barrier, then one launch of ``combine_kernel``: ``num_sms`` pushing programs return every row
-to its source rank's area in phases (the first half of each destination's rows, the next quarter, ...,
-reporting each phase), while the other SMs reduce every token whose rows have all arrived with the ordered
-FP32 sum (``epcomm.kernels.reduce``, reading the rows a rank sends itself from the combine input),
-bit-identical to the reference. With bounded local passes, or when the traffic exceeds the buffer, per
-round ``combine_push`` returns the rows, then the source waits and reduces on its own; a round covers a
-range of source tokens, so every contribution to a token arrives in one round.
+Combine: a barrier, then per round ``combine_push`` returns every row to its source rank's area (rows a
+rank sends itself stay where they are), and the source waits and reduces with the ordered FP32 kernel
+(``epcomm.kernels.reduce``, reading its own rows from the combine input), bit-identical to the reference.
+A round covers a range of source tokens, so every contribution to a token arrives in one round.
 
 Low-latency mode: ``epcomm.transports.low_latency`` (one-sided, double-buffered, graph-capturable).
 """
@@ -47,7 +44,6 @@ from .base import (Capabilities, CombineRequest, DispatchRequest, DispatchResult
 log = logging.getLogger(__name__)
 
 MAX_LOCAL_EXPERTS = 1024
-PHASED_COMBINE = True  # False: push, wait, then reduce (the path of bounded local passes and of rounds), to compare
 DEFAULT_AREA_BYTES = 1 << 30
 
 
@@ -357,8 +353,7 @@ class NVLinkTransport(Transport):
         return DispatchResult(outs[0], outs[1], None, None, None, h)
 
     def combine(self, req: CombineRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        from ..kernels.ep import (PUSH_WARPS, chunk_block, combine_push_kernel, launch_combine, pow2_block,
-                                  wait_arrivals_kernel)
+        from ..kernels.ep import PUSH_WARPS, chunk_block, combine_push_kernel, pow2_block, wait_arrivals_kernel
         from ..kernels.reduce import OwnRows, reduce_from_layout
 
         h: DispatchHandle = req.handle
@@ -391,15 +386,6 @@ class NVLinkTransport(Transport):
             valid = src_rank >= 0
             src_safe = src_rank.clamp(min=0)
             k_in_src = torch.arange(m, device=dev) - st.recv_prefix.long()[src_safe]
-        if PHASED_COMBINE and single and not _strict(req):  # push and reduce in one launch, reducing as rows arrive
-            self._barrier()
-            launch_combine(x=x_words, values=x if m else buf, w=w_in if k else None, summary=st.summary,
-                           bases=self.heap.peer_bases, area_off=area_off, w_off=area_off + w_rel,
-                           prog=self.prog, prog_off=self._off(self.prog), epoch=self.epoch, cap=cap, rank=rank,
-                           world=num_ranks, grid=grid, reducers=max(1, self.sms - grid), err=self.err,
-                           timeout=self._timeout(), buf=buf, wbuf=wbuf, itr=h.is_token_in_rank, pos=st.pos, bias=req.bias,
-                           out=out, out_w=out_w, tokens_per_step=tok, use_ptx=self.device.type == "cuda")
-            return out, out_w
         own = OwnRows(x if m else buf, w_in if k else None, st.recv_prefix[rank:rank + 1], rank)
         self._barrier()
         for j in range(num_rounds):
