@@ -1,0 +1,47 @@
+"""Every Triton kernel the one-sided and portable transports launch (normal and low-latency mode) also
+compiles for sm_90 with its GPU-only branches on: the interpreter suites cannot see compiler-only errors
+(`epcomm.testing.compile_check`). CPU only: Triton ships the compiler and ptxas."""
+
+import pytest
+
+pytest.importorskip("triton")
+
+from epcomm.testing import spawn  # noqa: E402
+from epcomm.testing.checks import LowLatencyCase, NormalCase, run_cases  # noqa: E402
+
+CASES = [
+    NormalCase(num_tokens=(5, 3), hidden=64, num_experts=4, topk=2, dtype="bf16", bias=2, seed=41),
+    NormalCase(num_tokens=6, hidden=128, num_experts=4, topk=3, dtype="fp8", strict_sms=True, seed=42),
+    NormalCase(num_tokens=(4, 6), hidden=32, num_experts=4, topk=2, dtype="fp32", worst=True, seed=43),
+    LowLatencyCase(num_tokens=(3, 2), max_tokens=4, hidden=128, num_experts=4, topk=2, seed=44),
+    LowLatencyCase(num_tokens=2, max_tokens=3, hidden=256, num_experts=4, topk=2, use_fp8=False, hook=True,
+                   zero_copy=True, seed=45),
+]
+
+
+def _record(ctx):
+    from epcomm.testing.compile_check import record_launches
+    from epcomm.transports.alltoall import AllToAllTransport
+    from epcomm.transports.nvlink import NVLinkTransport
+
+    launches = []
+    with record_launches(launches):
+        problems = run_cases(ctx, CASES, NVLinkTransport, {"num_nvl_bytes": 1 << 20})
+        problems += run_cases(ctx, CASES[:3], AllToAllTransport, {})
+    assert not problems, problems
+    return launches
+
+
+def _compile(ctx, launches):
+    from epcomm.testing.compile_check import compile_launches
+
+    return compile_launches(launches)
+
+
+def test_kernels_compile_for_sm90(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    launches = [launch for rank in spawn(_record, 2, device="cpu", timeout_s=600) for launch in rank]
+    assert len({(m, n) for m, n, _, _ in launches}) >= 8, "too few distinct kernels were launched"
+    monkeypatch.delenv("TRITON_INTERPRET")
+    failures = spawn(_compile, 1, launches, device="cpu", timeout_s=900)[0]
+    assert not failures, "\n".join(failures)
