@@ -45,23 +45,6 @@ def test_heap_across_three_ranks_under_interpreter():
 # ------------------------------------------------------------------------------------------------------------
 # sm_90 compilation (in this process, without the interpreter)
 # ------------------------------------------------------------------------------------------------------------
-def _compiler():
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile as triton_compile, make_backend
-    from triton.runtime.jit import create_function_from_signature
-
-    target = GPUTarget("cuda", 90, 32)
-    backend = make_backend(target)
-
-    def compile_for(fn, args, kwargs):
-        binder = create_function_from_signature(fn.signature, fn.params, backend)
-        bound, specialization, options = binder(*args, **kwargs)
-        options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
-        return triton_compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
-
-    return compile_for
-
-
 def _variants():
     from epcomm.kernels import shmem as K
 
@@ -100,8 +83,10 @@ def _variants():
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="kernels are interpreted in this process")
 @pytest.mark.parametrize("case", range(10))
 def test_kernels_compile_for_sm90(case):
+    from epcomm.testing.compile_check import offline_compiler
+
     try:
-        compile_for = _compiler()
+        compile_for = offline_compiler()
     except Exception as e:  # noqa: BLE001 - another Triton version's internals
         pytest.skip(f"cannot drive Triton's compiler offline here: {e}")
     name, fn, args, kwargs, needles = _variants()[case]

@@ -6,7 +6,8 @@ takes, the inline-PTX branches it skips). ``record_launches()`` notes every kern
 run under ``TRITON_INTERPRET=1`` as (module, kernel, argument types, constexpr values, options);
 ``compile_launches()``, in a process *without* the interpreter, compiles each distinct launch for
 ``sm_90`` (H100/H200) with its GPU-only branches on (``USE_PTX``/``USE_TIMER`` set), down to a cubin:
-Triton ships the compiler and ``ptxas``, so no GPU or CUDA toolkit is needed.
+Triton ships the compiler and ``ptxas``, so no GPU or CUDA toolkit is needed. ``offline_compiler()`` is the
+compiler both use (the shmem kernel tests call it with hand-written launches).
 """
 
 from __future__ import annotations
@@ -14,9 +15,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 
-_DTYPES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.int64": "i64",
-           "torch.int32": "i32", "torch.int16": "i16", "torch.int8": "i8", "torch.uint8": "u8", "torch.bool": "i1",
-           "torch.float8_e4m3fn": "fp8e4nv"}
 GPU_FLAGS = ("USE_PTX", "USE_TIMER")  # constexprs that select inline PTX / the GPU timer
 
 
@@ -49,46 +47,50 @@ def record_launches(into: list):
         InterpretedFunction.run = original
 
 
-def compile_launches(launches: list, arch: int = 90) -> list[str]:
-    """Compile every distinct launch in ``launches`` (from ``record_launches``) for ``sm_<arch>``; returns one
-    message per kernel that failed to compile (empty: all compiled). Run without ``TRITON_INTERPRET``."""
-    import triton
+def offline_compiler(arch: int = 90):
+    """A function ``compile_for(kernel, args, kwargs)`` that compiles a ``@triton.jit`` kernel for
+    ``sm_<arch>`` with the arguments of a launch (CPU tensors stand in for device ones; constexprs and
+    options such as ``num_warps`` as keywords), binding and specialising them as a launch would, down to a
+    cubin. Uses Triton internals (3.x); callers skip when it raises."""
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from triton.compiler import ASTSource, compile as triton_compile, make_backend
+    from triton.runtime.jit import create_function_from_signature
 
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+
+    def compile_for(fn, args, kwargs):
+        binder = create_function_from_signature(fn.signature, fn.params, backend)
+        bound, specialization, options = binder(*args, **kwargs)
+        options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+        return triton_compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+    return compile_for
+
+
+def compile_launches(launches: list, arch: int = 90) -> list[str]:
+    """Compile every distinct launch in ``launches`` (from ``record_launches``) for ``sm_<arch>``, with
+    ``USE_PTX``/``USE_TIMER`` on; returns one message per launch that failed to compile (empty: all
+    compiled). Run without ``TRITON_INTERPRET``."""
+    import torch
+
+    compile_for = offline_compiler(arch)
     failures, seen = [], set()
     for module, name, args, kwargs in launches:
-        fn = getattr(importlib.import_module(module), name)
-        bound = dict(zip(fn.arg_names, args))
-        bound.update({k: v for k, v in kwargs.items() if k in fn.arg_names})
-        options = {k: v for k, v in kwargs.items() if k in ("num_warps", "num_stages", "enable_fp_fusion")}
-        signature, constexprs = {}, {}
-        for i, p in enumerate(fn.params):
-            value = bound.get(p.name, p.default)
-            if p.is_constexpr:
-                value = True if p.name in GPU_FLAGS else value
-                signature[p.name] = "constexpr"
-                constexprs[(i,)] = value
-            elif isinstance(value, tuple) and value[:1] == ("T",):
-                signature[p.name] = "*" + _DTYPES[value[1]]
-            elif isinstance(value, bool):
-                signature[p.name] = "i1"
-            elif isinstance(value, int):
-                signature[p.name] = "i32" if -2**31 <= value < 2**31 else "i64"
-            elif isinstance(value, float):
-                signature[p.name] = "fp32"
-            else:
-                raise TypeError(f"compile_launches: {name}: argument {p.name} = {value!r} has no Triton type")
-        consts = tuple(sorted((k[0], repr(v)) for k, v in constexprs.items()))
-        key = (module, name, tuple(sorted(signature.items())), consts, tuple(sorted(options.items())))
+        key = (module, name, repr(args), repr(sorted(kwargs.items())))
         if key in seen:
             continue
         seen.add(key)
+        fn = getattr(importlib.import_module(module), name)
+        real = [torch.empty(1, dtype=getattr(torch, v[1].split(".")[1])) if isinstance(v, tuple) and v[:1] == ("T",)
+                else v for v in args]
+        kw = {k: (torch.empty(1, dtype=getattr(torch, v[1].split(".")[1])) if isinstance(v, tuple) and v[:1] == ("T",)
+                  else True if k in GPU_FLAGS else v) for k, v in kwargs.items()}
         try:
-            triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", arch, 32), options=options)
+            compile_for(fn, real, kw)
         except Exception as exc:  # noqa: BLE001 - reported, with the kernel's name
             failures.append(f"{module}.{name}: {type(exc).__name__}: {str(exc)[-2000:]}")
     return failures
 
 
-__all__ = ["record_launches", "compile_launches"]
+__all__ = ["record_launches", "compile_launches", "offline_compiler"]
