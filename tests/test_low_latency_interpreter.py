@@ -332,8 +332,8 @@ def test_kernels_compile_for_sm90():
     if _interpreted(K.ll_dispatch_kernel):
         pytest.skip("kernels are interpreted in this process")
     try:
-        from test_shmem_kernels import _compiler
-        compile_for = _compiler()
+        from epcomm.testing.compile_check import offline_compiler
+        compile_for = offline_compiler()
     except Exception as e:  # noqa: BLE001
         pytest.skip(f"cannot drive Triton's compiler offline here: {e}")
     disp, comb, d_args, c_args = _sample_args()
