@@ -27,6 +27,16 @@ def _describe(value):
     return value
 
 
+def _rebuild(value):
+    """The inverse of ``_describe``: a one-element CPU tensor of the described dtype (compiling needs only
+    its dtype and alignment), else the value."""
+    import torch
+
+    if isinstance(value, tuple) and value[:1] == ("T",):
+        return torch.empty(1, dtype=getattr(torch, value[1].split(".")[1]))
+    return value
+
+
 @contextlib.contextmanager
 def record_launches(into: list):
     """Within the block, append ``(module, kernel name, args, kwargs)`` of every interpreted launch to
@@ -72,8 +82,6 @@ def compile_launches(launches: list, arch: int = 90) -> list[str]:
     """Compile every distinct launch in ``launches`` (from ``record_launches``) for ``sm_<arch>``, with
     ``USE_PTX``/``USE_TIMER`` on; returns one message per launch that failed to compile (empty: all
     compiled). Run without ``TRITON_INTERPRET``."""
-    import torch
-
     compile_for = offline_compiler(arch)
     failures, seen = [], set()
     for module, name, args, kwargs in launches:
@@ -82,12 +90,9 @@ def compile_launches(launches: list, arch: int = 90) -> list[str]:
             continue
         seen.add(key)
         fn = getattr(importlib.import_module(module), name)
-        real = [torch.empty(1, dtype=getattr(torch, v[1].split(".")[1])) if isinstance(v, tuple) and v[:1] == ("T",)
-                else v for v in args]
-        kw = {k: (torch.empty(1, dtype=getattr(torch, v[1].split(".")[1])) if isinstance(v, tuple) and v[:1] == ("T",)
-                  else True if k in GPU_FLAGS else v) for k, v in kwargs.items()}
+        kw = {k: True if k in GPU_FLAGS else _rebuild(v) for k, v in kwargs.items()}
         try:
-            compile_for(fn, real, kw)
+            compile_for(fn, [_rebuild(v) for v in args], kw)
         except Exception as exc:  # noqa: BLE001 - reported, with the kernel's name
             failures.append(f"{module}.{name}: {type(exc).__name__}: {str(exc)[-2000:]}")
     return failures
