@@ -317,11 +317,12 @@ def test_launcher_passes_arguments_in_signature_order():
     except Exception as e:  # noqa: BLE001 - another Triton version's internals
         pytest.skip(f"cannot drive Triton's binder offline here: {e}")
     disp, comb, d_args, c_args = _sample_args()
-    for launcher, args in ((K.dispatch_launcher(disp), d_args), (K.combine_launcher(comb), c_args)):
-        binder = create_function_from_signature(launcher.kernel.signature, launcher.kernel.params, backend)
+    for stage, args in ((K.dispatch_launcher(disp), d_args), (K.combine_launcher(comb), c_args)):
+        kernel = stage.launcher.kernel
+        binder = create_function_from_signature(kernel.signature, kernel.params, backend)
         for send, recv in ((True, True), (True, False), (False, True)):
-            bound, _, _ = binder(*args, **launcher.consts, **launcher.options, DO_SEND=send, DO_RECV=recv)
-            assert list(bound.values()) == list(args) + list(launcher.tail(send, recv))
+            bound, _, _ = binder(*args, **stage.kwargs(send, recv))
+            assert list(bound.values()) == list(stage.launcher.arguments(args, stage.kwargs(send, recv)))
 
 
 def test_kernels_compile_for_sm90():

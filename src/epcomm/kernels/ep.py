@@ -37,6 +37,7 @@ from typing import Optional
 import triton
 import triton.language as tl
 
+from .launch import launch
 from .shmem import arrive_last, block_barrier, fence_sys, ld_acquire, st_release, wait_all_ge, wait_until
 from .shmem_codes import CMP_GE, ERR_BARRIER_TIMEOUT, ERR_DONE_TIMEOUT
 
@@ -603,7 +604,7 @@ def launch_layout(topk_idx, num_experts: int, num_ranks: int, per_rank, per_expe
     if n:
         import torch
 
-        layout_kernel[(triton.cdiv(n, 64),)](topk_idx, itr.view(torch.int8), per_rank, per_expert, n, num_experts,
+        launch(layout_kernel, (triton.cdiv(n, 64),), topk_idx, itr.view(torch.int8), per_rank, per_expert, n, num_experts,
                                              num_experts // num_ranks, K=k, R=num_ranks, BLOCK_T=64, BLOCK_K=pow2_block(k))
 
 
@@ -617,7 +618,7 @@ def launch_unpack_records(records, out_scales, out_idx, out_w, out_src, num_scal
     if not m:
         return
     dummy = records
-    dispatch_copyout_kernel[(max(1, min(4096, triton.cdiv(m, 16))),)](
+    launch(dispatch_copyout_kernel, (max(1, min(4096, triton.cdiv(m, 16))),),
         dummy, records, dummy, dummy, 0, dummy, dummy, dummy, dummy,
         out_scales.view(torch.int32) if out_scales is not None else dummy,
         out_idx if out_idx is not None else dummy, out_w if out_w is not None else dummy, out_src, m, m, 0, 1, 0,
@@ -680,14 +681,14 @@ def launch_push(*, x, scales, topk_idx, topk_weights, itr, pos, first, rows, bas
                 BLOCK_S=pow2_block(ns), BLOCK_K=pow2_block(k), HAS_SCALES=ns > 0, HAS_TOPK=k > 0, HAS_W=has_w,
                 SINGLE_ROUND=single_round, VEC=xw % 4 == 0, USE_PTX=use_ptx, num_warps=PUSH_WARPS)
     if receive is None:
-        dispatch_push_kernel[(grid,)](*push_args, rows, bases, area_off, meta_off, hdr_off, arrive_off, epoch, counter,
+        launch(dispatch_push_kernel, (grid,), *push_args, rows, bases, area_off, meta_off, hdr_off, arrive_off, epoch, counter,
                                       t_begin, t_end, cap, rank, world, PUBLISH=publish, **meta)
         return
     if not 1 <= grid <= PROGRESS_SLOTS:
         raise ValueError(f"launch_push: {grid} pushing programs; a streaming dispatch runs 1..{PROGRESS_SLOTS}")
     rv = receive
     out = [t if t is not None else dummy for t in (rv.out_x, rv.out_scales, rv.out_idx, rv.out_w, rv.out_src)]
-    dispatch_kernel[(grid + world * rv.programs,)](
+    launch(dispatch_kernel, (grid + world * rv.programs,),
         *push_args, bases, area_off, meta_off, rv.prog_off, epoch, t_begin, t_end, cap, rank, world, grid,
         rv.programs, rv.area_rows, rv.meta_rows, rv.prog, rv.err, rv.prefix, *out, rv.out_rows, rv.timeout,
         HAS_IDX=rv.out_idx is not None, USE_TIMER=use_ptx, PMAX=PROGRESS_SLOTS,

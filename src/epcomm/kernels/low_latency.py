@@ -35,6 +35,7 @@ import triton.language as tl
 
 from ..fp8 import FP8_AMAX_FLOOR, FP8_MAX_INV
 from .numerics import f32_to_bf16_rne
+from .launch import Launcher
 from .shmem import arrive_last, fence_sys, ld_acquire, st_release, wait_all_ge
 
 # control words (int64) of ``OneSidedLowLatency._ctl``
@@ -406,57 +407,32 @@ def ll_combine_kernel(y_ptr, idx_ptr, w_ptr, out_ptr, hmeta_ptr, bases_ptr, ctl_
 # ---------------------------------------------------------------------------------------------------------
 # Launchers
 # ---------------------------------------------------------------------------------------------------------
-FAST_LAUNCH = True  # False: always go through Triton's argument binding (for debugging)
-
-
-class Launcher:
-    """Launches one kernel with fixed compile-time constants at the least host cost.
-
-    Triton binds and specialises every argument on each launch (tens of microseconds with this many
-    constants). After the first launch of a variant (the halves run, the pointer arguments' dtypes and
-    16-byte alignment, the integers' widths; the grid does not matter), later launches call the compiled kernel directly with the
-    arguments in signature order, exactly what ``JITFunction.run`` passes. Under the interpreter every
-    launch takes the normal path. Integer arguments are declared ``do_not_specialize`` except ``local_base``,
-    which is always a multiple of 256; their width (i32 or i64, chosen by value) is part of the key."""
+class StageLauncher:
+    """``ll_dispatch_kernel`` / ``ll_combine_kernel`` with the transport's fixed constants; each call picks
+    the halves to run (``DO_SEND`` / ``DO_RECV``). Launches go through ``launch.Launcher`` (no argument
+    binding after the first launch of a variant); integer arguments are ``do_not_specialize`` except
+    ``local_base``, which is always a multiple of 256."""
 
     def __init__(self, kernel, consts: dict, options: dict) -> None:
-        self.kernel = kernel
-        self.consts = consts
-        self.options = options
-        self._compiled: dict = {}
-        self._tails: dict = {}
+        self.launcher = Launcher(kernel)
+        self._kwargs = {(s, r): dict(consts, **options, DO_SEND=s, DO_RECV=r) for s in (False, True)
+                        for r in (False, True)}
 
-    def tail(self, send: bool, recv: bool) -> tuple:
-        """The constexpr values in signature order (after the runtime arguments)."""
-        key = (send, recv)
-        t = self._tails.get(key)
-        if t is None:
-            values = dict(self.consts, DO_SEND=send, DO_RECV=recv)
-            t = self._tails[key] = tuple(values[p.name] for p in self.kernel.params if p.is_constexpr)
-        return t
+    def kwargs(self, send: bool, recv: bool) -> dict:
+        """The constexprs and options of a launch running the given halves."""
+        return self._kwargs[(send, recv)]
 
     def __call__(self, grid: int, args: tuple, send: bool, recv: bool) -> None:
-        if not FAST_LAUNCH or type(self.kernel).__name__ == "InterpretedFunction":
-            self.kernel[(grid,)](*args, **self.consts, **self.options, DO_SEND=send, DO_RECV=recv)
-            return
-        # what Triton specialises on: pointer dtypes and 16-byte alignment, int widths (i32 or i64 by value)
-        key = (send, recv) + tuple((a.dtype, a.data_ptr() % 16 == 0) if hasattr(a, "data_ptr") else
-                                   -0x80000000 <= a <= 0x7FFFFFFF for a in args)
-        compiled = self._compiled.get(key)
-        if compiled is None:
-            compiled = self.kernel[(grid,)](*args, **self.consts, **self.options, DO_SEND=send, DO_RECV=recv)
-            self._compiled[key] = compiled
-            return
-        compiled[(grid, 1, 1)](*args, *self.tail(send, recv))
+        self.launcher((grid,), args, self._kwargs[(send, recv)])
 
 
-def dispatch_launcher(consts: dict) -> Launcher:
+def dispatch_launcher(consts: dict) -> StageLauncher:
     """``ll_dispatch_kernel`` with the transport's constants (``num_warps`` among them)."""
     consts = dict(consts)
-    return Launcher(ll_dispatch_kernel, consts, {"num_warps": consts.pop("num_warps", 8)})
+    return StageLauncher(ll_dispatch_kernel, consts, {"num_warps": consts.pop("num_warps", 8)})
 
 
-def combine_launcher(consts: dict) -> Launcher:
+def combine_launcher(consts: dict) -> StageLauncher:
     """``ll_combine_kernel``, compiled without FMA contraction (the reduction must round every product)."""
     consts = dict(consts)
-    return Launcher(ll_combine_kernel, consts, {"num_warps": consts.pop("num_warps", 8), "enable_fp_fusion": False})
+    return StageLauncher(ll_combine_kernel, consts, {"num_warps": consts.pop("num_warps", 8), "enable_fp_fusion": False})

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import launch
 from .numerics import f32_to_bf16_rne
 
 
@@ -113,7 +114,7 @@ def _launch(buf, slot, itr, pos, first, cap, t_begin, t_end, bias, out, w_buf, w
         block = min(8192, triton.next_power_of_2(hidden))
         col_blocks = triton.cdiv(hidden, block)
         grid, warps = (max(1, min(n, programs // col_blocks)), col_blocks), 16 if block >= 4096 else 4
-    _reduce_kernel[grid](
+    launch(_reduce_kernel, grid,
         buf, slot if slot is not None else dummy, itr if itr is not None else dummy,
         pos if pos is not None else dummy, first if first is not None else dummy, cap, t_begin, t_end,
         b0 if b0 is not None else dummy, b1 if b1 is not None else dummy, out,

@@ -58,6 +58,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import cuda as _cuda_ext
 
+from .launch import launch
 from .shmem_codes import (CMP_CODES, CMP_EQ, CMP_GE, CMP_GT, CMP_LE, CMP_LT, CMP_NE, ERR_BARRIER_TIMEOUT,  # noqa: F401
                            ERR_DONE_TIMEOUT, ERR_READY_TIMEOUT, ERR_WAIT_TIMEOUT, ERROR_NAMES, ERROR_WORDS, SIGNAL_ADD,
                            SIGNAL_SET)
@@ -492,7 +493,7 @@ def launch_copy(src_addr: int, dst_addr: int, nbytes: int, device: torch.device,
     programs, block, warps = copy_grid(nbytes, num_sms(device), config)
     aligned = src_addr % 16 == 0 and dst_addr % 16 == 0
     has_signal = signal_op is not None
-    _copy_kernel[(programs,)](
+    launch(_copy_kernel, (programs,),
         src_addr, dst_addr, nbytes, signal_addr, signal_value, counter, BLOCK=block if aligned else min(block, 4096),
         ALIGNED16=aligned, HAS_SIGNAL=has_signal, SIGNAL_OP=signal_op if has_signal else 0,
         num_warps=warps if aligned else 4, **_flags(device))
@@ -500,14 +501,14 @@ def launch_copy(src_addr: int, dst_addr: int, nbytes: int, device: torch.device,
 
 def launch_signal(signal_addr: int, value: int, op: int, device: torch.device) -> None:
     """Release ``value`` into (SIGNAL_SET) or onto (SIGNAL_ADD) the int64 flag at ``signal_addr``."""
-    _signal_kernel[(1,)](signal_addr, value, SIGNAL_OP=op, num_warps=1, **_flags(device))
+    launch(_signal_kernel, (1,), signal_addr, value, SIGNAL_OP=op, num_warps=1, **_flags(device))
 
 
 def launch_wait(signal_addr: int, cmp: int, value: int, timeout_s: float, err: torch.Tensor, rank: int, slot: int,
                 device: torch.device) -> None:
     """Wait on the current stream until the int64 flag at ``signal_addr`` satisfies ``cmp`` against ``value``
     or ``timeout_s`` passes (then ``err``, int64[ERROR_WORDS], records it)."""
-    _wait_kernel[(1,)](signal_addr, cmp, value, timeout_units(timeout_s, device), err, rank, slot, num_warps=1,
+    launch(_wait_kernel, (1,), signal_addr, cmp, value, timeout_units(timeout_s, device), err, rank, slot, num_warps=1,
                        USE_TIMER=device.type == "cuda")
 
 
@@ -515,7 +516,7 @@ def launch_barrier(bases: torch.Tensor, flags_off: int, epoch: torch.Tensor, err
                    world: int, timeout_s: float) -> None:
     """``block_barrier`` as its own one-program kernel (``bases`` int64 [R], ``epoch`` int64 [1])."""
     device = bases.device
-    _barrier_kernel[(1,)](bases, flags_off, epoch, err, rank, world, timeout_units(timeout_s, device),
+    launch(_barrier_kernel, (1,), bases, flags_off, epoch, err, rank, world, timeout_units(timeout_s, device),
                           R_POW2=max(2, triton.next_power_of_2(world)), num_warps=1,
                           USE_TIMER=device.type == "cuda", **_flags(device))
 
@@ -529,7 +530,7 @@ def launch_allgather(bases: torch.Tensor, src_addr: int, out_off: int, shard_byt
     programs, block, warps = copy_grid(shard_bytes, sms, config)
     programs = max(1, min(programs, max(1, config.programs_per_sm * sms // world)))
     aligned = src_addr % 16 == 0 and shard_bytes % 16 == 0 and out_off % 16 == 0
-    _allgather_kernel[(programs, world)](
+    launch(_allgather_kernel, (programs, world),
         bases, src_addr, out_off, shard_bytes, ready_off, done_off, state, err, rank, world,
         timeout_units(timeout_s, device), BLOCK=block if aligned else min(block, 4096), ALIGNED16=aligned,
         R_POW2=max(2, triton.next_power_of_2(world)), num_warps=warps if aligned else 4,

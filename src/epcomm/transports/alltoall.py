@@ -262,6 +262,7 @@ class AllToAllTransport(Transport):
         """Exact-mode dispatch on GPUs: a plan kernel (positions, checks, count table), the count all_to_all,
         a pack kernel, one host synchronisation, then the rows and records all_to_alls."""
         from ..kernels.ep import plan_kernel, pow2_block
+        from ..kernels.launch import launch
 
         num_ranks, e_local = self.num_ranks, req.num_experts // self.num_ranks
         x, dev, itr = req.x, req.x.device, req.is_token_in_rank
@@ -274,7 +275,7 @@ class AllToAllTransport(Transport):
         ctl = (torch.empty if has_experts else torch.zeros)(4 + 2 * tw, dtype=torch.int32, device=dev)
         checks, table, recv_table = ctl[:4], ctl[4:4 + tw].view(num_ranks, -1), ctl[4 + tw:].view(num_ranks, -1)
         first = torch.empty(num_ranks, dtype=torch.int32, device=dev)
-        plan_kernel[(1,)](req.num_tokens_per_rank, req.num_tokens_per_expert if has_experts else checks,
+        launch(plan_kernel, (1,), req.num_tokens_per_rank, req.num_tokens_per_expert if has_experts else checks,
                           itr.view(torch.int8), req.topk_idx if k else checks, pos, table, first, checks, self._errors,
                           n, req.num_experts, E_LOCAL=e_local, K=max(k, 1), R=num_ranks,
                           R_POW2=max(2, 1 << (num_ranks - 1).bit_length()), HAS_EXPERTS=has_experts, HAS_TOPK=k > 0,

@@ -205,6 +205,7 @@ class NVLinkTransport(Transport):
     # ------------------------------------------------------------------ normal mode
     def dispatch(self, req: DispatchRequest) -> DispatchResult:
         from ..kernels.ep import SUMMARY_HEAD, exchange_kernel, pow2_block
+        from ..kernels.launch import launch
 
         fn = "Buffer.dispatch"
         if req.handle is not None:
@@ -220,7 +221,7 @@ class NVLinkTransport(Transport):
         has_experts = req.num_tokens_per_expert is not None
         pos = torch.empty(n, num_ranks, dtype=torch.int32, device=dev)
         summary = torch.empty(SUMMARY_HEAD + 3 * num_ranks + max(e_local, 1), dtype=torch.int32, device=dev)
-        exchange_kernel[(1,)](
+        launch(exchange_kernel, (1,),
             req.num_tokens_per_rank, req.num_tokens_per_expert if has_experts else summary, itr.view(torch.int8),
             req.topk_idx if k else summary, pos, summary, self.mat, self.heap.peer_bases, self._off(self.mat),
             self._off(self.flags), self.epoch, self.err, n, req.num_experts, rank, num_ranks, self._timeout(),
@@ -280,6 +281,7 @@ class NVLinkTransport(Transport):
     def _run_dispatch(self, req: DispatchRequest, itr, state: _NVLinkState, outs, num_recv: int, worst: int) -> None:
         from ..kernels.ep import (PROGRESS_SLOTS, ReceiveSide, dispatch_copyout_kernel, launch_push, pow2_block,
                                   record_words)
+        from ..kernels.launch import launch
 
         num_ranks, rank, dev = self.num_ranks, self.rank, self.device
         x, scales = req.x, req.x_scales
@@ -331,7 +333,7 @@ class NVLinkTransport(Transport):
                         use_ptx=self.device.type == "cuda", single_round=single, publish=True, dummy=dummy,
                         receive=receive)
             if strict:
-                dispatch_copyout_kernel[(copy_grid,)](
+                launch(dispatch_copyout_kernel, (copy_grid,),
                     area_rows, meta_rows, self.hdr, self.heap.peer_bases, self._off(self.arrive), self.epoch, self.err,
                     state.recv_prefix, out_x if out_x is not None else dummy,
                     out_scales if out_scales is not None else dummy,
@@ -354,6 +356,7 @@ class NVLinkTransport(Transport):
 
     def combine(self, req: CombineRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         from ..kernels.ep import PUSH_WARPS, chunk_block, combine_push_kernel, pow2_block, wait_arrivals_kernel
+        from ..kernels.launch import launch
         from ..kernels.reduce import OwnRows, reduce_from_layout
 
         h: DispatchHandle = req.handle
@@ -399,12 +402,12 @@ class NVLinkTransport(Transport):
                 before = torch.zeros(num_ranks, dtype=torch.int64, device=dev)
                 before.index_add_(0, src_safe, (valid & (src_tok < lo_t)).long())
                 dst_row = torch.where(in_rng, rank * cap + k_in_src - before[src_safe], -1)
-            combine_push_kernel[(grid,)](
+            launch(combine_push_kernel, (grid,),
                 x_words, w_in, recv_src, st.recv_prefix, dst_row, self.heap.peer_bases, area_off, area_off + w_rel,
                 self._off(self.arrive), self.epoch, self.counters[1:], m, cap, rank, num_ranks, XW=xw, K=max(k, 1),
                 R_POW2=self.r_pow2, TOK=tok, BLOCK=chunk_block(xw, tok), BLOCK_K=pow2_block(k), HAS_W=k > 0,
                 SINGLE_ROUND=single, VEC=xw % 4 == 0, num_warps=PUSH_WARPS, **self.flags_kw)
-            wait_arrivals_kernel[(1,)](self.heap.peer_bases, self._off(self.arrive), self.epoch, self.err, rank,
+            launch(wait_arrivals_kernel, (1,), self.heap.peer_bases, self._off(self.arrive), self.epoch, self.err, rank,
                                        num_ranks, self._timeout(), R_POW2=self.r_pow2, **self.timer_kw)
             if hi > lo:
                 first = None if single else cum[lo].to(torch.int32)

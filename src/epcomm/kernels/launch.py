@@ -1,0 +1,120 @@
+"""Kernel launches at the least host cost (shared by every launcher in ``epcomm.kernels``).
+
+Each launch through Triton binds the arguments, works out what to specialise on and looks the compiled
+kernel up: about 10-40 us of host time per launch on the GPU machines, more than a small put or a decode
+step's kernel takes on the device. A ``Launcher`` does that once per *variant* and then calls the compiled
+kernel directly, with the arguments in signature order, exactly what ``JITFunction.run`` would pass.
+
+A variant is everything Triton's compiled-kernel cache depends on (Triton 3.x):
+
+* the current device (a compiled kernel is loaded per device);
+* the constexpr values and the launch options (``num_warps``, ``enable_fp_fusion``, ...);
+* per runtime argument: a tensor's dtype and whether its address is a multiple of 16; an integer's width
+  (i32, i64 or u64 by value), and unless the parameter is ``do_not_specialize``, whether it equals 1 (Triton
+  turns a 1 into a constant) and whether it is a multiple of 16; a bool or a float by its type.
+
+``tests/test_launch.py`` checks this key against Triton's own specialisation. Under the interpreter (and with
+``FAST_LAUNCH = False``) every launch takes Triton's normal path.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+FAST_LAUNCH = True  # False: always go through Triton's argument binding (for debugging)
+
+_I32 = (-(1 << 31), (1 << 31) - 1)
+_I64_MAX = (1 << 63) - 1
+
+
+def arg_key(value: Any, specialize: bool = True):
+    """What Triton specialises a runtime argument ``value`` on, as a hashable key."""
+    if hasattr(value, "data_ptr"):
+        return value.dtype, value.data_ptr() % 16 == 0
+    if isinstance(value, bool):
+        return bool
+    if isinstance(value, int):
+        width = 32 if _I32[0] <= value <= _I32[1] else 64 if value <= _I64_MAX else 65
+        if not specialize:
+            return width
+        return width, value == 1, value % 16 == 0
+    if isinstance(value, float):
+        return float
+    return type(value), value  # None and other constants: by value
+
+
+class Launcher:
+    """Launches one ``@triton.jit`` kernel, caching its compiled variants (see the module docstring).
+
+    ``launcher(grid, args, kwargs)``: ``grid`` a tuple of 1-3 ints, ``args`` the runtime arguments in
+    signature order (every constexpr parameter must come after them), ``kwargs`` the constexpr values by
+    name plus launch options; the same as ``kernel[grid](*args, **kwargs)``."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+        self._compiled: dict = {}
+        self._layout = None  # (specialize flag per runtime parameter, (name, default) per constexpr)
+
+    def _fast(self) -> bool:
+        return FAST_LAUNCH and type(self.kernel).__name__ != "InterpretedFunction"
+
+    def _check_keywords(self, kwargs: dict) -> None:
+        params = inspect.signature(self.kernel.fn).parameters.values()
+        runtime = [p.name for p in params if "constexpr" not in str(p.annotation) and p.name in kwargs]
+        if runtime:
+            raise TypeError(f"Launcher: pass {self.kernel.fn.__name__}'s runtime arguments {runtime} by position "
+                            "(only constexprs and launch options by keyword)")
+
+    def _params(self):
+        if self._layout is None:
+            params = self.kernel.params
+            runtime = [p for p in params if not p.is_constexpr]
+            consts = [(p.name, p.default) for p in params if p.is_constexpr]
+            if any(p.is_constexpr for p in params[:len(runtime)]):
+                raise TypeError(f"Launcher: {self.kernel.fn.__name__} has a constexpr before a runtime parameter; "
+                                "the fast path needs every constexpr last")
+            if any(p.do_not_specialize_on_alignment for p in runtime):
+                raise TypeError(f"Launcher: {self.kernel.fn.__name__} uses do_not_specialize_on_alignment, "
+                                "which this launcher does not model")
+            self._layout = (tuple(not p.do_not_specialize for p in runtime), tuple(consts))
+        return self._layout
+
+    def arguments(self, args: tuple, kwargs: dict) -> tuple:
+        """What the fast path hands the compiled kernel: ``args``, then every constexpr's value (its default
+        when not in ``kwargs``) in signature order."""
+        return tuple(args) + tuple(kwargs.get(name, default) for name, default in self._params()[1])
+
+    def __call__(self, grid: tuple, args: tuple, kwargs: dict) -> None:
+        if not self._fast():
+            self._check_keywords(kwargs)
+            self.kernel[grid](*args, **kwargs)
+            return
+        specialize = self._params()[0]
+        key = (torch.cuda.current_device(), tuple(kwargs.items()),
+               tuple(arg_key(a, s) for a, s in zip(args, specialize)))
+        entry = self._compiled.get(key)
+        if entry is None:  # first launch of this variant: Triton binds, compiles (or loads) and launches
+            self._check_keywords(kwargs)
+            if len(args) != len(specialize):
+                raise TypeError(f"Launcher: {self.kernel.fn.__name__} takes {len(specialize)} runtime arguments, "
+                                f"got {len(args)}")
+            compiled = self.kernel[grid](*args, **kwargs)
+            self._compiled[key] = (compiled, self.arguments((), kwargs))
+            return
+        compiled, tail = entry
+        compiled[grid + (1,) * (3 - len(grid))](*args, *tail)
+
+
+_LAUNCHERS: dict = {}
+
+
+def launch(kernel, grid: tuple, *args, **kwargs) -> None:
+    """``kernel[grid](*args, **kwargs)`` through the kernel's ``Launcher`` (runtime arguments positional,
+    constexprs and options by keyword)."""
+    launcher = _LAUNCHERS.get(kernel)
+    if launcher is None:
+        launcher = _LAUNCHERS[kernel] = Launcher(kernel)
+    launcher(grid, args, kwargs)

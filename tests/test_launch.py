@@ -1,0 +1,106 @@
+"""The cached kernel launcher (`epcomm.kernels.launch`): its variant key separates exactly what Triton
+specialises on, and it reuses a compiled kernel only for a launch of the same variant. CPU only: Triton's
+argument binder runs without a GPU; the compiled kernel is a stand-in that records its launches."""
+
+import itertools
+
+import pytest
+
+triton = pytest.importorskip("triton")
+import torch  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from epcomm.kernels import launch as L  # noqa: E402
+
+
+@triton.jit(do_not_specialize=["b"])
+def _probe(p, a, b, C: tl.constexpr, D: tl.constexpr = 3):
+    pass
+
+
+def _triton_specialization(args):
+    """Triton's own specialisation of ``_probe``'s runtime arguments (the binder a launch uses)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    binder = create_function_from_signature(_probe.signature, _probe.params, make_backend(GPUTarget("cuda", 90, 32)))
+    _, spec, _ = binder(*args, C=1)
+    return tuple(spec[:3])
+
+
+INTS = [0, 1, 2, 15, 16, 17, 48, -1, -16, -17, 2**31 - 1, 2**31, 2**31 + 16, -2**31, -2**31 - 1, 2**40 + 3,
+        2**63 - 16, 2**63, 2**64 - 16]
+
+
+def _tensors():
+    base = torch.zeros(64, dtype=torch.float32)
+    return [base, base[1:], base[4:], base.view(torch.int8)[16:], base.view(torch.int8)[3:],
+            torch.zeros(8, dtype=torch.bfloat16), torch.zeros(8, dtype=torch.int64)]
+
+
+@pytest.mark.parametrize("position", ["pointer", "int", "int_do_not_specialize"])
+def test_key_separates_what_triton_specialises(position):
+    """Two values share a key exactly when Triton specialises them the same way (no stale compiled kernel
+    is reused, and no needless recompilation)."""
+    values = _tensors() if position == "pointer" else INTS
+    index, specialize = {"pointer": (0, True), "int": (1, True), "int_do_not_specialize": (2, False)}[position]
+    default = [torch.zeros(4), 5, 7]
+    seen = []
+    for v in values:
+        args = list(default)
+        args[index] = v
+        seen.append((L.arg_key(v, specialize), _triton_specialization(args)[index]))
+    for (k1, s1), (k2, s2) in itertools.combinations(seen, 2):
+        assert (k1 == k2) == (s1 == s2), (k1, s1, k2, s2)
+
+
+class _Compiled:
+    def __init__(self, log, variant):
+        self.log, self.variant = log, variant
+
+    def __getitem__(self, grid):
+        return lambda *args: self.log.append(("fast", self.variant, grid, args))
+
+
+class _Kernel:
+    """Stands in for a JITFunction: ``kernel[grid](...)`` records a slow launch and returns a compiled kernel."""
+
+    def __init__(self):
+        self.params, self.fn, self.log = _probe.params, _probe.fn, []
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.log.append(("slow", grid, args, kwargs))
+            return _Compiled(self.log, len(self.log))
+        return run
+
+
+def test_launcher_reuses_a_variant_and_recompiles_on_a_new_one(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    kernel = _Kernel()
+    launcher = L.Launcher(kernel)
+    t = torch.zeros(16)
+    launcher((4,), (t, 32, 5), {"C": 2, "num_warps": 4})
+    launcher((8, 2), (t, 64, 9), {"C": 2, "num_warps": 4})  # same variant: 64 is a multiple of 16 too
+    assert [e[0] for e in kernel.log] == ["slow", "fast"]
+    # the compiled kernel gets every argument in signature order, constexprs (and D's default) last
+    assert kernel.log[1] == ("fast", 1, (8, 2, 1), (t, 64, 9, 2, 3))
+    launcher((4,), (t, 33, 5), {"C": 2, "num_warps": 4})  # 33: not a multiple of 16
+    launcher((4,), (t, 1, 5), {"C": 2, "num_warps": 4})  # 1: a constant for Triton
+    launcher((4,), (t[1:], 32, 5), {"C": 2, "num_warps": 4})  # not 16-byte aligned
+    launcher((4,), (t, 32, 5), {"C": 2, "num_warps": 8})  # another option
+    launcher((4,), (t, 32, 2**40), {"C": 2, "num_warps": 4})  # a 64-bit integer
+    assert [e[0] for e in kernel.log] == ["slow", "fast"] + ["slow"] * 5
+    launcher((4,), (t, 48, 6), {"C": 2, "num_warps": 4})
+    assert kernel.log[-1][:2] == ("fast", 1)
+
+
+def test_launcher_refuses_runtime_arguments_by_keyword(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    launcher = L.Launcher(_Kernel())
+    with pytest.raises(TypeError, match=r"Launcher: pass _probe's runtime arguments \['b'\] by position"):
+        launcher((1,), (torch.zeros(4), 16), {"b": 3, "C": 1})
+    monkeypatch.setattr(L, "FAST_LAUNCH", False)  # the checked path is the same without the cache
+    with pytest.raises(TypeError, match="by position"):
+        launcher((1,), (torch.zeros(4), 16), {"b": 3, "C": 1})
