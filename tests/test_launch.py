@@ -58,9 +58,12 @@ def test_key_separates_what_triton_specialises(position):
 class _Compiled:
     def __init__(self, log, variant):
         self.log, self.variant = log, variant
+        self.function, self.packed_metadata = f"function{variant}", "packed"
 
-    def __getitem__(self, grid):
-        return lambda *args: self.log.append(("fast", self.variant, grid, args))
+    def run(self, g0, g1, g2, stream, function, packed, metadata, enter_hook, exit_hook, *args):
+        assert (stream, function, packed, metadata, enter_hook, exit_hook) == (
+            "stream0", f"function{self.variant}", "packed", None, None, None)
+        self.log.append(("fast", self.variant, (g0, g1, g2), args))
 
 
 class _Kernel:
@@ -76,8 +79,13 @@ class _Kernel:
         return run
 
 
+def _no_gpu(monkeypatch):
+    monkeypatch.setattr(L, "_current_device", lambda: 0)
+    monkeypatch.setattr(L, "_current_stream", lambda device: f"stream{device}")
+
+
 def test_launcher_reuses_a_variant_and_recompiles_on_a_new_one(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    _no_gpu(monkeypatch)
     kernel = _Kernel()
     launcher = L.Launcher(kernel)
     t = torch.zeros(16)
@@ -97,10 +105,29 @@ def test_launcher_reuses_a_variant_and_recompiles_on_a_new_one(monkeypatch):
 
 
 def test_launcher_refuses_runtime_arguments_by_keyword(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    _no_gpu(monkeypatch)
     launcher = L.Launcher(_Kernel())
     with pytest.raises(TypeError, match=r"Launcher: pass _probe's runtime arguments \['b'\] by position"):
         launcher((1,), (torch.zeros(4), 16), {"b": 3, "C": 1})
     monkeypatch.setattr(L, "FAST_LAUNCH", False)  # the checked path is the same without the cache
     with pytest.raises(TypeError, match="by position"):
         launcher((1,), (torch.zeros(4), 16), {"b": 3, "C": 1})
+
+
+def test_launch_hooks_take_tritons_path(monkeypatch):
+    """When a profiler sets Triton's launch hooks, launches go through the compiled kernel's own runner."""
+    from triton import knobs
+
+    _no_gpu(monkeypatch)
+    kernel = _Kernel()
+    launcher = L.Launcher(kernel)
+    t = torch.zeros(16)
+    launcher((4,), (t, 32, 5), {"C": 2})
+    calls = []
+    monkeypatch.setattr(_Compiled, "__getitem__", lambda self, grid: lambda *args: calls.append((grid, args)),
+                        raising=False)
+    hook = knobs.HookChain()
+    hook.add(lambda metadata: None)
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", hook)
+    launcher((4,), (t, 32, 5), {"C": 2})
+    assert calls == [((4, 1, 1), (t, 32, 5, 2, 3))] and len(kernel.log) == 1

@@ -77,11 +77,14 @@ def _variants():
          ("ld.global.v4", "st.global.v4", "st.release.sys", "ld.global.sys.acquire", "%globaltimer")),
         ("allgather bytes", K._allgather_kernel, (bases, a + 3, 16384, 1001, 256, 512, state, err, 2, 3, 1),
          dict(BLOCK=4096, ALIGNED16=False, R_POW2=4, num_warps=4, **timer), ()),
+        ("allgather lines", K._allgather_lines_kernel, (bases, a, a + 65536, 4000, 1024, 1000, state, err, 1, 4, 10 ** 10),
+         dict(BLOCK=512, VEC=True, num_warps=4, USE_TIMER=True),
+         ("ld.volatile.global.v2.b64", "%globaltimer", "st.global.v2.b64", "ld.global.v4.b32")),
     ]
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="kernels are interpreted in this process")
-@pytest.mark.parametrize("case", range(10))
+@pytest.mark.parametrize("case", range(11))
 def test_kernels_compile_for_sm90(case):
     from epcomm.testing.compile_check import offline_compiler
 
@@ -187,6 +190,33 @@ def _unit() -> dict:
               f"one-rank all-gather call {it}: state {state.tolist()} err {err.tolist()}")
         check(int(heap[256:264].view(torch.int64)[0]) == it and int(heap[512:520].view(torch.int64)[0]) == it,
               f"all-gather ready/done flags after call {it}")
+    # line all-gather, rank 0 of 2 simulated in one process: rank 1's lines of call 1 are already in rank 0's
+    # staging (slot 1, row 1); rank 0's own lines must land in rank 1's staging and every word in the output
+    words, slot_words = 300, 320
+    heaps = [torch.zeros(8192, dtype=torch.int64) for _ in range(2)]
+    bases2 = torch.tensor([h.data_ptr() for h in heaps], dtype=torch.int64)
+    stage_off, out = 512 * 8, torch.full((2, words), -7, dtype=torch.int32)
+    state.zero_()
+    shards = [torch.randint(-2**31, 2**31, (words,), dtype=torch.int32) for _ in range(2)]
+
+    def stage(h, slot, row):
+        first = 512 + (slot * 2 + row) * slot_words
+        return heaps[h][first:first + words]
+
+    stage(0, 1, 1).copy_((1 << 32) | (shards[1].to(torch.int64) & 0xFFFFFFFF))
+    K.launch_allgather_lines(bases2, shards[0].data_ptr(), out.data_ptr(), 4 * words, stage_off, slot_words, state,
+                             err, 0, 2, 5.0, 4)
+    check(int(err[0]) == 0 and state.tolist() == [1, 0], f"line all-gather: err {err.tolist()} state {state.tolist()}")
+    check(torch.equal(out[0], shards[0]) and torch.equal(out[1], shards[1]), "line all-gather output")
+    check(torch.equal(stage(1, 1, 0), (1 << 32) | (shards[0].to(torch.int64) & 0xFFFFFFFF)),
+          "line all-gather: rank 0's lines in rank 1's staging")
+    # call 2 (slot 0): rank 1's lines never come, one of them is stale: a timeout naming rank 1, no hang
+    stage(0, 0, 1).copy_((2 << 32) | 5)
+    stage(0, 0, 1)[words - 1] = (0 << 32) | 5
+    K.launch_allgather_lines(bases2, shards[0].data_ptr(), out.data_ptr(), 4 * words, stage_off, slot_words, state,
+                             err, 0, 2, 0.02, 4)
+    check(err.tolist()[:6] == [K.ERR_DONE_TIMEOUT, 0, 1, -1, 2, 0], f"line all-gather timeout record {err.tolist()}")
+    err.zero_()
     return {"failures": failures, "checked": checked, "interpreted": K.interpreted()}
 
 

@@ -38,8 +38,9 @@ def _one_of_each(ctx, large: bool) -> dict:
                "typed": checks.check_typed(ctx),
                "signals": checks.check_signals(ctx, rounds=5, nbytes=1 << 20),
                "barrier": checks.check_barrier(ctx, rounds=6),
-               "allgather": checks.check_allgather(ctx, shard_bytes=(16, 1000, 4096, 1 << 20, (1 << 20) + 16,
-                                                                     16 << 20), rounds=3, graph=True),
+               "allgather": checks.check_allgather(ctx, shard_bytes=(16, 1000, 1001, 4096, 1 << 18, 1 << 20,
+                                                                     (1 << 20) + 16, 16 << 20), rounds=3, graph=True,
+                                                         small_shard_bytes=1 << 18),
                "graph": checks.check_graph_put_barrier(ctx, nbytes=1 << 20, replays=5)}
     return results
 

@@ -15,8 +15,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .p2p import bench_parser, fill, finish_worker, format_size, run_bench, tune_copy
-from .timing import time_graph, time_op
+from .p2p import TIMING_NOTE, bench_parser, fill, finish_worker, format_size, measure, run_bench, tune_copy
 
 log = logging.getLogger(__name__)
 # all_gather_into_tensor was renamed all_gather_single (torch 2.13); the GPU machines have an older torch
@@ -51,25 +50,31 @@ def _worker(ctx, sizes: list, iters: int, warmup: int, tune: bool, graph: bool) 
     rows = []
     for size, n in zip(sizes, shards):
         s, o = src[:n], out[:world * n]
-        methods = {base: lambda s=s, o=o: _all_gather(o, s, group=ctx.group),
-                   "epcomm": lambda s=s: ag(s)}
-        timings = {name: time_op(fn, ctx.group, dev, iters=iters, warmup=warmup) for name, fn in methods.items()}
-        if graph and cuda:
-            try:
-                timings["epcomm_graph"] = time_graph(methods["epcomm"], ctx.group, dev, iters=iters, warmup=warmup)
-            except Exception as e:  # noqa: BLE001 - report, keep benchmarking
-                log.warning("bench allgather: capture failed at %d bytes: %s", n, e)
+
+        def epcomm(s=s, protocol="auto"):
+            ag.protocol = protocol
+            return ag(s)
+
+        methods = {base: lambda s=s, o=o: _all_gather(o, s, group=ctx.group), "epcomm": epcomm}
+        if n <= ag.small_shard_bytes:  # the small-shard protocol was used: also time the direct one
+            methods["epcomm_direct"] = lambda s=s: epcomm(s, "direct")
+        timings = measure(ctx, methods, [m for m in methods if m != base], iters, warmup, graph)
         total = world * n
-        row = {"size": format_size(total), "bytes": total, "shard_bytes": n}
+        row = {"size": format_size(total), "bytes": total, "shard_bytes": n,
+               "protocol": "lines" if n <= ag.small_shard_bytes and n % 4 == 0 else "direct"}
         for name, t in timings.items():
             row[f"{name}_us"] = t.median_us
         for name, t in timings.items():
-            row[f"{name}_GBps"] = t.gbps(total)
-            row[f"{name}_busGBps"] = t.gbps(total * (world - 1) / world)
+            if not name.endswith(("_iso", "_host")):
+                row[f"{name}_GBps"] = t.gbps(total)
+                row[f"{name}_busGBps"] = t.gbps(total * (world - 1) / world)
         row["epcomm_vs_" + base] = timings[base].median_us / timings["epcomm"].median_us
-        got = ag(s)
-        heap.check_errors()
-        row["ok"] = all(torch.equal(got[p], fill(n, p, dev)) for p in range(world))
+        ok = True
+        for protocol in ("auto", "direct"):
+            got = epcomm(s, protocol)
+            heap.check_errors()
+            ok = ok and all(torch.equal(got[p], fill(n, p, dev)) for p in range(world))
+        row["ok"] = ok
         rows.append(row)
         log.info("bench allgather: %s", row)
     return finish_worker(heap, rank, rows, notes, base)
@@ -79,9 +84,11 @@ def main(argv: Optional[list] = None) -> int:
     args = bench_parser("python -m epcomm bench allgather", __doc__, "allgather",
                         "gathered bytes per rank").parse_args(argv)
     notes = [f"{args.world_size} ranks; size = gathered bytes per rank (each rank contributes size/R, rounded down "
-             f"to a multiple of 16). Median of the per-iteration max over ranks, {args.iters} iterations after "
-             f"{args.warmup} warm-up. `epcomm_vs_{{base}}` = {{base}} time / epcomm time. `ok`: the gathered data "
-             "was checked.",
+             f"to a multiple of 16); {args.iters} iterations after {args.warmup} warm-up. `epcomm` uses the protocol "
+             "in `protocol` (`lines`: data and flag in one 8-byte line, for small shards; `direct`: puts into the "
+             "peers' outputs after a ready flag, then done flags); `epcomm_direct` forces the direct protocol where "
+             "`lines` applies. `epcomm_vs_{base}` = {base} time / epcomm time (device time in a stream). `ok`: the "
+             "gathered data was checked (both protocols).", TIMING_NOTE,
              "Target (H200 NVLink): epcomm beats NCCL at sizes <= 1 MiB."]
     return run_bench(args, _worker, "allgather", "epcomm bench allgather: one-sided all-gather", notes,
-                     lambda base: [base, "epcomm", "epcomm_graph"])
+                     lambda base: [base, "epcomm", "epcomm_graph", "epcomm_direct"])

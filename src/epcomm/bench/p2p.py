@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from ..testing import run
 from .report import write_results
-from .timing import time_graph, time_op
+from .timing import time_graph, time_host, time_op, time_stream
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +117,35 @@ def tune_copy(ctx, fn_for_config, nbytes: int, iters: int = 5) -> tuple:
     return best
 
 
+TIMING_NOTE = ("Columns per method: `_us` = device time per call in a stream of calls (the host enqueues ahead, "
+               "each call bracketed by its own CUDA events, L2 flushed between calls; DeepEP's method), "
+               "`_graph_us` = the same for CUDA-graph replays, `_iso_us` = an isolated call after a device barrier "
+               "(includes host time the device waits for), `_host_us` = host time to issue one call. Each: median "
+               "over iterations of the max over ranks. GB/s from `_us` and `_graph_us`.")
+
+
+def measure(ctx, methods: dict, graph_names: Sequence[str], iters: int, warmup: int, graph: bool) -> dict:
+    """Every timing of every method (``name -> fn``): ``name`` (stream), ``name_iso``, ``name_host`` and, on
+    GPUs for ``graph_names``, ``name_graph`` (stream of replays); CPUs: ``name`` is the isolated time."""
+    dev = ctx.device
+    out = {}
+    for name, fn in methods.items():
+        if dev.type != "cuda":
+            out[name] = time_op(fn, ctx.group, dev, iters=iters, warmup=warmup)
+            continue
+        out[name] = time_stream(fn, ctx.group, dev, iters=iters, warmup=warmup)
+        out[f"{name}_iso"] = time_op(fn, ctx.group, dev, iters=iters, warmup=warmup)
+        out[f"{name}_host"] = time_host(fn, ctx.group, dev, iters=iters, warmup=warmup)
+    if graph and dev.type == "cuda":
+        for name in graph_names:
+            try:
+                out[f"{name}_graph"] = time_graph(methods[name], ctx.group, dev, iters=iters, warmup=warmup,
+                                                  stream=True)
+            except Exception as e:  # noqa: BLE001 - report, keep benchmarking
+                log.warning("bench: %s in a CUDA graph failed: %s", name, e)
+    return out
+
+
 def _worker(ctx, sizes: list, iters: int, warmup: int, tune: bool, graph: bool) -> Optional[dict]:
     from ..shmem import SymmetricHeap, heap_bytes_for
 
@@ -155,17 +184,12 @@ def _worker(ctx, sizes: list, iters: int, warmup: int, tune: bool, graph: bool) 
                    "put": lambda s=s, box=box: heap.put(box, s, partner, config=put_cfg),
                    "get": lambda d=d, box=box: heap.get(d, box, partner, config=get_cfg)}
         row = {"size": format_size(n), "bytes": n}
-        timings = {name: time_op(fn, ctx.group, dev, iters=iters, warmup=warmup) for name, fn in methods.items()}
-        if graph and cuda:
-            for name in ("ce", "put", "get"):
-                try:
-                    timings[f"{name}_graph"] = time_graph(methods[name], ctx.group, dev, iters=iters, warmup=warmup)
-                except Exception as e:  # noqa: BLE001 - report, keep benchmarking
-                    log.warning("bench p2p: %s in a CUDA graph failed at %d bytes: %s", name, n, e)
+        timings = measure(ctx, methods, ("ce", "put", "get"), iters, warmup, graph)
         for name, t in timings.items():
             row[f"{name}_us"] = t.median_us
         for name, t in timings.items():
-            row[f"{name}_GBps"] = t.gbps(n)
+            if not name.endswith(("_iso", "_host")):
+                row[f"{name}_GBps"] = t.gbps(n)
         row["put_vs_" + base] = row["put_GBps"] / row[f"{base}_GBps"]
         row["put_vs_ce"] = row["put_GBps"] / row["ce_GBps"]
         # the data really arrived: after a barrier the partner's bytes are in this rank's inbox
@@ -228,10 +252,9 @@ def run_bench(args, worker, name: str, title: str, notes: list, methods_of) -> i
 
 def main(argv: Optional[list] = None) -> int:
     args = bench_parser("python -m epcomm bench p2p", __doc__, "p2p", "bytes per direction").parse_args(argv)
-    notes = [f"Pairs 0<->1, 2<->3, ... both directions at once; {args.world_size} ranks. GB/s = bytes per "
-             f"direction / median of the per-iteration max over ranks ({args.iters} iterations after {args.warmup} "
-             "warm-up, L2 flushed before each). `*_graph`: CUDA-graph replays. `ok`: the data put and got was "
-             "checked.",
+    notes = [f"Pairs 0<->1, 2<->3, ... both directions at once; {args.world_size} ranks; {args.iters} iterations "
+             f"after {args.warmup} warm-up. GB/s = bytes per direction / time. `ok`: the data put and got was "
+             "checked.", TIMING_NOTE,
              "Targets (H200 NVLink): put >= NCCL at every size, >= 1.5x NCCL for 16 KiB..1 MiB, within 10% of the "
              "copy engine at >= 64 MiB."]
     return run_bench(args, _worker, "p2p", "epcomm bench p2p: one-sided put/get", notes,

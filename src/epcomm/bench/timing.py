@@ -1,6 +1,6 @@
 """Timing shared by every benchmark: events after warm-up, per-iteration max across ranks, median.
 
-Two ways to time a call, both with CUDA events on the current stream after warm-up, the per-rank times
+Two ways to time a call on the device, both with CUDA events on the current stream after warm-up, the per-rank times
 all-gathered once at the end, each iteration's time the slowest rank's, the statistic the median over
 iterations:
 
@@ -12,7 +12,10 @@ iterations:
   between them when asked) and each call is bracketed by its own events. The host is ahead of the device,
   so this measures what the device spends per call: the kernels, the waits for peers and the gaps between
   launches, not the host work. It needs calls without host synchronisation (cached handles,
-  ``num_worst_tokens``, low-latency calls)."""
+  ``num_worst_tokens``, low-latency calls).
+
+``time_host`` measures the other side: how long the host takes to issue one call.
+"""
 
 from __future__ import annotations
 
@@ -134,6 +137,27 @@ def time_stream(fn: Union[Callable[[], object], Sequence[Callable[[], object]]],
     return timings if isinstance(fn, (tuple, list)) else timings[0]
 
 
+def time_host(fn: Callable[[], object], group, device: torch.device, iters: int = 20, warmup: int = 3) -> Timing:
+    """Host time of one call: microseconds until ``fn()`` returns, with the device idle before each call
+    (what a call costs the CPU, whatever the device then does); per-iteration max across ranks, median."""
+    for _ in range(warmup):
+        fn()
+    cuda = device.type == "cuda"
+    times = []
+    for _ in range(iters):
+        if cuda:
+            torch.cuda.synchronize(device)
+        _barrier(group, device)
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    if cuda:
+        torch.cuda.synchronize(device)
+    return _gather(times, group, device)
+
+
 def _gather(times: list, group, device: torch.device) -> Timing:
     """All-gather the per-rank times; each iteration's is the slowest rank's; median, min, max."""
     cuda = device.type == "cuda"
@@ -159,7 +183,11 @@ def capture_graph(fn: Callable[[], object], warmup: int = 1) -> tuple:
     return graph, out
 
 
-def time_graph(fn: Callable[[], object], group, device: torch.device, iters: int = 50, warmup: int = 3) -> Timing:
-    """Capture ``fn()`` in a CUDA graph once and time its replays like ``time_op``."""
+def time_graph(fn: Callable[[], object], group, device: torch.device, iters: int = 50, warmup: int = 3,
+               stream: bool = False) -> Timing:
+    """Capture ``fn()`` in a CUDA graph once and time its replays like ``time_op`` (``stream``: like
+    ``time_stream``)."""
     graph, _ = capture_graph(fn, warmup)
+    if stream:
+        return time_stream(graph.replay, group, device, iters=iters, warmup=warmup)
     return time_op(graph.replay, group, device, iters=iters, warmup=warmup)

@@ -3,7 +3,8 @@
 Each launch through Triton binds the arguments, works out what to specialise on and looks the compiled
 kernel up: about 10-40 us of host time per launch on the GPU machines, more than a small put or a decode
 step's kernel takes on the device. A ``Launcher`` does that once per *variant* and then calls the compiled
-kernel directly, with the arguments in signature order, exactly what ``JITFunction.run`` would pass.
+kernel's launch function directly, with the arguments in signature order, exactly what ``JITFunction.run``
+would pass (Triton's launch hooks, when a profiler sets them, still run).
 
 A variant is everything Triton's compiled-kernel cache depends on (Triton 3.x):
 
@@ -23,6 +24,7 @@ import inspect
 from typing import Any
 
 import torch
+from triton import knobs as _knobs
 
 FAST_LAUNCH = True  # False: always go through Triton's argument binding (for debugging)
 
@@ -58,10 +60,12 @@ class Launcher:
         self._compiled: dict = {}
         self._layout = None  # (specialize flag per runtime parameter, (name, default) per constexpr)
 
-    def _fast(self) -> bool:
-        return FAST_LAUNCH and type(self.kernel).__name__ != "InterpretedFunction"
+    def _fast(self) -> bool:  # a JITFunction (the interpreter's kernels and test stand-ins have no params)
+        return FAST_LAUNCH and hasattr(self.kernel, "params")
 
     def _check_keywords(self, kwargs: dict) -> None:
+        if not hasattr(self.kernel, "fn"):
+            return
         params = inspect.signature(self.kernel.fn).parameters.values()
         runtime = [p.name for p in params if "constexpr" not in str(p.annotation) and p.name in kwargs]
         if runtime:
@@ -93,8 +97,8 @@ class Launcher:
             self.kernel[grid](*args, **kwargs)
             return
         specialize = self._params()[0]
-        key = (torch.cuda.current_device(), tuple(kwargs.items()),
-               tuple(arg_key(a, s) for a, s in zip(args, specialize)))
+        device = _current_device()
+        key = (device, tuple(kwargs.items()), tuple(arg_key(a, s) for a, s in zip(args, specialize)))
         entry = self._compiled.get(key)
         if entry is None:  # first launch of this variant: Triton binds, compiles (or loads) and launches
             self._check_keywords(kwargs)
@@ -102,10 +106,28 @@ class Launcher:
                 raise TypeError(f"Launcher: {self.kernel.fn.__name__} takes {len(specialize)} runtime arguments, "
                                 f"got {len(args)}")
             compiled = self.kernel[grid](*args, **kwargs)
-            self._compiled[key] = (compiled, self.arguments((), kwargs))
+            self._compiled[key] = (compiled, compiled.run, compiled.function, compiled.packed_metadata,
+                                   self.arguments((), kwargs))
             return
-        compiled, tail = entry
-        compiled[grid + (1,) * (3 - len(grid))](*args, *tail)
+        compiled, run, function, packed, tail = entry
+        g = grid + (1, 1)
+        if _hooks_set(_knobs.runtime.launch_enter_hook) or _hooks_set(_knobs.runtime.launch_exit_hook):
+            compiled[g[:3]](*args, *tail)  # a profiler's launch hooks are set: let Triton call them
+            return
+        run(g[0], g[1], g[2], _current_stream(device), function, packed, None, None, None, *args, *tail)
+
+
+def _hooks_set(hook) -> bool:
+    """A Triton launch hook is set (``None`` or an empty ``HookChain``: not set)."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def _current_device() -> int:
+    return torch._C._cuda_getDevice()
+
+
+def _current_stream(device: int) -> int:
+    return torch._C._cuda_getCurrentRawStream(device)
 
 
 _LAUNCHERS: dict = {}

@@ -24,6 +24,12 @@ Memory-ordering rules (PTX memory model, system scope because the observer is an
   sees the expected value, every write the producer released before the flag is visible to the polling
   thread, and to the program's other threads after the ``bar.sync`` with which Triton broadcasts the
   polled value. Later kernels on the consumer's stream see the data too (kernel boundary).
+* **Flag inside the data.** For small transfers the flag can travel with the data instead: an aligned
+  8-byte store is single-copy atomic (also as an element of a vector store), so a consumer that loads the
+  8-byte line ``epoch << 32 | word`` sees either the old line or the whole new one. It polls with
+  ``volatile`` loads (they bypass L1) until every line of its block carries the epoch; no fence, release or
+  acquire is needed, at the price of twice the bytes (NCCL's LL protocol). Lines of consecutive calls
+  alternate between two buffers so that a writer never overwrites lines still being read.
 * **Uniform polls.** A poll loop's condition must have the same value in every thread of the program:
   Triton places ``bar.sync`` inside scalar atomics and reductions, and threads that left a loop at
   different iterations would deadlock there. ``ld_acquire`` (one thread loads, all get its value) and
@@ -406,6 +412,87 @@ def _allgather_kernel(bases_ptr, src_addr, out_off, shard_bytes, ready_off, done
         wait_all_ge(base_local, done_off, world, e, timeout, err_ptr, _K_ERR_DONE, rank, R_POW2, USE_TIMER)
 
 
+@triton.jit
+def _allgather_lines_kernel(bases_ptr, src_addr, out_addr, shard_bytes, stage_off, slot_words, state_ptr, err_ptr,
+                            rank, world, timeout, BLOCK: tl.constexpr, VEC: tl.constexpr, USE_TIMER: tl.constexpr):
+    """All-gather of small shards (``shard_bytes`` a multiple of 4, both addresses 4-byte aligned) with the
+    flag inside the data: every 4-byte word travels as one 8-byte line ``e << 32 | word`` (``e``: the call's
+    epoch), see "Flag inside the data" in the module docstring. No fence, no flag, no handshake.
+
+    Grid (P, R). ``stage_off``: byte offset in every heap of the staging lines, int64 ``[2, R, slot_words]``
+    (slot ``e % 2``, row = the writing rank). Program (p, j != 0) stores its share of the shard as lines
+    into row ``rank`` of slot ``e % 2`` of rank ``(rank + j) % R``, then polls its share of row
+    ``(rank - j) % R`` of its own staging until every line carries ``e`` and writes the words into that row
+    of ``out_addr`` (this rank's output, ``[R, shard_bytes]``); program (p, 0) copies the own shard into
+    ``out_addr`` directly. ``VEC``: ``src_addr``, ``out_addr`` and ``shard_bytes`` are multiples of 16 (16-byte
+    accesses); the staging rows always are (``stage_off`` a multiple of 16, ``slot_words`` even).
+    ``state_ptr``: int64[2] local [epoch, arrival counter]; the last program to finish
+    stores the epoch. Two slots suffice: a rank writes call e + 2 into slot e % 2 only after its call e + 1
+    has finished, i.e. after every rank's lines of call e + 1 arrived, which a rank writes only once its own
+    stream has left call e (its reads of slot e % 2). Epochs only grow: graph-replay safe."""
+    pid = tl.program_id(0)
+    j = tl.program_id(1)
+    nprog = tl.num_programs(0)
+    e = tl.load(state_ptr) + 1
+    n_words = tl.cast(shard_bytes, tl.int64) // 4
+    offs = tl.arange(0, BLOCK)
+    src_w = src_addr.to(tl.pointer_type(tl.int32))
+    if VEC:
+        src_w = tl.multiple_of(src_w, 16)
+    if j == 0:
+        own = (out_addr + tl.cast(rank, tl.int64) * shard_bytes).to(tl.pointer_type(tl.int32))
+        if VEC:
+            own = tl.multiple_of(own, 16)
+        blk = pid.to(tl.int64)
+        while blk * BLOCK < n_words:
+            o = blk * BLOCK + offs
+            m = o < n_words
+            tl.store(own + o, tl.load(src_w + o, mask=m), mask=m)
+            blk += nprog
+    else:
+        slot = (e % 2) * world
+        dst = (rank + j) % world
+        row = tl.multiple_of((tl.load(bases_ptr + dst) + stage_off + (slot + rank) * slot_words * 8).to(
+            tl.pointer_type(tl.int64)), 16)
+        tag = e << 32
+        low = tl.full([], 0xFFFFFFFF, tl.int64)
+        blk = pid.to(tl.int64)
+        while blk * BLOCK < n_words:
+            o = blk * BLOCK + offs
+            m = o < n_words
+            word = tl.load(src_w + o, mask=m).to(tl.int64) & low
+            tl.store(row + o, tag | word, mask=m)
+            blk += nprog
+        src = (rank - j + world) % world
+        mine = tl.multiple_of((tl.load(bases_ptr + rank) + stage_off + (slot + src) * slot_words * 8).to(
+            tl.pointer_type(tl.int64)), 16)
+        out = (out_addr + tl.cast(src, tl.int64) * shard_bytes).to(tl.pointer_type(tl.int32))
+        if VEC:
+            out = tl.multiple_of(out, 16)
+        late = tl.full([], 0, tl.int32)
+        blk = pid.to(tl.int64)
+        while (blk * BLOCK < n_words) & (late == 0):
+            o = blk * BLOCK + offs
+            m = o < n_words
+            line = tl.load(mine + o, mask=m, other=tag, volatile=True)
+            seen = tl.min(line >> 32, axis=0)  # a reduction: the same value in every thread
+            t0 = now(USE_TIMER)
+            polls = tl.full([], 0, tl.int64)
+            while (seen != e) & (late == 0):
+                line = tl.load(mine + o, mask=m, other=tag, volatile=True)
+                seen = tl.min(line >> 32, axis=0)
+                polls += 1
+                late = expired(t0, polls, timeout, USE_TIMER)
+            if seen == e:
+                tl.store(out + o, (line & low).to(tl.int32), mask=m)
+            else:
+                record_error(err_ptr, _K_ERR_DONE, rank, src, -1, e, seen, _K_CMP_GE)
+            blk += nprog
+    tl.debug_barrier()
+    if arrive_last(state_ptr + 1, nprog * world) != 0:
+        tl.store(state_ptr, e)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Launchers
 # ---------------------------------------------------------------------------------------------------------
@@ -536,3 +623,21 @@ def launch_allgather(bases: torch.Tensor, src_addr: int, out_off: int, shard_byt
         R_POW2=max(2, triton.next_power_of_2(world)), num_warps=warps if aligned else 4,
         USE_TIMER=device.type == "cuda", **_flags(device))
 
+
+def launch_allgather_lines(bases: torch.Tensor, src_addr: int, out_addr: int, shard_bytes: int, stage_off: int,
+                           slot_words: int, state: torch.Tensor, err: torch.Tensor, rank: int, world: int,
+                           timeout_s: float, programs: int) -> None:
+    """All-gather of a small shard with inline flags (see ``_allgather_lines_kernel``): at most ``programs``
+    programs per rank (each moves 512 words per step), ``state`` int64 [2] local [epoch, counter]."""
+    device = bases.device
+    per_rank = max(1, min(-(-(shard_bytes // 4) // _LINE_BLOCK), programs // world))
+    if stage_off % 16 or slot_words % 2:
+        raise ValueError(f"launch_allgather_lines: stage_off={stage_off} must be a multiple of 16 and "
+                         f"slot_words={slot_words} even")
+    vec = src_addr % 16 == 0 and out_addr % 16 == 0 and shard_bytes % 16 == 0
+    launch(_allgather_lines_kernel, (per_rank, world), bases, src_addr, out_addr, shard_bytes, stage_off, slot_words,
+           state, err, rank, world, timeout_units(timeout_s, device), BLOCK=_LINE_BLOCK, VEC=vec, num_warps=4,
+           USE_TIMER=device.type == "cuda")
+
+
+_LINE_BLOCK = 512  # words a line all-gather program moves per step

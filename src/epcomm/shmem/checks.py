@@ -234,46 +234,58 @@ def check_timeouts(ctx, timeout_s: float = 0.5, barrier_timeout: bool = True) ->
     return {"failures": failures}
 
 
-def check_allgather(ctx, shard_bytes: Sequence[int] = (64, 1000, 4096), rounds: int = 3, seed: int = 5,
-                    graph: bool = False) -> dict:
-    """``AllGather`` over several calls with fresh data each time (the ready/done epochs advance), odd sizes
-    included; with ``graph`` (CUDA) one call is captured and replayed with new shard contents."""
+def check_allgather(ctx, shard_bytes: Sequence[int] = (64, 1000, 1001, 4096), rounds: int = 3, seed: int = 5,
+                    graph: bool = False, small_shard_bytes: int = 1024) -> dict:
+    """``AllGather`` over several calls with fresh data each time (the epochs advance), odd sizes included,
+    the protocol alternating (shards up to ``small_shard_bytes`` as lines unless forced direct, larger ones
+    direct); with ``graph`` (CUDA) a call with the smallest and one with the largest shard are captured in
+    one graph and replayed with new shard contents."""
     rank, world, dev = ctx.rank, ctx.world_size, ctx.device
     top = max(shard_bytes)
-    heap = SymmetricHeap(ctx.group, AllGather.heap_bytes(world, top), device=dev)
-    ag = AllGather(heap, top)
+    heap = SymmetricHeap(ctx.group, AllGather.heap_bytes(world, top, small_shard_bytes), device=dev)
+    ag = AllGather(heap, top, small_shard_bytes)
     failures: list = []
+
+    def compare(what: str, out: torch.Tensor, n: int, data_seed: int) -> None:
+        for p in range(world):
+            want = pattern(n, data_seed, p, dev)
+            if not torch.equal(out[p], want):
+                failures.append(f"all-gather {what} nbytes={n}: row {p} on rank {rank}: {_first_diff(out[p], want)}")
+
     for it in range(rounds):
-        for n in shard_bytes:
+        for i, n in enumerate(shard_bytes):
+            ag.protocol = "direct" if (it + i) % 3 == 2 else "auto"
             out = ag(pattern(n, seed + it, rank, dev))
             _sync(dev)
             heap.check_errors()
-            for p in range(world):
-                want = pattern(n, seed + it, p, dev)
-                if not torch.equal(out[p], want):
-                    failures.append(f"all-gather round {it} nbytes={n}: row {p} on rank {rank}: "
-                                    f"{_first_diff(out[p], want)}")
+            compare(f"round {it} ({ag.protocol})", out, n, seed + it)
+    ag.protocol = "auto"
     if graph and dev.type == "cuda":
-        n = shard_bytes[-1]
-        shard = torch.empty(n, dtype=torch.uint8, device=dev)
-        shard.copy_(pattern(n, seed, rank, dev))
+        sizes = (min(shard_bytes), max(shard_bytes))
+        shards = [torch.empty(n, dtype=torch.uint8, device=dev) for n in sizes]
+        for n, shard in zip(sizes, shards):
+            shard.copy_(pattern(n, seed, rank, dev))
+
+        def both():
+            first = ag(shards[0]).clone()  # the second call reuses the output
+            return first, ag(shards[1])
+
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
-            ag(shard)  # warm-up outside the graph (compiles, advances the epoch on every rank alike)
+            both()  # warm-up outside the graph (compiles, advances the epoch on every rank alike)
         torch.cuda.current_stream(dev).wait_stream(stream)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            out = ag(shard)
+            outs = both()
         for it in range(rounds):
-            shard.copy_(pattern(n, seed + 100 + it, rank, dev))
+            for n, shard in zip(sizes, shards):
+                shard.copy_(pattern(n, seed + 100 + it, rank, dev))
             g.replay()
             _sync(dev)
             heap.check_errors()
-            for p in range(world):
-                want = pattern(n, seed + 100 + it, p, dev)
-                if not torch.equal(out[p], want):
-                    failures.append(f"graph replay {it}: row {p} on rank {rank}: {_first_diff(out[p], want)}")
+            for n, out in zip(sizes, outs):
+                compare(f"graph replay {it}", out, n, seed + 100 + it)
     heap.destroy()
     return {"failures": failures}
 

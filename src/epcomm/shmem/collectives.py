@@ -14,27 +14,40 @@ log = logging.getLogger(__name__)
 
 
 class AllGather:
-    """One-sided all-gather: every rank puts its shard straight into every peer's output, then signals.
+    """One-sided all-gather, one kernel per call, no host synchronisation, CUDA-graph capturable. Two
+    protocols, chosen per call by size (``protocol="auto"``):
 
-    One kernel per call, grid ``(P, R)``: program ``(p, j)`` writes its share of the shard into row ``rank`` of
-    rank ``(rank + j) % R``'s output (rotated destinations spread the NVLink load), after that rank has said
-    its previous result was consumed (a ``ready`` flag it sets when its stream reaches the call); the last
-    program to finish releases ``done`` flags to every peer and waits for everyone's. Flags are single-writer
-    epochs kept on the device, so calls can be captured in a CUDA graph and replayed.
+    * ``"lines"`` (small shards, up to ``small_shard_bytes``, a multiple of 4 bytes): every 4-byte word
+      travels with the call's epoch in one 8-byte line into a double-buffered staging area of each peer;
+      each rank polls its staging until every line carries the epoch and copies the words into its output.
+      No fence, flag or handshake: the lowest latency, twice the bytes (NCCL's LL protocol).
+    * ``"direct"``: every rank puts its shard straight into row ``rank`` of every peer's output, after that
+      peer has said its previous result was consumed (a ``ready`` flag it sets when its stream reaches the
+      call); the last program to finish releases ``done`` flags to every peer and waits for everyone's.
+      Destinations are rotated to spread the NVLink load.
+
+    Both keep their epochs on the device (flags with a single writer each), so calls can be captured in a
+    CUDA graph and replayed, and calls of the two protocols can follow each other in any order.
 
     Arguments:
         heap: the ``SymmetricHeap`` to allocate from (collective: every rank constructs the AllGather in the
-            same order with the same ``max_shard_bytes``).
-        max_shard_bytes: the largest shard a call may gather. Uses ``R * max_shard_bytes + 16 * R`` heap bytes
-            (plus alignment): ``AllGather.heap_bytes(R, max_shard_bytes)``.
+            same order with the same arguments).
+        max_shard_bytes: the largest shard a call may gather.
+        small_shard_bytes: the largest shard sent as lines (default ``min(max_shard_bytes, 1 MiB // R)``;
+            0 turns the protocol off). ``AllGather.heap_bytes(R, max_shard_bytes, small_shard_bytes)`` is the
+            heap space it takes: ``R * max_shard_bytes`` of output plus ``4 * R * small_shard_bytes`` of
+            staging (plus flags and alignment).
 
     ``ag(shard) -> out``: ``shard`` is a contiguous tensor on the heap's device (any shape ``S``, dtype ``D``;
     the same on every rank); ``out`` is ``[R, *S]`` of dtype ``D``, a view of this rank's heap holding every
-    rank's shard in rank order. It stays valid until this rank's next call (the next call waits, on every
-    peer, until this rank's stream has reached it before overwriting it). Stream-ordered, no host
-    synchronisation; a timeout is raised by ``heap.check_errors()`` or the next blocking heap call."""
+    rank's shard in rank order. It stays valid until this rank's next call. Stream-ordered, no host
+    synchronisation; a timeout is raised by ``heap.check_errors()`` or the next blocking heap call.
+    ``ag.protocol = "direct"`` forces the direct protocol for every size (benchmarks); ``"auto"`` is the
+    default."""
 
-    def __init__(self, heap: SymmetricHeap, max_shard_bytes: int) -> None:
+    SMALL_GATHERED_BYTES = 1 << 20  # default: shards up to this many gathered bytes travel as lines
+
+    def __init__(self, heap: SymmetricHeap, max_shard_bytes: int, small_shard_bytes: Optional[int] = None) -> None:
         fn = "AllGather"
         if max_shard_bytes <= 0:
             raise ValueError(f"{fn}: max_shard_bytes={max_shard_bytes} must be positive")
@@ -43,22 +56,38 @@ class AllGather:
         self.heap = heap
         self.max_shard_bytes = int(max_shard_bytes)
         r = heap.world_size
+        self.small_shard_bytes = self._small(r, self.max_shard_bytes, small_shard_bytes)
         self._out = heap.empty((r * self.max_shard_bytes,), torch.uint8)
         self._flags = heap.empty((2, r), torch.int64)  # [ready, done][writer rank]
         self._flags.zero_()
+        self._slot_words = _slot_words(self.small_shard_bytes)
+        self._stage = heap.empty((2, r, self._slot_words), torch.int64)  # [slot][writer rank][line]
+        self._stage.zero_()
         self._state = torch.zeros(2, dtype=torch.int64, device=heap.device)  # [epoch, arrival counter]
         self._out_off = heap.offset_of(self._out)
         self._ready_off = heap.offset_of(self._flags[0])
         self._done_off = heap.offset_of(self._flags[1])
-        self.config = None  # a CopyConfig for this all-gather; None: the heap's copy_config
+        self._stage_off = heap.offset_of(self._stage)
+        self.config = None  # a CopyConfig for the direct protocol; None: the heap's copy_config
+        self.protocol = "auto"
         heap.barrier()  # every rank's flags are zero before anyone signals into them
 
     @staticmethod
-    def heap_bytes(world_size: int, max_shard_bytes: int) -> int:
+    def _small(world_size: int, max_shard_bytes: int, small_shard_bytes: Optional[int]) -> int:
+        if small_shard_bytes is None:
+            small_shard_bytes = min(max_shard_bytes, AllGather.SMALL_GATHERED_BYTES // world_size)
+        if small_shard_bytes < 0:
+            raise ValueError(f"AllGather: small_shard_bytes={small_shard_bytes} must be >= 0")
+        return min(int(small_shard_bytes), max_shard_bytes) // 4 * 4
+
+    @staticmethod
+    def heap_bytes(world_size: int, max_shard_bytes: int, small_shard_bytes: Optional[int] = None) -> int:
         """Heap bytes one AllGather takes."""
         from .heap import heap_bytes_for
 
-        return heap_bytes_for([((world_size * max_shard_bytes,), torch.uint8), ((2, world_size), torch.int64)])
+        small = AllGather._small(world_size, max_shard_bytes, small_shard_bytes)
+        return heap_bytes_for([((world_size * max_shard_bytes,), torch.uint8), ((2, world_size), torch.int64),
+                               ((2, world_size, _slot_words(small)), torch.int64)])
 
     def __call__(self, shard: torch.Tensor, timeout_s: Optional[float] = None) -> torch.Tensor:
         fn = "AllGather"
@@ -71,7 +100,21 @@ class AllGather:
                                       f"this AllGather was built for at most {self.max_shard_bytes}; build it with "
                                       f"max_shard_bytes >= {nbytes}")
         timeout_s = heap._timeout(fn, timeout_s)
-        heap._K.launch_allgather(heap.peer_bases, shard.data_ptr(), self._out_off, nbytes, self._ready_off,
-                           self._done_off, self._state, heap._error, heap.rank, heap.world_size, timeout_s,
-                           self.config or heap.copy_config)
+        src = shard.data_ptr()
+        if self.protocol not in ("auto", "direct"):
+            raise ValueError(f"{fn}: protocol={self.protocol!r} must be 'auto' or 'direct'")
+        if (self.protocol == "auto" and 0 < nbytes <= self.small_shard_bytes and nbytes % 4 == 0
+                and src % 4 == 0):
+            heap._K.launch_allgather_lines(heap.peer_bases, src, self._out.data_ptr(), nbytes, self._stage_off,
+                                           self._slot_words, self._state, heap._error, heap.rank, heap.world_size,
+                                           timeout_s, heap._K.num_sms(heap.device))
+        else:
+            heap._K.launch_allgather(heap.peer_bases, src, self._out_off, nbytes, self._ready_off, self._done_off,
+                                     self._state, heap._error, heap.rank, heap.world_size, timeout_s,
+                                     self.config or heap.copy_config)
         return self._out[:heap.world_size * nbytes].view(shard.dtype).view(heap.world_size, *shard.shape)
+
+
+def _slot_words(small_shard_bytes: int) -> int:
+    """Lines per staging row: one per 4-byte word, rounded up to an even count (16-byte aligned rows)."""
+    return max(2, (small_shard_bytes // 4 + 1) // 2 * 2)
