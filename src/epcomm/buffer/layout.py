@@ -48,8 +48,9 @@ def low_latency_area(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ran
     """Byte layout of the one-sided low-latency storage of one rank for one call geometry (the same on every
     rank; ``epcomm.transports.low_latency``). Two dispatch areas, then two combine areas (one per parity):
 
-    * dispatch area: ``pay [R, C, payload_row_bytes]`` | ``scl [R, C, scale_words]`` int32 | ``meta [R, C]``
-      int32 | ``cnt [R, E_local]`` int32, where ``C = T * min(K, E_local)`` rows per source rank;
+    * dispatch area: ``pay [R, T, payload_row_bytes]`` | ``scl [R, T, scale_words]`` int32 (a token's row
+      arrives once per rank, whatever the number of its experts there) | ``meta [R, C]`` int32 records,
+      one per (token, expert), ``C = T * min(K, E_local)`` per source rank | ``cnt [R, E_local]`` int32;
     * combine area: ``rows [T * K, hidden]`` bf16, one row per (token, slot) of this rank.
 
     Returns the offsets (relative to the start of the area) and ``total`` bytes; each part is 256-aligned."""
@@ -57,7 +58,7 @@ def low_latency_area(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ran
     cap = low_latency_pair_capacity(t, k, num_local_experts)
     out = {"cap": cap}
     off = 0
-    for name, nbytes in (("pay", r * cap * payload_row_bytes), ("scl", r * cap * scale_words * 4),
+    for name, nbytes in (("pay", r * t * payload_row_bytes), ("scl", r * t * scale_words * 4),
                          ("meta", r * cap * 4), ("cnt", r * num_local_experts * 4)):
         out[name] = off
         off = align_up(off + nbytes, LOW_LATENCY_ALIGN)
@@ -77,9 +78,10 @@ def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden
     """Bytes of symmetric storage one rank needs for low-latency dispatch + combine (BF16 or FP8 payload),
     DeepEP's signature plus an optional ``num_topk``; pass it as ``num_rdma_bytes``.
 
-    epcomm sizes by what can arrive, double-buffered: per parity, from each of the R ranks at most
-    ``T * min(K, E_local)`` dispatch rows (payload, scales, source), and ``T * K`` combine rows of this rank's
-    own tokens, instead of DeepEP's ``E * T`` rows per direction. Without ``num_topk`` the bound takes
+    epcomm sizes by what can arrive, double-buffered: per parity, from each of the R ranks at most ``T``
+    dispatch rows (payload and scales: a token travels once per rank) and ``T * min(K, E_local)`` 4-byte
+    records, and ``T * K`` combine rows of this rank's own tokens, instead of DeepEP's ``E * T`` rows per
+    direction. Without ``num_topk`` the bound takes
     ``K = E_local`` (every local expert selected). Float32 payloads (``use_fp8=False`` with fp32 ``x``) need
     twice the payload part; the one-sided transports grow their storage on the first such call."""
     if num_experts % num_ranks:

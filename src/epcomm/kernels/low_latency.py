@@ -7,9 +7,10 @@ here talks to ``torch.distributed``. Every address of symmetric storage is ``bas
 Per rank, symmetric (offsets from the heap base, see ``epcomm.buffer.layout.low_latency_area``):
   * ``flags`` int64 ``[2 kinds, 2 parities, R]``: slot ``(kind, p, s)`` is written only by rank ``s``, a
     release store of the epoch (call number + 1) of its latest call of that kind and parity;
-  * dispatch area of parity p: ``pay [R, C, XW]`` int32 words of payload, ``scl [R, C, SW]`` scale words,
-    ``meta [R, C]`` int32 ``token * K + slot``, ``cnt [R, E_local]`` int32 rows per (source, local expert).
-    Source ``s`` writes only region ``s``: its rows for this rank ordered by (expert, token, slot);
+  * dispatch area of parity p: ``pay [R, T, XW]`` int32 words of payload, ``scl [R, T, SW]`` scale words
+    (row ``t`` of region ``s``: token ``t`` of source ``s``, if it selected an expert here), ``meta [R, C]``
+    int32 records ``token * K + slot``, ``cnt [R, E_local]`` int32 records per (source, local expert).
+    Source ``s`` writes only region ``s``: its records for this rank ordered by (expert, token, slot);
   * combine area of parity p: ``rows [T * K, H]`` bf16, row ``token * K + slot`` of this rank's tokens.
 Per rank, local int64 control words ``ctl`` (``CTL_*``): call counters (the parity lives on the device, so a
 captured CUDA graph alternates buffers on every replay), arrival counters, the error record, and a ring of
@@ -90,7 +91,7 @@ def _pick(vec, lanes, i):
 def ll_dispatch_kernel(x_ptr, idx_ptr, out_x_ptr, out_s_ptr, hmeta_ptr, bases_ptr, ctl_ptr,
                        n_tokens, info_slot, local_base, timeout,
                        RANK: tl.constexpr, R: tl.constexpr, R_P: tl.constexpr, T: tl.constexpr, K: tl.constexpr,
-                       KPER: tl.constexpr, E_L: tl.constexpr, E_LP: tl.constexpr, H: tl.constexpr,
+                       K_P: tl.constexpr, KPER: tl.constexpr, E_L: tl.constexpr, E_LP: tl.constexpr, H: tl.constexpr,
                        FP8: tl.constexpr, ROUND: tl.constexpr, UE8M0: tl.constexpr, XW: tl.constexpr,
                        XWP: tl.constexpr, SW: tl.constexpr, SWP: tl.constexpr, G4P: tl.constexpr, C: tl.constexpr,
                        OFF_FLAG: tl.constexpr, OFF_D: tl.constexpr, D_BYTES: tl.constexpr, OFF_PAY: tl.constexpr,
@@ -102,13 +103,16 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, out_x_ptr, out_s_ptr, hmeta_ptr, bases_pt
     Send (this rank's ``n_tokens`` tokens, ``x [N, H]``, ``idx [N, K]`` global expert ids): a work item is
     (token, ``KPER`` slots); per slot with a valid id ``g`` on rank ``d``, the row's position in region
     ``RANK`` of ``d``'s dispatch area is the number of (token, slot) pairs of this rank with an id of ``d`` that
-    sort before it by (id, token, slot): computed from ``idx`` by every item, no communication. The token is
-    read and (FP8) cast once per item and stored to each slot's destination with its scales and
-    ``token * K + slot``. Programs also count the rows of every expert into the receivers' ``cnt``. Then
-    fence, arrive, and the last program releases the epoch to every rank.
+    sort before it by (id, token, slot): computed from ``idx`` by every item, no communication; that position
+    gets the record ``token * K + slot``. The token itself travels once per destination *rank* (not once per
+    expert): read and (FP8) cast once per item, it is stored with its scales into row ``token`` of region
+    ``RANK`` by the token's first slot on that rank (``K_P``: ``K`` rounded up to a power of two). Programs
+    also count the records of every expert into the receivers' ``cnt``. Then fence, arrive, and the last
+    program releases the epoch to every rank.
 
-    Receive: wait for every source's epoch, read ``cnt``, and copy each source's rows (expert-major) into
-    ``out_x [E_L, R * T, ...]`` at ``begin[e, s] + i``; column-major scales; ``hmeta`` (int32) gets
+    Receive: wait for every source's epoch, read ``cnt``, and copy each source's records (expert-major) into
+    ``out_x [E_L, R * T, ...]`` at ``begin[e, s] + i``, the row and scales of each from the source's row of
+    that record's token (a row is read once per expert that selected it); column-major scales; ``hmeta`` (int32) gets
     ``recv_count [E_L] | layout_range [E_L, R, 2] | src_info [E_L, R*T] (-1 past the count) | route [E_L, R*T]``
     (``route = s * T * K + token * K + slot``: where combine returns the row)."""
     pid = tl.program_id(0)
@@ -145,6 +149,12 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, out_x_ptr, out_s_ptr, hmeta_ptr, bases_pt
             dest = tl.where(valid, g // E_L, 0)
             lo = dest * E_L
             flat = t * K + ks
+            # the first slot of the token on each destination rank stores the row there
+            kall = tl.arange(0, K_P)
+            gall = tl.load(idx_ptr + t * K + kall, mask=kall < K, other=-1).to(tl.int32)
+            dall = tl.where((gall >= 0) & (gall < E), gall // E_L, -1)
+            earlier = (dall[None, :] == dest[:, None]) & (kall[None, :] < ks[:, None])
+            first = valid & (tl.sum(earlier.to(tl.int32), axis=1) == 0)
             # the token, cast once for every slot
             if FP8:
                 xv = tl.load(x_ptr + t.to(tl.int64) * H + xoff, mask=gmask, other=0.0).to(tl.float32)
@@ -184,10 +194,11 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, out_x_ptr, out_s_ptr, hmeta_ptr, bases_pt
             row = (RANK * C + pos).to(tl.int64)
             region = tl.load(bases_ptr + dest) + area
             tl.store((region + OFF_META + row * 4).to(tl.pointer_type(tl.int32)), flat, mask=ok)
-            pay = region + OFF_PAY + row * (XW * 4)
-            scl = region + OFF_SCL + row * (SW * 4)
+            prow = (RANK * T + t).to(tl.int64)
+            pay = region + OFF_PAY + prow * (XW * 4)
+            scl = region + OFF_SCL + prow * (SW * 4)
             for i in tl.static_range(KPER):
-                if _pick(ok.to(tl.int32), lanes, i) != 0:
+                if _pick(first.to(tl.int32), lanes, i) != 0:
                     if FP8:
                         dst8 = tl.multiple_of(_pick(pay, lanes, i).to(tl.pointer_type(tl.uint8)), 16)
                         tl.store(dst8 + xoff, q, mask=gmask)
@@ -284,7 +295,9 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, out_x_ptr, out_s_ptr, hmeta_ptr, bases_pt
             nover = tl.sum((qm & (pos >= RT)).to(tl.int32))
             if nover > 0:
                 tl.atomic_add(ctl_ptr + _K_CTL_OVERFLOW, nover.to(tl.int64))
-            src_row = (s * C + j).to(tl.int64)
+            m = tl.load((rarea + OFF_META + (s * C + j).to(tl.int64) * 4).to(tl.pointer_type(tl.int32)), mask=ok,
+                        other=0, cache_modifier=".cg")
+            src_row = (s * T + m // K).to(tl.int64)
             dst_row = (e * RT + pos).to(tl.int64)
             src = tl.multiple_of((rarea + OFF_PAY + src_row * (XW * 4)).to(tl.pointer_type(tl.int32)), 16)
             cm = ok[:, None] & (wc < XW)[None, :]
@@ -296,8 +309,6 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, out_x_ptr, out_s_ptr, hmeta_ptr, bases_pt
                 sv = tl.load(ssrc[:, None] + sc[None, :], mask=smask, cache_modifier=".cg")
                 sdst = out_s_ptr.to(tl.pointer_type(tl.int32)) + (e.to(tl.int64) * SW)[:, None] * RT
                 tl.store(sdst + sc[None, :].to(tl.int64) * RT + pos[:, None], sv, mask=smask)
-            m = tl.load((rarea + OFF_META + src_row * 4).to(tl.pointer_type(tl.int32)), mask=ok, other=0,
-                        cache_modifier=".cg")
             tl.store(hmeta_ptr + M_SRC + dst_row, m // K, mask=ok)
             tl.store(hmeta_ptr + M_ROUTE + dst_row, s * (T * K) + m, mask=ok)
             q0 += nprog * ROWS

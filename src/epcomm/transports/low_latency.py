@@ -268,7 +268,7 @@ class OneSidedLowLatency:
                       E_LP=max(2, _pow2(e_local)), H=hidden, OFF_FLAG=self._off_flag, USE_PTX=self._on_gpu,
                       USE_TIMER=self._on_gpu, num_warps=8)
         dispatch_consts = dict(
-            common, KPER=kper, FP8=use_fp8, ROUND=round_scale, UE8M0=use_ue8m0, XW=xw, XWP=xwp,
+            common, K_P=max(2, _pow2(topk)), KPER=kper, FP8=use_fp8, ROUND=round_scale, UE8M0=use_ue8m0, XW=xw, XWP=xwp,
             SW=max(scale_words, 1), SWP=_pow2(max(scale_words, 1)), G4P=_pow2(-(-groups // 4)), C=lay["cap"],
             OFF_D=self._off_area, D_BYTES=d_bytes, OFF_PAY=lay["pay"], OFF_SCL=lay["scl"], OFF_META=lay["meta"],
             OFF_CNT=lay["cnt"], JB=jb, EB=max(8, min(64, 8192 // jb)), ROWS=max(1, min(rows, 8192 // xwp)),
