@@ -342,7 +342,7 @@ def test_kernels_compile_for_sm90():
     for needle in ("st.global.v4", "ld.global.cg.v4", "fence.acq_rel.sys", "st.release.sys", "ld.global.sys.acquire",
                    "%globaltimer", "div.rn.f32"):
         assert needle in ptx, f"dispatch PTX lacks {needle}"
-    ptx = compile_for(K.ll_combine_kernel, c_args, dict(comb, DO_SEND=True, DO_RECV=True, OWN_IN_PLACE=True,
+    ptx = compile_for(K.ll_combine_kernel, c_args, dict(comb, DO_SEND=True, DO_RECV=True,
                                                         enable_fp_fusion=False)).asm["ptx"]
     for needle in ("st.global.v4", "ld.global.cg.v4", "st.release.sys", "ld.global.sys.acquire", "mul.rn.f32"):
         assert needle in ptx, f"combine PTX lacks {needle}"

@@ -31,8 +31,6 @@ operations (bit-identical to torch on GPUs and under the interpreter), and the c
 
 from __future__ import annotations
 
-import itertools
-
 import triton
 import triton.language as tl
 
@@ -115,9 +113,8 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, out_x_ptr, out_s_ptr, hmeta_ptr, bases_pt
     Receive: wait for every source's epoch, read ``cnt``, and copy each source's records (expert-major) into
     ``out_x [E_L, R * T, ...]`` at ``begin[e, s] + i``, the row and scales of each from the source's row of
     that record's token (a row is read once per expert that selected it); column-major scales; ``hmeta`` (int32) gets
-    ``recv_count [E_L] | layout_range [E_L, R, 2] | src_info [E_L, R*T] (-1 past the count) | route [E_L, R*T]
-    | own [T * K]`` (``route = s * T * K + token * K + slot``: where combine returns the row; ``own[token * K +
-    slot]``: the row of this rank's own (token, slot) with an expert here, which combine reads in place)."""
+    ``recv_count [E_L] | layout_range [E_L, R, 2] | src_info [E_L, R*T] (-1 past the count) | route [E_L, R*T]``
+    (``route = s * T * K + token * K + slot``: where combine returns the row)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     err_ptr = ctl_ptr + _K_CTL_ERR
@@ -126,7 +123,6 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, out_x_ptr, out_s_ptr, hmeta_ptr, bases_pt
     M_LR: tl.constexpr = E_L
     M_SRC: tl.constexpr = E_L + 2 * E_L * R
     M_ROUTE: tl.constexpr = M_SRC + E_L * RT
-    M_OWN: tl.constexpr = M_ROUTE + E_L * RT
     G: tl.constexpr = H // 128
     if DO_SEND:
         call = tl.load(ctl_ptr)
@@ -315,7 +311,6 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, out_x_ptr, out_s_ptr, hmeta_ptr, bases_pt
                 tl.store(sdst + sc[None, :].to(tl.int64) * RT + pos[:, None], sv, mask=smask)
             tl.store(hmeta_ptr + M_SRC + dst_row, m // K, mask=ok)
             tl.store(hmeta_ptr + M_ROUTE + dst_row, s * (T * K) + m, mask=ok)
-            tl.store(hmeta_ptr + M_OWN + m, dst_row.to(tl.int32), mask=ok & (s == RANK))
             q0 += nprog * ROWS
         # src_info = -1 past each expert's count
         fl = tl.arange(0, FB)
@@ -335,18 +330,15 @@ def ll_combine_kernel(y_ptr, idx_ptr, w_ptr, out_ptr, hmeta_ptr, bases_ptr, ctl_
                       RANK: tl.constexpr, R: tl.constexpr, R_P: tl.constexpr, T: tl.constexpr, K: tl.constexpr,
                       E_L: tl.constexpr, E_LP: tl.constexpr, H: tl.constexpr, HWP: tl.constexpr,
                       OFF_FLAG: tl.constexpr, OFF_C: tl.constexpr, C_BYTES: tl.constexpr, ROWS: tl.constexpr,
-                      BC: tl.constexpr, DO_SEND: tl.constexpr, DO_RECV: tl.constexpr, OWN_IN_PLACE: tl.constexpr,
-                      USE_PTX: tl.constexpr, USE_TIMER: tl.constexpr):
+                      BC: tl.constexpr, DO_SEND: tl.constexpr, DO_RECV: tl.constexpr, USE_PTX: tl.constexpr,
+                      USE_TIMER: tl.constexpr):
     """Low-latency combine, send half and/or receive half.
 
     Send: every received row ``(e, i < recv_count[e])`` of ``y [E_L, R * T, H]`` bf16 goes to row
     ``token * K + slot`` of its source's combine area (``route`` in ``hmeta``); then fence, arrive, and the
     last program releases the epoch to every rank (every rank waits for every rank, rows or not).
     Receive: wait, then ``out[t] = bf16(sum over k ascending with a valid id of w[t, k] * float(row))``,
-    from +0.0, each product rounded before the add. ``OWN_IN_PLACE`` (both halves of one call, ``y`` untouched
-    in between): the send skips the rows of this rank's own tokens and the receive reads them from ``y`` at
-    ``own[token * K + slot]`` in ``hmeta``; a hook's halves copy them like the others (the caller may reuse
-    ``y`` once the send half has run)."""
+    from +0.0, each product rounded before the add."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     err_ptr = ctl_ptr + _K_CTL_ERR
@@ -355,7 +347,6 @@ def ll_combine_kernel(y_ptr, idx_ptr, w_ptr, out_ptr, hmeta_ptr, bases_ptr, ctl_
     TK: tl.constexpr = T * K
     HW: tl.constexpr = H // 2
     M_ROUTE: tl.constexpr = E_L + 2 * E_L * R + E_L * RT
-    M_OWN: tl.constexpr = M_ROUTE + E_L * RT
     if DO_SEND:
         call = tl.load(ctl_ptr + 1)
         parity = call & 1
@@ -377,8 +368,6 @@ def ll_combine_kernel(y_ptr, idx_ptr, w_ptr, out_ptr, hmeta_ptr, bases_ptr, ctl_
             route = tl.load(hmeta_ptr + M_ROUTE + row, mask=qm, other=0)
             s = route // TK
             ok = qm & (s >= 0) & (s < R)
-            if OWN_IN_PLACE:
-                ok = ok & (s != RANK)
             m = (route - s * TK).to(tl.int64)
             dst = tl.load(bases_ptr + tl.where(ok, s, 0)) + area + m * (H * 2)
             dst = tl.multiple_of(dst.to(tl.pointer_type(tl.int32)), 16)
@@ -420,10 +409,6 @@ def ll_combine_kernel(y_ptr, idx_ptr, w_ptr, out_ptr, hmeta_ptr, bases_ptr, ctl_
                 valid = (g >= 0) & (g < E)
                 wk = tl.load(w_ptr + t * K + k)
                 src = (rarea + (t * K + k).to(tl.int64) * (H * 2)).to(tl.pointer_type(tl.bfloat16))
-                if OWN_IN_PLACE:
-                    own = valid & (g // E_L == RANK)
-                    yrow = tl.load(hmeta_ptr + M_OWN + t * K + k, mask=own, other=0).to(tl.int64)
-                    src = tl.where(own, y_ptr + yrow * H, src)
                 y = tl.load(tl.multiple_of(src, 16) + cols, mask=cm & valid, other=0.0, cache_modifier=".cg")
                 acc = tl.where(valid, acc + wk * y.to(tl.float32), acc)
             tl.store(out_ptr + t.to(tl.int64) * H + cols, f32_to_bf16_rne(acc), mask=cm)
@@ -435,26 +420,21 @@ def ll_combine_kernel(y_ptr, idx_ptr, w_ptr, out_ptr, hmeta_ptr, bases_ptr, ctl_
 # ---------------------------------------------------------------------------------------------------------
 class StageLauncher:
     """``ll_dispatch_kernel`` / ``ll_combine_kernel`` with the transport's fixed constants; each call picks
-    the halves to run (``DO_SEND`` / ``DO_RECV``) and says whether they belong to a hook (``split``: the
-    caller runs code between them; sets ``split_flag``, if the kernel has one, to ``not split``). Launches go
-    through ``launch.Launcher`` (no argument binding after the first launch of a variant); integer arguments
-    are ``do_not_specialize`` except ``local_base``, which is always a multiple of 256."""
+    the halves to run (``DO_SEND`` / ``DO_RECV``). Launches go through ``launch.Launcher`` (no argument
+    binding after the first launch of a variant); integer arguments are ``do_not_specialize`` except
+    ``local_base``, which is always a multiple of 256."""
 
-    def __init__(self, kernel, consts: dict, options: dict, split_flag: str | None = None) -> None:
+    def __init__(self, kernel, consts: dict, options: dict) -> None:
         self.launcher = Launcher(kernel)
-        self._kwargs = {}
-        for s, r, split in itertools.product((False, True), repeat=3):
-            kw = dict(consts, **options, DO_SEND=s, DO_RECV=r)
-            if split_flag is not None:
-                kw[split_flag] = not split
-            self._kwargs[(s, r, split)] = kw
+        self._kwargs = {(s, r): dict(consts, **options, DO_SEND=s, DO_RECV=r) for s in (False, True)
+                        for r in (False, True)}
 
-    def kwargs(self, send: bool, recv: bool, split: bool = False) -> dict:
+    def kwargs(self, send: bool, recv: bool) -> dict:
         """The constexprs and options of a launch running the given halves."""
-        return self._kwargs[(send, recv, split)]
+        return self._kwargs[(send, recv)]
 
-    def __call__(self, grid: int, args: tuple, send: bool, recv: bool, split: bool = False) -> None:
-        self.launcher((grid,), args, self._kwargs[(send, recv, split)])
+    def __call__(self, grid: int, args: tuple, send: bool, recv: bool) -> None:
+        self.launcher((grid,), args, self._kwargs[(send, recv)])
 
 
 def dispatch_launcher(consts: dict) -> StageLauncher:
@@ -466,5 +446,4 @@ def dispatch_launcher(consts: dict) -> StageLauncher:
 def combine_launcher(consts: dict) -> StageLauncher:
     """``ll_combine_kernel``, compiled without FMA contraction (the reduction must round every product)."""
     consts = dict(consts)
-    return StageLauncher(ll_combine_kernel, consts, {"num_warps": consts.pop("num_warps", 8), "enable_fp_fusion": False},
-                         split_flag="OWN_IN_PLACE")
+    return StageLauncher(ll_combine_kernel, consts, {"num_warps": consts.pop("num_warps", 8), "enable_fp_fusion": False})

@@ -278,7 +278,7 @@ class OneSidedLowLatency:
         return _Geometry(e_local=e_local,
                          scale_dtype=(torch.int32 if use_ue8m0 else torch.float32) if use_fp8 else None,
                          scale_words=scale_words, payload_dtype=FP8_DTYPE if use_fp8 else x_dtype,
-                         hmeta_words=e_local * (1 + 2 * r + 2 * r * t_max) + t_max * topk,
+                         hmeta_words=e_local * (1 + 2 * r + 2 * r * t_max),
                          dispatch=self._K.dispatch_launcher(dispatch_consts),
                          combine=self._K.combine_launcher(combine_consts))
 
@@ -343,8 +343,8 @@ class OneSidedLowLatency:
         st: _State = h.state
         geo = self._geometry(st.shape, h.num_tokens, fn)
         y = self.combine_buffer(h) if req.zero_copy else req.x
-        if not y.is_contiguous() or y.data_ptr() % 16:  # the kernel reads rows of y as 16-byte vectors
-            y = y.contiguous() if not y.is_contiguous() else y.clone()
+        if not y.is_contiguous():
+            y = y.contiguous()
         n, hidden, dev = h.num_tokens, h.hidden, self.device
         out = req.out if req.out is not None else torch.empty((n, hidden), dtype=torch.bfloat16, device=dev)
         target = out if out.is_contiguous() else torch.empty((n, hidden), dtype=torch.bfloat16, device=dev)
@@ -361,7 +361,7 @@ class OneSidedLowLatency:
         """Launch a call: the send half now and the receive half in the returned hook, or both now (one fused
         kernel, or two launches). ``after``: host work that follows the receive half."""
         if hook:
-            launch(self._grid(False), args, True, False, True)
+            launch(self._grid(False), args, True, False)
             return _Once(self._receive, launch, args, after)
         if self._fused:
             launch(self._grid(True), args, True, True)
@@ -369,11 +369,11 @@ class OneSidedLowLatency:
                 after()
         else:
             launch(self._grid(False), args, True, False)
-            self._receive(launch, args, after, False)
+            self._receive(launch, args, after)
         return None
 
-    def _receive(self, launch, args: tuple, after, split: bool = True) -> None:
-        launch(self._grid(False), args, False, True, split)
+    def _receive(self, launch, args: tuple, after) -> None:
+        launch(self._grid(False), args, False, True)
         if after is not None:
             after()
 
