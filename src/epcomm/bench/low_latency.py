@@ -2,7 +2,7 @@
 
 For each token count (default 1, 8, 32, 128, 256 per rank) at hidden 7168, top-8, 288 experts, FP8
 dispatch and BF16 combine, for every requested transport: plain calls, the hook halves (send returns,
-``hook()`` receives), and a CUDA-graph replay of dispatch + combine (GPUs). Per-call time is the median of
+``hook()`` receives), a CUDA-graph replay of dispatch + combine, and graph replays of each alone (GPUs). Per-call time is the median of
 the per-iteration max across ranks. GB/s counts per selected (token, expert): dispatch H + 4H/128 + 16
 bytes, combine 2H."""
 
@@ -93,13 +93,20 @@ def bench_worker(ctx, opts: LowLatencyBenchOptions) -> list:
                     r, _, h, _, _ = buf.low_latency_dispatch(x, idx, max_tokens, opts.experts, use_fp8=True)
                     buf.low_latency_combine(y, idx, w, h)
 
-                try:
-                    measured.append(("dispatch + combine (graph)", time_graph(step, ctx.group, ctx.device,
-                                                                              iters=opts.iters * 2),
-                                     pairs * (disp_b + comb_b)))
-                except Exception as exc:  # noqa: BLE001 - record that the transport cannot be captured
-                    rows.append({"impl": impl, "tokens": n, "op": "dispatch + combine (graph)",
-                                 "time_us": float("nan"), "GB/s": float("nan"), "note": f"capture failed: {exc}"})
+                g_handle = buf.low_latency_dispatch(x, idx, max_tokens, opts.experts, use_fp8=True)[2]
+                graphs = [("dispatch + combine (graph)", step, False, pairs * (disp_b + comb_b)),
+                          ("dispatch (graph, stream)",
+                           lambda: buf.low_latency_dispatch(x, idx, max_tokens, opts.experts, use_fp8=True), True,
+                           pairs * disp_b),
+                          ("combine (graph, stream)", lambda: buf.low_latency_combine(y, idx, w, g_handle), True,
+                           pairs * comb_b)]
+                for op, fn, in_stream, nbytes in graphs:
+                    try:
+                        measured.append((op, time_graph(fn, ctx.group, ctx.device, iters=opts.iters * 2,
+                                                        stream=in_stream), nbytes))
+                    except Exception as exc:  # noqa: BLE001 - record that the transport cannot be captured
+                        rows.append({"impl": impl, "tokens": n, "op": op, "time_us": float("nan"),
+                                     "GB/s": float("nan"), "note": f"capture failed: {exc}"})
             for op, timing, nbytes in measured:
                 rows.append({"impl": impl, "tokens": n, "op": op, "time_us": timing.median_us,
                              "GB/s": timing.gbps(nbytes) if nbytes else float("nan"), "note": ""})
@@ -139,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
              "(token, expert): dispatch H + 4H/128 + 16 bytes, combine 2H. Plain rows time an isolated call (a "
              "barrier before each, host work included). '(stream)' rows time each call of a stream enqueued while "
              "the device is busy, as DeepEP's benchmark does (device time per call, waits for peers included; see "
-             "epcomm.bench.timing). Hook rows time the send call and the hook() call separately. Graph rows replay "
-             "a captured dispatch + combine.")
+             "epcomm.bench.timing). Hook rows time the send call and the hook() call separately. '(graph)' replays a "
+             "captured dispatch + combine as an isolated call; '(graph, stream)' rows replay a captured dispatch, "
+             "or a captured combine, in a stream of replays.")
     return finish(rows, name, args.out, "bench low-latency", notes, _plot, ["impl", "tokens", "op", "time_us", "GB/s", "note"])

@@ -37,7 +37,7 @@ from typing import Optional
 import triton
 import triton.language as tl
 
-from .launch import launch
+from .launch import cdiv, launch, next_pow2
 from .shmem import arrive_last, block_barrier, fence_sys, ld_acquire, st_release, wait_all_ge, wait_until
 from .shmem_codes import CMP_GE, ERR_BARRIER_TIMEOUT, ERR_DONE_TIMEOUT
 
@@ -581,7 +581,7 @@ def wait_arrivals_kernel(bases_ptr, arrive_off, epoch_ptr, err_ptr, rank, world,
 # ---------------------------------------------------------------------------------------------------------
 def pow2_block(v: int) -> int:
     """A power-of-two block size >= v (at least 16)."""
-    return max(16, triton.next_power_of_2(max(v, 1)))
+    return max(16, next_pow2(max(v, 1)))
 
 
 def chunk_block(words: int, tokens_per_step: int, tile: int = 16384) -> int:
@@ -590,7 +590,7 @@ def chunk_block(words: int, tokens_per_step: int, tile: int = 16384) -> int:
     Each step issues one tile of loads before its stores: the more bytes per step, the less the push waits
     on load latency (measured: the combine push, one store per load, was load-latency bound with 4 KiB
     per row and step)."""
-    return max(256, min(triton.next_power_of_2(max(words, 1)), tile // max(tokens_per_step, 1)))
+    return max(256, min(next_pow2(max(words, 1)), tile // max(tokens_per_step, 1)))
 
 
 def record_words(num_scales: int, num_topk: int, has_weights: bool) -> int:
@@ -604,7 +604,7 @@ def launch_layout(topk_idx, num_experts: int, num_ranks: int, per_rank, per_expe
     if n:
         import torch
 
-        launch(layout_kernel, (triton.cdiv(n, 64),), topk_idx, itr.view(torch.int8), per_rank, per_expert, n, num_experts,
+        launch(layout_kernel, (cdiv(n, 64),), topk_idx, itr.view(torch.int8), per_rank, per_expert, n, num_experts,
                                              num_experts // num_ranks, K=k, R=num_ranks, BLOCK_T=64, BLOCK_K=pow2_block(k))
 
 
@@ -618,7 +618,7 @@ def launch_unpack_records(records, out_scales, out_idx, out_w, out_src, num_scal
     if not m:
         return
     dummy = records
-    launch(dispatch_copyout_kernel, (max(1, min(4096, triton.cdiv(m, 16))),),
+    launch(dispatch_copyout_kernel, (max(1, min(4096, cdiv(m, 16))),),
         dummy, records, dummy, dummy, 0, dummy, dummy, dummy, dummy,
         out_scales.view(torch.int32) if out_scales is not None else dummy,
         out_idx if out_idx is not None else dummy, out_w if out_w is not None else dummy, out_src, m, m, 0, 1, 0,
@@ -677,7 +677,7 @@ def launch_push(*, x, scales, topk_idx, topk_weights, itr, pos, first, rows, bas
                  scales.stride(1) if ns else 0, topk_idx if k else dummy, topk_weights if has_w else dummy,
                  itr.view(torch.int8), pos, first)
     meta = dict(XW=xw, W=record_words(ns, k, has_w), NS=ns, K=max(k, 1), E_LOCAL=max(1, num_experts // world), R=world,
-                R_POW2=max(2, triton.next_power_of_2(world)), TOK=tokens_per_step, BLOCK=chunk_block(xw, tokens_per_step),
+                R_POW2=max(2, next_pow2(world)), TOK=tokens_per_step, BLOCK=chunk_block(xw, tokens_per_step),
                 BLOCK_S=pow2_block(ns), BLOCK_K=pow2_block(k), HAS_SCALES=ns > 0, HAS_TOPK=k > 0, HAS_W=has_w,
                 SINGLE_ROUND=single_round, VEC=xw % 4 == 0, USE_PTX=use_ptx, num_warps=PUSH_WARPS)
     if receive is None:

@@ -140,3 +140,14 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     if launcher is None:
         launcher = _LAUNCHERS[kernel] = Launcher(kernel)
     launcher(grid, args, kwargs)
+
+
+def next_pow2(v: int) -> int:
+    """The smallest power of two >= ``v`` (1 for ``v <= 1``); ``triton.next_power_of_2`` costs microseconds
+    of host time per call."""
+    return 1 << max(0, (max(1, v) - 1).bit_length())
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for host integers (``triton.cdiv`` costs microseconds of host time per call)."""
+    return -(-a // b)

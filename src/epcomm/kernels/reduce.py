@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import launch
+from .launch import cdiv, launch, next_pow2
 from .numerics import f32_to_bf16_rne
 
 
@@ -108,11 +108,11 @@ def _launch(buf, slot, itr, pos, first, cap, t_begin, t_end, bias, out, w_buf, w
     k = w_out.size(1) if w_out is not None else 1
     dummy = out
     if programs is None:  # one program per (token, 1024 columns): the whole GPU
-        block = min(1024, triton.next_power_of_2(hidden))
-        grid, warps = (n, triton.cdiv(hidden, block)), 4 if block >= 512 else 1
+        block = min(1024, next_pow2(hidden))
+        grid, warps = (n, cdiv(hidden, block)), 4 if block >= 512 else 1
     else:  # at most ``programs`` programs, each looping over tokens with whole rows (up to 8192 columns)
-        block = min(8192, triton.next_power_of_2(hidden))
-        col_blocks = triton.cdiv(hidden, block)
+        block = min(8192, next_pow2(hidden))
+        col_blocks = cdiv(hidden, block)
         grid, warps = (max(1, min(n, programs // col_blocks)), col_blocks), 16 if block >= 4096 else 4
     launch(_reduce_kernel, grid,
         buf, slot if slot is not None else dummy, itr if itr is not None else dummy,
@@ -123,7 +123,7 @@ def _launch(buf, slot, itr, pos, first, cap, t_begin, t_end, bias, out, w_buf, w
         own.x if own is not None else dummy, own.w if own is not None and own.w is not None else dummy,
         own.base if own is not None else dummy, own.rank if own is not None else -1,
         own.x.stride(0) if own is not None else 0, HAS_SELF=own is not None, NUM_SLOTS=num_slots, FROM_LAYOUT=slot is None, FIRST_ZERO=first is None, HAS_B0=b0 is not None,
-        HAS_B1=b1 is not None, HAS_W=w_out is not None, K=k, BLOCK_K=max(16, triton.next_power_of_2(k)),
+        HAS_B1=b1 is not None, HAS_W=w_out is not None, K=k, BLOCK_K=max(16, next_pow2(k)),
         OUT_BF16=out.dtype == torch.bfloat16, BLOCK=block, PERSISTENT=programs is not None, num_warps=warps)
     return out
 

@@ -64,7 +64,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import cuda as _cuda_ext
 
-from .launch import launch
+from .launch import launch, next_pow2
 from .shmem_codes import (CMP_CODES, CMP_EQ, CMP_GE, CMP_GT, CMP_LE, CMP_LT, CMP_NE, ERR_BARRIER_TIMEOUT,  # noqa: F401
                            ERR_DONE_TIMEOUT, ERR_READY_TIMEOUT, ERR_WAIT_TIMEOUT, ERROR_NAMES, ERROR_WORDS, SIGNAL_ADD,
                            SIGNAL_SET)
@@ -604,7 +604,7 @@ def launch_barrier(bases: torch.Tensor, flags_off: int, epoch: torch.Tensor, err
     """``block_barrier`` as its own one-program kernel (``bases`` int64 [R], ``epoch`` int64 [1])."""
     device = bases.device
     launch(_barrier_kernel, (1,), bases, flags_off, epoch, err, rank, world, timeout_units(timeout_s, device),
-                          R_POW2=max(2, triton.next_power_of_2(world)), num_warps=1,
+                          R_POW2=max(2, next_pow2(world)), num_warps=1,
                           USE_TIMER=device.type == "cuda", **_flags(device))
 
 
@@ -620,7 +620,7 @@ def launch_allgather(bases: torch.Tensor, src_addr: int, out_off: int, shard_byt
     launch(_allgather_kernel, (programs, world),
         bases, src_addr, out_off, shard_bytes, ready_off, done_off, state, err, rank, world,
         timeout_units(timeout_s, device), BLOCK=block if aligned else min(block, 4096), ALIGNED16=aligned,
-        R_POW2=max(2, triton.next_power_of_2(world)), num_warps=warps if aligned else 4,
+        R_POW2=max(2, next_pow2(world)), num_warps=warps if aligned else 4,
         USE_TIMER=device.type == "cuda", **_flags(device))
 
 

@@ -68,7 +68,9 @@ log = logging.getLogger(__name__)
 
 
 def _pow2(v: int) -> int:
-    return 1 << max(0, (max(1, v) - 1).bit_length())
+    from ..kernels.launch import next_pow2
+
+    return next_pow2(v)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from typing import Optional
 import torch
 
 from .. import env
+from ..buffer.config import model_num_sms
 from ..buffer.handles import DispatchHandle
 from ..buffer.layout import align_up
 from ..buffer.validate import raise_if_bad_topk
@@ -129,6 +130,7 @@ class NVLinkTransport(Transport):
             raise BufferTooSmallError(f"{type(self).__name__}: could not allocate {self.area_bytes} bytes of "
                                       f"symmetric memory ({exc}); pass a smaller num_nvl_bytes") from exc
         h = self.heap
+        self._offsets: dict = {}
         self.mat = h.empty((r, r, self.table_words), torch.int32)
         self.flags = h.empty((r,), torch.int64)
         self.arrive = h.empty((r,), torch.int64)
@@ -162,7 +164,12 @@ class NVLinkTransport(Transport):
 
     # ------------------------------------------------------------------ helpers
     def _off(self, t: torch.Tensor) -> int:
-        return self.heap.offset_of(t)
+        """Heap offset of one of this transport's heap tensors (memoised: they live as long as the heap)."""
+        key = t.data_ptr()
+        off = self._offsets.get(key)
+        if off is None:
+            off = self._offsets[key] = self.heap.offset_of(t)
+        return off
 
     def _timeout(self) -> int:
         from ..kernels.shmem import timeout_units
@@ -173,8 +180,6 @@ class NVLinkTransport(Transport):
         """``config.num_sms``, or the traffic model's choice for ``rows`` rows of ``row_bytes`` leaving."""
         if config.num_sms is not None:
             return config.num_sms
-        from ..buffer.config import model_num_sms
-
         return model_num_sms(rows * row_bytes, self.link_gbps, self.sms)
 
     def _barrier(self) -> None:
