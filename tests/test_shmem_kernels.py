@@ -77,7 +77,8 @@ def _variants():
          ("ld.global.v4", "st.global.v4", "st.release.sys", "ld.global.sys.acquire", "%globaltimer")),
         ("allgather bytes", K._allgather_kernel, (bases, a + 3, 16384, 1001, 256, 512, state, err, 2, 3, 1),
          dict(BLOCK=4096, ALIGNED16=False, R_POW2=4, num_warps=4, **timer), ()),
-        ("allgather lines", K._allgather_lines_kernel, (bases, a, a + 65536, 4000, 1024, 1000, state, err, 1, 4, 10 ** 10),
+        ("allgather lines", K._allgather_lines_kernel,
+         (bases, a, a + 65536, 4000, 1024, 1000, state, err, 1, 4, 10 ** 10),
          dict(BLOCK=512, VEC=True, num_warps=4, USE_TIMER=True),
          ("ld.volatile.global.v2.b64", "%globaltimer", "st.global.v2.b64", "ld.global.v4.b32")),
     ]

@@ -2,9 +2,9 @@
 
 For each token count (default 1, 8, 32, 128, 256 per rank) at hidden 7168, top-8, 288 experts, FP8
 dispatch and BF16 combine, for every requested transport: plain calls, the hook halves (send returns,
-``hook()`` receives), a CUDA-graph replay of dispatch + combine, and graph replays of each alone (GPUs). Per-call time is the median of
-the per-iteration max across ranks. GB/s counts per selected (token, expert): dispatch H + 4H/128 + 16
-bytes, combine 2H."""
+``hook()`` receives), a CUDA-graph replay of dispatch + combine, and graph replays of each alone (GPUs).
+Per-call time is the median of the per-iteration max across ranks. GB/s counts per selected (token,
+expert): dispatch H + 4H/128 + 16 bytes, combine 2H."""
 
 from __future__ import annotations
 

@@ -605,7 +605,7 @@ def launch_layout(topk_idx, num_experts: int, num_ranks: int, per_rank, per_expe
         import torch
 
         launch(layout_kernel, (cdiv(n, 64),), topk_idx, itr.view(torch.int8), per_rank, per_expert, n, num_experts,
-                                             num_experts // num_ranks, K=k, R=num_ranks, BLOCK_T=64, BLOCK_K=pow2_block(k))
+               num_experts // num_ranks, K=k, R=num_ranks, BLOCK_T=64, BLOCK_K=pow2_block(k))
 
 
 def launch_unpack_records(records, out_scales, out_idx, out_w, out_src, num_scales: int, num_topk: int) -> None:
@@ -681,8 +681,8 @@ def launch_push(*, x, scales, topk_idx, topk_weights, itr, pos, first, rows, bas
                 BLOCK_S=pow2_block(ns), BLOCK_K=pow2_block(k), HAS_SCALES=ns > 0, HAS_TOPK=k > 0, HAS_W=has_w,
                 SINGLE_ROUND=single_round, VEC=xw % 4 == 0, USE_PTX=use_ptx, num_warps=PUSH_WARPS)
     if receive is None:
-        launch(dispatch_push_kernel, (grid,), *push_args, rows, bases, area_off, meta_off, hdr_off, arrive_off, epoch, counter,
-                                      t_begin, t_end, cap, rank, world, PUBLISH=publish, **meta)
+        launch(dispatch_push_kernel, (grid,), *push_args, rows, bases, area_off, meta_off, hdr_off, arrive_off, epoch,
+               counter, t_begin, t_end, cap, rank, world, PUBLISH=publish, **meta)
         return
     if not 1 <= grid <= PROGRESS_SLOTS:
         raise ValueError(f"launch_push: {grid} pushing programs; a streaming dispatch runs 1..{PROGRESS_SLOTS}")

@@ -446,4 +446,5 @@ def dispatch_launcher(consts: dict) -> StageLauncher:
 def combine_launcher(consts: dict) -> StageLauncher:
     """``ll_combine_kernel``, compiled without FMA contraction (the reduction must round every product)."""
     consts = dict(consts)
-    return StageLauncher(ll_combine_kernel, consts, {"num_warps": consts.pop("num_warps", 8), "enable_fp_fusion": False})
+    options = {"num_warps": consts.pop("num_warps", 8), "enable_fp_fusion": False}
+    return StageLauncher(ll_combine_kernel, consts, options)

@@ -596,7 +596,7 @@ def launch_wait(signal_addr: int, cmp: int, value: int, timeout_s: float, err: t
     """Wait on the current stream until the int64 flag at ``signal_addr`` satisfies ``cmp`` against ``value``
     or ``timeout_s`` passes (then ``err``, int64[ERROR_WORDS], records it)."""
     launch(_wait_kernel, (1,), signal_addr, cmp, value, timeout_units(timeout_s, device), err, rank, slot, num_warps=1,
-                       USE_TIMER=device.type == "cuda")
+           USE_TIMER=device.type == "cuda")
 
 
 def launch_barrier(bases: torch.Tensor, flags_off: int, epoch: torch.Tensor, err: torch.Tensor, rank: int,
@@ -604,8 +604,8 @@ def launch_barrier(bases: torch.Tensor, flags_off: int, epoch: torch.Tensor, err
     """``block_barrier`` as its own one-program kernel (``bases`` int64 [R], ``epoch`` int64 [1])."""
     device = bases.device
     launch(_barrier_kernel, (1,), bases, flags_off, epoch, err, rank, world, timeout_units(timeout_s, device),
-                          R_POW2=max(2, next_pow2(world)), num_warps=1,
-                          USE_TIMER=device.type == "cuda", **_flags(device))
+           R_POW2=max(2, next_pow2(world)), num_warps=1,
+           USE_TIMER=device.type == "cuda", **_flags(device))
 
 
 def launch_allgather(bases: torch.Tensor, src_addr: int, out_off: int, shard_bytes: int, ready_off: int,

@@ -276,10 +276,10 @@ class AllToAllTransport(Transport):
         checks, table, recv_table = ctl[:4], ctl[4:4 + tw].view(num_ranks, -1), ctl[4 + tw:].view(num_ranks, -1)
         first = torch.empty(num_ranks, dtype=torch.int32, device=dev)
         launch(plan_kernel, (1,), req.num_tokens_per_rank, req.num_tokens_per_expert if has_experts else checks,
-                          itr.view(torch.int8), req.topk_idx if k else checks, pos, table, first, checks, self._errors,
-                          n, req.num_experts, E_LOCAL=e_local, K=max(k, 1), R=num_ranks,
-                          R_POW2=max(2, 1 << (num_ranks - 1).bit_length()), HAS_EXPERTS=has_experts, HAS_TOPK=k > 0,
-                          BLOCK_T=256, BLOCK_E=pow2_block(e_local), BLOCK_K=pow2_block(k))
+               itr.view(torch.int8), req.topk_idx if k else checks, pos, table, first, checks, self._errors,
+               n, req.num_experts, E_LOCAL=e_local, K=max(k, 1), R=num_ranks,
+               R_POW2=max(2, 1 << (num_ranks - 1).bit_length()), HAS_EXPERTS=has_experts, HAS_TOPK=k > 0,
+               BLOCK_T=256, BLOCK_E=pow2_block(e_local), BLOCK_K=pow2_block(k))
         self._a2a(recv_table, table)
         rows, recs = self._pack(x, req.x_scales, req.topk_idx, req.topk_weights, itr, pos, first, req.num_experts)
         recv_per_expert = recv_table[:, 1:].sum(0, dtype=torch.int32)  # enqueued before the synchronisation
