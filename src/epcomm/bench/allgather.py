@@ -56,12 +56,13 @@ def _worker(ctx, sizes: list, iters: int, warmup: int, tune: bool, graph: bool) 
             return ag(s)
 
         methods = {base: lambda s=s, o=o: _all_gather(o, s, group=ctx.group), "epcomm": epcomm}
-        if n <= ag.small_shard_bytes:  # the small-shard protocol was used: also time the direct one
+        lines = ag.sends_lines(n, s.data_ptr())
+        if lines:  # the small-shard protocol was used: also time the direct one
             methods["epcomm_direct"] = lambda s=s: epcomm(s, "direct")
         timings = measure(ctx, methods, [m for m in methods if m != base], iters, warmup, graph)
         total = world * n
         row = {"size": format_size(total), "bytes": total, "shard_bytes": n,
-               "protocol": "lines" if n <= ag.small_shard_bytes and n % 4 == 0 else "direct"}
+               "protocol": "lines" if lines else "direct"}
         for name, t in timings.items():
             row[f"{name}_us"] = t.median_us
         for name, t in timings.items():

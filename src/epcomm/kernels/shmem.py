@@ -64,7 +64,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import cuda as _cuda_ext
 
-from .launch import launch, next_pow2
+from .launch import cdiv, launch, next_pow2
 from .shmem_codes import (CMP_CODES, CMP_EQ, CMP_GE, CMP_GT, CMP_LE, CMP_LT, CMP_NE, ERR_BARRIER_TIMEOUT,  # noqa: F401
                            ERR_DONE_TIMEOUT, ERR_READY_TIMEOUT, ERR_WAIT_TIMEOUT, ERROR_NAMES, ERROR_WORDS, SIGNAL_ADD,
                            SIGNAL_SET)
@@ -630,7 +630,7 @@ def launch_allgather_lines(bases: torch.Tensor, src_addr: int, out_addr: int, sh
     """All-gather of a small shard with inline flags (see ``_allgather_lines_kernel``): at most ``programs``
     programs per rank (each moves 512 words per step), ``state`` int64 [2] local [epoch, counter]."""
     device = bases.device
-    per_rank = max(1, min(-(-(shard_bytes // 4) // _LINE_BLOCK), programs // world))
+    per_rank = max(1, min(cdiv(shard_bytes // 4, _LINE_BLOCK), programs // world))
     if stage_off % 16 or slot_words % 2:
         raise ValueError(f"launch_allgather_lines: stage_off={stage_off} must be a multiple of 16 and "
                          f"slot_words={slot_words} even")

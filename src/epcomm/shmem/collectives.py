@@ -80,6 +80,10 @@ class AllGather:
             raise ValueError(f"AllGather: small_shard_bytes={small_shard_bytes} must be >= 0")
         return min(int(small_shard_bytes), max_shard_bytes) // 4 * 4
 
+    def sends_lines(self, nbytes: int, src_addr: int = 0) -> bool:
+        """Whether a shard of ``nbytes`` at ``src_addr`` qualifies for the lines protocol (``"auto"``)."""
+        return 0 < nbytes <= self.small_shard_bytes and nbytes % 4 == 0 and src_addr % 4 == 0
+
     @staticmethod
     def heap_bytes(world_size: int, max_shard_bytes: int, small_shard_bytes: Optional[int] = None) -> int:
         """Heap bytes one AllGather takes."""
@@ -103,8 +107,7 @@ class AllGather:
         src = shard.data_ptr()
         if self.protocol not in ("auto", "direct"):
             raise ValueError(f"{fn}: protocol={self.protocol!r} must be 'auto' or 'direct'")
-        if (self.protocol == "auto" and 0 < nbytes <= self.small_shard_bytes and nbytes % 4 == 0
-                and src % 4 == 0):
+        if self.protocol == "auto" and self.sends_lines(nbytes, src):
             heap._K.launch_allgather_lines(heap.peer_bases, src, self._out.data_ptr(), nbytes, self._stage_off,
                                            self._slot_words, self._state, heap._error, heap.rank, heap.world_size,
                                            timeout_s, heap._K.num_sms(heap.device))

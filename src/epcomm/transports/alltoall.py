@@ -262,7 +262,7 @@ class AllToAllTransport(Transport):
         """Exact-mode dispatch on GPUs: a plan kernel (positions, checks, count table), the count all_to_all,
         a pack kernel, one host synchronisation, then the rows and records all_to_alls."""
         from ..kernels.ep import plan_kernel, pow2_block
-        from ..kernels.launch import launch
+        from ..kernels.launch import launch, next_pow2
 
         num_ranks, e_local = self.num_ranks, req.num_experts // self.num_ranks
         x, dev, itr = req.x, req.x.device, req.is_token_in_rank
@@ -278,7 +278,7 @@ class AllToAllTransport(Transport):
         launch(plan_kernel, (1,), req.num_tokens_per_rank, req.num_tokens_per_expert if has_experts else checks,
                itr.view(torch.int8), req.topk_idx if k else checks, pos, table, first, checks, self._errors,
                n, req.num_experts, E_LOCAL=e_local, K=max(k, 1), R=num_ranks,
-               R_POW2=max(2, 1 << (num_ranks - 1).bit_length()), HAS_EXPERTS=has_experts, HAS_TOPK=k > 0,
+               R_POW2=max(2, next_pow2(num_ranks)), HAS_EXPERTS=has_experts, HAS_TOPK=k > 0,
                BLOCK_T=256, BLOCK_E=pow2_block(e_local), BLOCK_K=pow2_block(k))
         self._a2a(recv_table, table)
         rows, recs = self._pack(x, req.x_scales, req.topk_idx, req.topk_weights, itr, pos, first, req.num_experts)

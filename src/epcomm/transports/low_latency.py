@@ -58,6 +58,7 @@ import torch.distributed as dist
 from .. import env
 from ..buffer.handles import LowLatencyHandle
 from ..buffer.layout import LOW_LATENCY_ALIGN, low_latency_area, low_latency_flag_bytes
+from ..kernels.launch import next_pow2
 from ..errors import BufferTooSmallError, EpcommError
 from ..fp8 import FP8_DTYPE, GROUP
 from .base import (LowLatencyCombineRequest, LowLatencyCombineResult, LowLatencyDispatchRequest,
@@ -65,12 +66,6 @@ from .base import (LowLatencyCombineRequest, LowLatencyCombineResult, LowLatency
 
 
 log = logging.getLogger(__name__)
-
-
-def _pow2(v: int) -> int:
-    from ..kernels.launch import next_pow2
-
-    return next_pow2(v)
 
 
 @dataclass(frozen=True)
@@ -248,7 +243,7 @@ class OneSidedLowLatency:
         """``(rows, kper)`` from this rank's token count (what the others send is alike when decoding): rows per
         step of the copy loops (1 when few rows arrive: spread them over programs) and slots per send item
         (fewer when there are few tokens, so that more programs share the stores)."""
-        kp = _pow2(topk)
+        kp = next_pow2(topk)
         kper = kp
         while kper > 1 and n_tokens * (kp // kper) < self._sms:
             kper //= 2
@@ -263,20 +258,22 @@ class OneSidedLowLatency:
         lay = low_latency_area(t_max, hidden, r, e_local, topk, payload_bytes, scale_words)
         d_bytes, c_bytes = self._part
         xw = payload_bytes // 4
-        xwp = _pow2(xw)
-        hwp = _pow2(hidden // 2)
+        xwp = next_pow2(xw)
+        hwp = next_pow2(hidden // 2)
         jb = max(64, min(1024, 4096 // kper))
-        common = dict(RANK=self.rank, R=r, R_P=max(2, _pow2(r)), T=t_max, K=topk, E_L=e_local,
-                      E_LP=max(2, _pow2(e_local)), H=hidden, OFF_FLAG=self._off_flag, USE_PTX=self._on_gpu,
+        common = dict(RANK=self.rank, R=r, R_P=max(2, next_pow2(r)), T=t_max, K=topk, E_L=e_local,
+                      E_LP=max(2, next_pow2(e_local)), H=hidden, OFF_FLAG=self._off_flag, USE_PTX=self._on_gpu,
                       USE_TIMER=self._on_gpu, num_warps=8)
         dispatch_consts = dict(
-            common, K_P=max(2, _pow2(topk)), KPER=kper, FP8=use_fp8, ROUND=round_scale, UE8M0=use_ue8m0, XW=xw, XWP=xwp,
-            SW=max(scale_words, 1), SWP=_pow2(max(scale_words, 1)), G4P=_pow2(-(-groups // 4)), C=lay["cap"],
+            common, K_P=max(2, next_pow2(topk)), KPER=kper, FP8=use_fp8, ROUND=round_scale, UE8M0=use_ue8m0, XW=xw,
+            XWP=xwp, SW=max(scale_words, 1), SWP=next_pow2(max(scale_words, 1)), G4P=next_pow2(-(-groups // 4)),
+            C=lay["cap"],
             OFF_D=self._off_area, D_BYTES=d_bytes, OFF_PAY=lay["pay"], OFF_SCL=lay["scl"], OFF_META=lay["meta"],
             OFF_CNT=lay["cnt"], JB=jb, EB=max(8, min(64, 8192 // jb)), ROWS=max(1, min(rows, 8192 // xwp)),
             FB=1024)
         combine_consts = dict(common, HWP=hwp, OFF_C=self._off_area + 2 * d_bytes, C_BYTES=c_bytes,
-                              ROWS=max(1, min(rows, 8192 // hwp)), BC=min(1024 if rows == 1 else 2048, _pow2(hidden)))
+                              ROWS=max(1, min(rows, 8192 // hwp)),
+                              BC=min(1024 if rows == 1 else 2048, next_pow2(hidden)))
         return _Geometry(e_local=e_local,
                          scale_dtype=(torch.int32 if use_ue8m0 else torch.float32) if use_fp8 else None,
                          scale_words=scale_words, payload_dtype=FP8_DTYPE if use_fp8 else x_dtype,

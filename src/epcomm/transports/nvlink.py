@@ -38,6 +38,7 @@ from ..buffer.config import model_num_sms
 from ..buffer.handles import DispatchHandle
 from ..buffer.layout import align_up
 from ..buffer.validate import raise_if_bad_topk
+from ..kernels.launch import next_pow2
 from ..errors import BufferTooSmallError, EpcommError, EpcommTimeoutError
 from .base import (Capabilities, CombineRequest, DispatchRequest, DispatchResult, LowLatencyCombineRequest,
                    LowLatencyCombineResult, LowLatencyDispatchRequest, LowLatencyDispatchResult, Transport)
@@ -151,7 +152,7 @@ class NVLinkTransport(Transport):
         import torch.distributed as dist
 
         dist.barrier(group=group)
-        self.r_pow2 = max(2, 1 << (r - 1).bit_length())
+        self.r_pow2 = max(2, next_pow2(r))
         self.flags_kw = dict(USE_PTX=device.type == "cuda")
         self.timer_kw = dict(USE_TIMER=device.type == "cuda")
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
