@@ -31,22 +31,6 @@ class FusedNVLinkTransport(NVLinkTransport):
         self._ll._fused = True
 
 
-class DirectCombineTransport(NVLinkTransport):
-    """Every non-empty pair of ranks returns its combine rows directly (rows + fence + flag), none as lines."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._ll._line_rows = 0
-
-
-class MixedCombineTransport(NVLinkTransport):
-    """Pairs with at most 3 combine rows send them as lines, larger ones directly: both in one call."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._ll._line_rows = 3
-
-
 def _assert_clean(results):
     problems = [f"rank {r}: {label}: {fails}" for r, res in enumerate(results) for label, fails in res]
     assert not problems, "\n".join(problems)
@@ -70,12 +54,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("transport", [NVLinkTransport, MixedCombineTransport, DirectCombineTransport],
-                         ids=["lines", "mixed", "direct"])
-def test_low_latency_matches_reference(monkeypatch, transport):
-    """Combine rows of small pairs travel as lines (the default for these sizes), directly, or both."""
+def test_low_latency_matches_reference(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    _assert_clean(spawn(run_cases, 3, CASES, transport, NVL, device="cpu", timeout_s=600))
+    _assert_clean(spawn(run_cases, 3, CASES, NVLinkTransport, NVL, device="cpu", timeout_s=600))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -305,14 +286,13 @@ def _sample_args():
     t, h, k, e, r = 128, 7168, 8, 288, 4
     e_l = e // r
     lay = low_latency_area(t, h, r, e_l, k, h, h // 128)
-    common = dict(RANK=1, R=r, R_P=4, T=t, K=k, K_P=8, E_L=e_l, E_LP=128, H=h, OFF_FLAG=9216, USE_PTX=True,
-                  USE_TIMER=True, num_warps=8)
-    disp = dict(common, KPER=4, FP8=True, ROUND=False, UE8M0=False, XW=h // 4, XWP=2048, SW=h // 128, SWP=64,
+    common = dict(RANK=1, R=r, R_P=4, T=t, K=k, E_L=e_l, E_LP=128, H=h, OFF_FLAG=9216, USE_PTX=True, USE_TIMER=True,
+                  num_warps=8)
+    disp = dict(common, K_P=8, KPER=4, FP8=True, ROUND=False, UE8M0=False, XW=h // 4, XWP=2048, SW=h // 128, SWP=64,
                 G4P=16, C=lay["cap"], OFF_D=9472, D_BYTES=lay["dispatch_bytes"], OFF_PAY=lay["pay"], OFF_SCL=lay["scl"],
                 OFF_META=lay["meta"], OFF_CNT=lay["cnt"], JB=1024, EB=8, ROWS=4, FB=1024)
-    comb = dict(common, HWP=4096, OFF_C=9472 + 2 * lay["dispatch_bytes"], C_BYTES=lay["combine_bytes"],
-                OFF_LINES=lay["lines"], OFF_HDR=lay["hdr"], OFF_ROWS=lay["rows"], LN=lay["line_rows"], ROWS=2,
-                BW=1024, JB=512)
+    comb = dict(common, HWP=4096, OFF_C=9472 + 2 * lay["dispatch_bytes"], C_BYTES=lay["combine_bytes"], ROWS=2,
+                BC=2048)
     x = torch.empty(t, h, dtype=torch.bfloat16)
     idx = torch.empty(t, k, dtype=torch.int64)
     w = torch.empty(t, k, dtype=torch.float32)

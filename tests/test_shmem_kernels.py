@@ -218,6 +218,26 @@ def _unit() -> dict:
                              err, 0, 2, 0.02, 4)
     check(err.tolist()[:6] == [K.ERR_DONE_TIMEOUT, 0, 1, -1, 2, 0], f"line all-gather timeout record {err.tolist()}")
     err.zero_()
+    # epochs past 2**31 (lines carry the low 32 bits): call 2**31 with one stale line of call 2**31 - 2, whose
+    # sign-extended epoch is larger than the current one's, times out; call 2**31 + 1 then completes
+    def line_tag(e):
+        tag = (e & 0xFFFFFFFF) << 32
+        return tag - (1 << 64) if tag >= 1 << 63 else tag
+
+    state[0] = 2**31 - 1
+    stage(0, 0, 1).copy_(line_tag(2**31) | (shards[1].to(torch.int64) & 0xFFFFFFFF))
+    stage(0, 0, 1)[7] = line_tag(2**31 - 2) | 5
+    K.launch_allgather_lines(bases2, shards[0].data_ptr(), out.data_ptr(), 4 * words, stage_off, slot_words, state,
+                             err, 0, 2, 0.02, 4)
+    check(err.tolist()[:6] == [K.ERR_DONE_TIMEOUT, 0, 1, -1, 2**31, 2**31 - 2],
+          f"line all-gather past 2**31: a stale line must time out, record {err.tolist()}")
+    err.zero_()
+    out.fill_(-7)
+    stage(0, 1, 1).copy_(line_tag(2**31 + 1) | (shards[1].to(torch.int64) & 0xFFFFFFFF))
+    K.launch_allgather_lines(bases2, shards[0].data_ptr(), out.data_ptr(), 4 * words, stage_off, slot_words, state,
+                             err, 0, 2, 5.0, 4)
+    check(int(err[0]) == 0 and torch.equal(out[1], shards[1]) and int(state[0]) == 2**31 + 1,
+          f"line all-gather past 2**31: err {err.tolist()} state {state.tolist()}")
     return {"failures": failures, "checked": checked, "interpreted": K.interpreted()}
 
 

@@ -41,41 +41,29 @@ def low_latency_pair_capacity(num_max_dispatch_tokens_per_rank: int, num_topk: i
 
 
 LOW_LATENCY_ALIGN = 256
-LOW_LATENCY_LINE_ROWS = 16  # combine rows of one pair of ranks that travel as 8-byte lines (flag inside the data)
 
 
 def low_latency_area(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_local_experts: int,
-                     num_topk: int, payload_row_bytes: int, scale_words: int,
-                     line_rows: int = LOW_LATENCY_LINE_ROWS) -> dict:
+                     num_topk: int, payload_row_bytes: int, scale_words: int) -> dict:
     """Byte layout of the one-sided low-latency storage of one rank for one call geometry (the same on every
     rank; ``epcomm.transports.low_latency``). Two dispatch areas, then two combine areas (one per parity):
 
     * dispatch area: ``pay [R, T, payload_row_bytes]`` | ``scl [R, T, scale_words]`` int32 (a token's row
       arrives once per rank, whatever the number of its experts there) | ``meta [R, C]`` int32 records,
       one per (token, expert), ``C = T * min(K, E_local)`` per source rank | ``cnt [R, E_local]`` int32;
-    * combine area: ``hdr [R]`` int64, one line per sender (epoch << 32 | rows) | ``lines [R, L, hidden / 2]``
-      int64, the rows of a pair of ranks with at most ``L = line_rows`` of them, as 8-byte lines (epoch << 32
-      | two bf16) | ``rows [T * K, hidden]`` bf16, one row per (token, slot) of this rank. The line parts
-      come first so that their place depends only on ``R`` and ``hidden``: a line slot never holds a row of
-      another call shape with the same hidden size (a stale word could pass for a line).
+    * combine area: ``rows [T * K, hidden]`` bf16, one row per (token, slot) of this rank.
 
-    Returns the offsets (relative to the start of the area), ``line_rows`` and ``total`` bytes; each part is
-    256-aligned."""
+    Returns the offsets (relative to the start of the area) and ``total`` bytes; each part is 256-aligned."""
     t, r, k = num_max_dispatch_tokens_per_rank, num_ranks, num_topk
     cap = low_latency_pair_capacity(t, k, num_local_experts)
-    lines = max(0, line_rows)
-    out = {"cap": cap, "line_rows": lines}
+    out = {"cap": cap}
     off = 0
     for name, nbytes in (("pay", r * t * payload_row_bytes), ("scl", r * t * scale_words * 4),
                          ("meta", r * cap * 4), ("cnt", r * num_local_experts * 4)):
         out[name] = off
         off = align_up(off + nbytes, LOW_LATENCY_ALIGN)
     out["dispatch_bytes"] = off
-    off = 0
-    for name, nbytes in (("hdr", r * 8), ("lines", r * lines * hidden * 4), ("rows", t * k * hidden * 2)):
-        out[name] = off
-        off = align_up(off + nbytes, LOW_LATENCY_ALIGN)
-    out["combine_bytes"] = off
+    out["combine_bytes"] = align_up(t * k * hidden * 2, LOW_LATENCY_ALIGN)
     out["total"] = 2 * (out["dispatch_bytes"] + out["combine_bytes"])
     return out
 
@@ -92,9 +80,9 @@ def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden
 
     epcomm sizes by what can arrive, double-buffered: per parity, from each of the R ranks at most ``T``
     dispatch rows (payload and scales: a token travels once per rank) and ``T * min(K, E_local)`` 4-byte
-    records, and ``T * K`` combine rows of this rank's own tokens (plus, per sender, up to 16 rows in the
-    8-byte-line form that small combines use), instead of DeepEP's ``E * T`` rows per direction. Without
-    ``num_topk`` the bound takes ``K = E_local`` (every local expert selected). Float32 payloads (``use_fp8=False`` with fp32 ``x``) need
+    records, and ``T * K`` combine rows of this rank's own tokens, instead of DeepEP's ``E * T`` rows per
+    direction. Without ``num_topk`` the bound takes
+    ``K = E_local`` (every local expert selected). Float32 payloads (``use_fp8=False`` with fp32 ``x``) need
     twice the payload part; the one-sided transports grow their storage on the first such call."""
     if num_experts % num_ranks:
         raise ValueError(f"get_low_latency_rdma_size_hint: num_experts={num_experts} is not divisible by "

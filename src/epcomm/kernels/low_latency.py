@@ -11,18 +11,14 @@ Per rank, symmetric (offsets from the heap base, see ``epcomm.buffer.layout.low_
     (row ``t`` of region ``s``: token ``t`` of source ``s``, if it selected an expert here), ``meta [R, C]``
     int32 records ``token * K + slot``, ``cnt [R, E_local]`` int32 records per (source, local expert).
     Source ``s`` writes only region ``s``: its records for this rank ordered by (expert, token, slot);
-  * combine area of parity p: ``hdr [R]`` int64 header lines (one per sender: epoch << 32 | its rows for
-    this rank), ``lines [R, LN, H / 2]`` int64 (the rows of a sender with at most ``LN`` of them, as 8-byte
-    lines epoch << 32 | two bf16, at their record's position in this rank's region) and ``rows [T * K, H]``
-    bf16 (row ``token * K + slot`` of this rank's tokens, from the other senders).
+  * combine area of parity p: ``rows [T * K, H]`` bf16, row ``token * K + slot`` of this rank's tokens.
 Per rank, local int64 control words ``ctl`` (``CTL_*``): call counters (the parity lives on the device, so a
 captured CUDA graph alternates buffers on every replay), arrival counters, the error record, and a ring of
 per-call words that carry a send's call number to its separately launched receive (hooks).
 
-Ordering (``epcomm.kernels.shmem``): payload, scales, records, counts and direct combine rows are plain
-stores; every program that made them fences (system scope) and arrives on a local counter; the last one
-releases the epoch into every peer's flag. Combine rows of small pairs and the combine headers carry their
-epoch inside each 8-byte line instead ("Flag inside the data"): no fence, no flag. Receivers acquire-poll their flags with a timeout that records an error instead of hanging, then read
+Ordering (``epcomm.kernels.shmem``): payload, scales, records and counts are plain stores; every program
+fences (system scope) and arrives on a local counter; the last one releases the epoch into every peer's
+flag. Receivers acquire-poll their flags with a timeout that records an error instead of hanging, then read
 with ``.cg`` loads (L2, never a stale L1 line). A kernel may run the send half, the receive half or both
 (``DO_SEND``/``DO_RECV``): fused, every program waits for flags that the same launch's last program releases,
 so the fused form needs all programs resident at once (grid <= SMs on a GPU; grid 1 under the interpreter,
@@ -39,11 +35,9 @@ import triton
 import triton.language as tl
 
 from ..fp8 import FP8_AMAX_FLOOR, FP8_MAX_INV
-from .shmem_codes import CMP_GE
-from .numerics import f32_to_bf16_bits
+from .numerics import f32_to_bf16_rne
 from .launch import Launcher
-from .shmem import (arrive_last, fence_sys, ld_acquire, line_tag, record_error, st_release, wait_all_ge,
-                    wait_lines, wait_until)
+from .shmem import arrive_last, fence_sys, ld_acquire, st_release, wait_all_ge
 
 # control words (int64) of ``OneSidedLowLatency._ctl``
 CTL_STATE = 0  # [2] calls made: dispatch, combine
@@ -62,7 +56,6 @@ _K_ERR_DISPATCH = tl.constexpr(ERR_LL_DISPATCH)
 _K_ERR_COMBINE = tl.constexpr(ERR_LL_COMBINE)
 _K_MAX_INV = tl.constexpr(FP8_MAX_INV)
 _K_FLOOR = tl.constexpr(FP8_AMAX_FLOOR)
-_K_CMP_GE = tl.constexpr(CMP_GE)
 _K_CTL_COUNTER = tl.constexpr(CTL_COUNTER)
 _K_CTL_ERR = tl.constexpr(CTL_ERR)
 _K_CTL_OVERFLOW = tl.constexpr(CTL_OVERFLOW)
@@ -94,25 +87,6 @@ def _pick(vec, lanes, i):
     return tl.sum(tl.where(lanes == i, vec, 0))
 
 
-@triton.jit
-def _region_pos(idx_ptr, g, flat, lo, nk, E, JB: tl.constexpr):
-    """Position of each (token, slot) ``flat`` (expert ``g``, a 1-D block) in its destination's region: the
-    number of this rank's pairs ``j < nk`` of ``idx`` with an expert of that rank (``[lo, E)`` below ``g``)
-    that sort before it by (expert, token, slot). Used by the dispatch's sender and the combine's receiver
-    alike."""
-    jr = tl.arange(0, JB)
-    pos = tl.zeros(g.shape, tl.int32)
-    j0 = 0
-    while j0 < nk:
-        jj = j0 + jr
-        gj = tl.load(idx_ptr + jj, mask=jj < nk, other=-1).to(tl.int32)
-        before = (gj[None, :] < g[:, None]) | ((gj[None, :] == g[:, None]) & (jj[None, :] < flat[:, None]))
-        hit = (gj[None, :] >= lo[:, None]) & (gj[None, :] < E) & before
-        pos += tl.sum(hit.to(tl.int32), axis=1)
-        j0 += JB
-    return pos
-
-
 @triton.jit(do_not_specialize=["n_tokens", "info_slot", "timeout"])
 def ll_dispatch_kernel(x_ptr, idx_ptr, out_x_ptr, out_s_ptr, hmeta_ptr, bases_ptr, ctl_ptr,
                        n_tokens, info_slot, local_base, timeout,
@@ -139,9 +113,8 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, out_x_ptr, out_s_ptr, hmeta_ptr, bases_pt
     Receive: wait for every source's epoch, read ``cnt``, and copy each source's records (expert-major) into
     ``out_x [E_L, R * T, ...]`` at ``begin[e, s] + i``, the row and scales of each from the source's row of
     that record's token (a row is read once per expert that selected it); column-major scales; ``hmeta`` (int32) gets
-    ``recv_count [E_L] | layout_range [E_L, R, 2] | src_info [E_L, R*T] (-1 past the count) | route [E_L, R*T]
-    | rpos [E_L, R*T]`` (``route = s * T * K + token * K + slot``: where combine returns the row; ``rpos``: the
-    record's position in the source's region, where combine returns it as lines)."""
+    ``recv_count [E_L] | layout_range [E_L, R, 2] | src_info [E_L, R*T] (-1 past the count) | route [E_L, R*T]``
+    (``route = s * T * K + token * K + slot``: where combine returns the row)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     err_ptr = ctl_ptr + _K_CTL_ERR
@@ -150,7 +123,6 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, out_x_ptr, out_s_ptr, hmeta_ptr, bases_pt
     M_LR: tl.constexpr = E_L
     M_SRC: tl.constexpr = E_L + 2 * E_L * R
     M_ROUTE: tl.constexpr = M_SRC + E_L * RT
-    M_RPOS: tl.constexpr = M_ROUTE + E_L * RT
     G: tl.constexpr = H // 128
     if DO_SEND:
         call = tl.load(ctl_ptr)
@@ -204,7 +176,16 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, out_x_ptr, out_s_ptr, hmeta_ptr, bases_pt
                     swords = scale.to(tl.int32, bitcast=True)  # [G4P, 4]
             else:
                 xw = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + t.to(tl.int64) * XW + wcols, mask=wcols < XW)
-            pos = _region_pos(idx_ptr, g, flat, lo, nk, E, JB)
+            # position of each slot in its destination's region: rank by (id, token, slot) within the rank
+            pos = tl.zeros([KPER], tl.int32)
+            j0 = 0
+            while j0 < nk:
+                jj = j0 + jr
+                gj = tl.load(idx_ptr + jj, mask=jj < nk, other=-1).to(tl.int32)
+                before = (gj[None, :] < g[:, None]) | ((gj[None, :] == g[:, None]) & (jj[None, :] < flat[:, None]))
+                hit = (gj[None, :] >= lo[:, None]) & (gj[None, :] < E) & before
+                pos += tl.sum(hit.to(tl.int32), axis=1)
+                j0 += JB
             ok = valid & (pos < C)
             nover = tl.sum((valid & (pos >= C)).to(tl.int32))
             if nbad + nover > 0:
@@ -330,7 +311,6 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, out_x_ptr, out_s_ptr, hmeta_ptr, bases_pt
                 tl.store(sdst + sc[None, :].to(tl.int64) * RT + pos[:, None], sv, mask=smask)
             tl.store(hmeta_ptr + M_SRC + dst_row, m // K, mask=ok)
             tl.store(hmeta_ptr + M_ROUTE + dst_row, s * (T * K) + m, mask=ok)
-            tl.store(hmeta_ptr + M_RPOS + dst_row, j, mask=ok)
             q0 += nprog * ROWS
         # src_info = -1 past each expert's count
         fl = tl.arange(0, FB)
@@ -348,26 +328,17 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, out_x_ptr, out_s_ptr, hmeta_ptr, bases_pt
 def ll_combine_kernel(y_ptr, idx_ptr, w_ptr, out_ptr, hmeta_ptr, bases_ptr, ctl_ptr,
                       n_tokens, info_slot, local_base, timeout,
                       RANK: tl.constexpr, R: tl.constexpr, R_P: tl.constexpr, T: tl.constexpr, K: tl.constexpr,
-                      K_P: tl.constexpr, E_L: tl.constexpr, E_LP: tl.constexpr, H: tl.constexpr, HWP: tl.constexpr,
-                      OFF_FLAG: tl.constexpr, OFF_C: tl.constexpr, C_BYTES: tl.constexpr, OFF_LINES: tl.constexpr,
-                      OFF_HDR: tl.constexpr, OFF_ROWS: tl.constexpr, LN: tl.constexpr, ROWS: tl.constexpr,
-                      BW: tl.constexpr, JB: tl.constexpr, DO_SEND: tl.constexpr, DO_RECV: tl.constexpr,
-                      USE_PTX: tl.constexpr, USE_TIMER: tl.constexpr):
+                      E_L: tl.constexpr, E_LP: tl.constexpr, H: tl.constexpr, HWP: tl.constexpr,
+                      OFF_FLAG: tl.constexpr, OFF_C: tl.constexpr, C_BYTES: tl.constexpr, ROWS: tl.constexpr,
+                      BC: tl.constexpr, DO_SEND: tl.constexpr, DO_RECV: tl.constexpr, USE_PTX: tl.constexpr,
+                      USE_TIMER: tl.constexpr):
     """Low-latency combine, send half and/or receive half.
 
-    Every rank sends each of its senders' rows back by one of two protocols per pair of ranks, chosen alike
-    on both sides from the pair's row count ``n`` (the sender's ``layout_range``, which it also announces):
-    ``n <= LN``: *lines*, each row as 8-byte lines ``epoch << 32 | two bf16`` into row ``rpos`` (the record's
-    position in the source's region, below ``n``) of the source's ``lines [RANK]``, which the receiver polls
-    (no fence, no flag); else *direct*: the rows go to row ``token * K + slot`` of the source's ``rows`` and
-    the last program to arrive (after every program that stored direct rows fenced) releases the epoch into
-    every rank's flag. Program 0 first stores a header line ``epoch << 32 | n`` to every rank.
-
-    Send: every received row ``(e, i < recv_count[e])`` of ``y [E_L, R * T, H]`` bf16 (``route`` and ``rpos``
-    in ``hmeta``) by its pair's protocol. Receive: wait for every rank's header (every rank waits for every
-    rank, rows or not) and for the flags of the direct pairs, then ``out[t] = bf16(sum over k ascending with a
-    valid id of w[t, k] * float(row))``, from +0.0, each product rounded before the add; the rows of line
-    pairs are polled where ``rpos`` put them (recomputed from ``idx``, as the dispatch's sender did)."""
+    Send: every received row ``(e, i < recv_count[e])`` of ``y [E_L, R * T, H]`` bf16 goes to row
+    ``token * K + slot`` of its source's combine area (``route`` in ``hmeta``); then fence, arrive, and the
+    last program releases the epoch to every rank (every rank waits for every rank, rows or not).
+    Receive: wait, then ``out[t] = bf16(sum over k ascending with a valid id of w[t, k] * float(row))``,
+    from +0.0, each product rounded before the add."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     err_ptr = ctl_ptr + _K_CTL_ERR
@@ -375,26 +346,11 @@ def ll_combine_kernel(y_ptr, idx_ptr, w_ptr, out_ptr, hmeta_ptr, bases_ptr, ctl_
     RT: tl.constexpr = R * T
     TK: tl.constexpr = T * K
     HW: tl.constexpr = H // 2
-    M_LR: tl.constexpr = E_L
     M_ROUTE: tl.constexpr = E_L + 2 * E_L * R + E_L * RT
-    M_RPOS: tl.constexpr = M_ROUTE + E_L * RT
-    peers = tl.arange(0, R_P)
-    low = tl.full([], 0xFFFFFFFF, tl.int64)
     if DO_SEND:
         call = tl.load(ctl_ptr + 1)
         parity = call & 1
         area = OFF_C + parity * C_BYTES
-        tag = line_tag(call + 1)
-        # rows per source rank (capped as the dispatch capped them): the pair's protocol
-        e2 = tl.arange(0, E_LP)[:, None]
-        ccs = tl.load(hmeta_ptr + M_LR + (e2 * R + peers[None, :]) * 2 + 1, mask=(e2 < E_L) & (peers < R)[None, :],
-                      other=0)
-        npair = tl.sum(ccs, axis=0)  # [R_P]
-        lines_of = (npair <= LN).to(tl.int32)
-        safe = tl.where(peers < R, peers, RANK)  # spare lanes repeat this rank's own slot
-        if pid == 0:
-            ha = tl.load(bases_ptr + safe) + area + OFF_HDR + RANK * 8
-            tl.store(ha.to(tl.pointer_type(tl.int64)), tag | npair.to(tl.int64), mask=peers < R)
         e1 = tl.arange(0, E_LP)
         rc = tl.load(hmeta_ptr + e1, mask=e1 < E_L, other=0)
         rc = tl.minimum(tl.maximum(rc, 0), RT)
@@ -402,7 +358,6 @@ def ll_combine_kernel(y_ptr, idx_ptr, w_ptr, out_ptr, hmeta_ptr, bases_ptr, ctl_
         total = tl.sum(rc)
         rr = tl.arange(0, ROWS)
         wc = tl.arange(0, HWP)
-        ndirect = tl.zeros([], tl.int32)
         q0 = pid * ROWS
         while q0 < total:
             q = q0 + rr
@@ -413,30 +368,21 @@ def ll_combine_kernel(y_ptr, idx_ptr, w_ptr, out_ptr, hmeta_ptr, bases_ptr, ctl_
             route = tl.load(hmeta_ptr + M_ROUTE + row, mask=qm, other=0)
             s = route // TK
             ok = qm & (s >= 0) & (s < R)
-            s = tl.where(ok, s, 0)
-            as_lines = tl.sum(tl.where(peers[None, :] == s[:, None], lines_of[None, :], 0), axis=1) != 0
-            okd = ok & ~as_lines
-            okl = ok & as_lines
-            cm = (wc < HW)[None, :]
-            v = tl.load(y_ptr.to(tl.pointer_type(tl.int32)) + row[:, None] * HW + wc[None, :], mask=ok[:, None] & cm)
-            peer_area = tl.load(bases_ptr + s) + area
             m = (route - s * TK).to(tl.int64)
-            dst = tl.multiple_of((peer_area + OFF_ROWS + m * (H * 2)).to(tl.pointer_type(tl.int32)), 16)
-            tl.store(dst[:, None] + wc[None, :], v, mask=okd[:, None] & cm)
-            if tl.sum(okl.to(tl.int32)) > 0:
-                j = tl.load(hmeta_ptr + M_RPOS + row, mask=okl, other=0).to(tl.int64)
-                ldst = peer_area + OFF_LINES + (RANK * LN + j) * (HW * 8)
-                ldst = tl.multiple_of(ldst.to(tl.pointer_type(tl.int64)), 16)
-                tl.store(ldst[:, None] + wc[None, :], tag | (v.to(tl.int64) & low), mask=okl[:, None] & cm)
-            ndirect += tl.sum(okd.to(tl.int32))
+            dst = tl.load(bases_ptr + tl.where(ok, s, 0)) + area + m * (H * 2)
+            dst = tl.multiple_of(dst.to(tl.pointer_type(tl.int32)), 16)
+            cm = ok[:, None] & (wc < HW)[None, :]
+            v = tl.load(y_ptr.to(tl.pointer_type(tl.int32)) + row[:, None] * HW + wc[None, :], mask=cm)
+            tl.store(dst[:, None] + wc[None, :], v, mask=cm)
             q0 += nprog * ROWS
-        if ndirect > 0:  # only direct rows are published by the flag
-            fence_sys(USE_PTX)
+        fence_sys(USE_PTX)
         tl.debug_barrier()
         if arrive_last(ctl_ptr + _K_CTL_COUNTER + 1, nprog) != 0:
             fence_sys(USE_PTX)
             tl.store(ctl_ptr + 1, call + 1)
             tl.store(ctl_ptr + _K_CTL_INFO + _K_INFO_RING + info_slot, call)
+            peers = tl.arange(0, R_P)
+            safe = tl.where(peers < R, peers, RANK)
             fa = tl.load(bases_ptr + safe) + OFF_FLAG + ((2 + parity) * R + RANK) * 8
             st_release(fa.to(tl.pointer_type(tl.int64)), tl.zeros([R_P], tl.int64) + call + 1, USE_PTX)
     if DO_RECV:
@@ -446,72 +392,26 @@ def ll_combine_kernel(y_ptr, idx_ptr, w_ptr, out_ptr, hmeta_ptr, bases_ptr, ctl_
             rcall = tl.load(ctl_ptr + _K_CTL_INFO + _K_INFO_RING + info_slot)
         rpar = rcall & 1
         rarea = local_base + OFF_C + rpar * C_BYTES
-        want = line_tag(rcall + 1) >> 32
-        alive = (ld_acquire(err_ptr) == 0).to(tl.int32)  # after a timeout every later receive fails fast
-        lines_from = tl.zeros([R_P], tl.int32)  # 1: the rows from that rank come as lines
-        nfrom = tl.zeros([R_P], tl.int32)  # rows from each rank (its header)
-        if alive != 0:
-            hp = (rarea + OFF_HDR + peers * 8).to(tl.pointer_type(tl.int64))
-            hdr, seen = wait_lines(hp, peers < R, rcall + 1, timeout, USE_TIMER)
-            if seen != want:
-                late = tl.min(tl.where((peers < R) & ((hdr >> 32) != want), peers, R_P))
-                record_error(err_ptr, _K_ERR_COMBINE, RANK, late, -1, rcall + 1, seen, _K_CMP_GE)
-                alive = tl.zeros([], tl.int32)
-            else:
-                nfrom = (hdr & low).to(tl.int32)
-                lines_from = (nfrom <= LN).to(tl.int32)
-        for q in tl.static_range(R_P):
-            if q < R:
-                if (alive != 0) & (_pick(lines_from, peers, q) == 0):
-                    flag = (local_base + OFF_FLAG + ((2 + rpar) * R + q) * 8).to(tl.pointer_type(tl.int64))
-                    alive = wait_until(flag, _K_CMP_GE, rcall + 1, timeout, err_ptr, _K_ERR_COMBINE, RANK, q, -1,
-                                       USE_TIMER)
+        if ld_acquire(err_ptr) == 0:
+            wait_all_ge(local_base, OFF_FLAG + (2 + rpar) * (R * 8), R, rcall + 1, timeout, err_ptr,
+                        _K_ERR_COMBINE, RANK, R_P, USE_TIMER)
         tl.debug_barrier()
-        NCH: tl.constexpr = (HW + BW - 1) // BW
-        wc0 = tl.arange(0, BW)
-        kk = tl.arange(0, K_P)
-        nk = n_tokens * K
+        NCH: tl.constexpr = (H + BC - 1) // BC
+        cols0 = tl.arange(0, BC)
         it = pid
         while it < n_tokens * NCH:
             t = it // NCH
-            wcols = (it - t * NCH) * BW + wc0
-            cm = wcols < HW
-            gk = tl.load(idx_ptr + t * K + kk, mask=kk < K, other=-1).to(tl.int32)
-            vk = (gk >= 0) & (gk < E)
-            rk = tl.where(vk, gk // E_L, 0)
-            lk = vk & (tl.sum(tl.where(peers[None, :] == rk[:, None], lines_from[None, :], 0), axis=1) != 0)
-            posk = tl.zeros([K_P], tl.int32)
-            if tl.sum(lk.to(tl.int32)) > 0:
-                posk = _region_pos(idx_ptr, gk, t * K + kk, rk * E_L, nk, E, JB)
-            # a row past its pair's count was dropped by the dispatch (repeated expert ids): it adds nothing
-            nk_from = tl.sum(tl.where(peers[None, :] == rk[:, None], nfrom[None, :], 0), axis=1)
-            vk = vk & (~lk | (posk < nk_from))
-            acc_lo = tl.zeros([BW], tl.float32)
-            acc_hi = tl.zeros([BW], tl.float32)
+            cols = (it - t * NCH) * BC + cols0
+            cm = cols < H
+            acc = tl.zeros([BC], tl.float32)
             for k in tl.static_range(K):
-                valid = _pick(vk.to(tl.int32), kk, k) != 0
+                g = tl.load(idx_ptr + t * K + k)
+                valid = (g >= 0) & (g < E)
                 wk = tl.load(w_ptr + t * K + k)
-                if _pick(lk.to(tl.int32), kk, k) != 0:
-                    r = _pick(rk, kk, k).to(tl.int64)
-                    j = _pick(posk, kk, k).to(tl.int64)
-                    lp = (rarea + OFF_LINES + (r * LN + j) * (HW * 8)).to(tl.pointer_type(tl.int64))
-                    words = tl.zeros([BW], tl.int32)
-                    if (alive != 0) & valid:
-                        line, seen = wait_lines(tl.multiple_of(lp, 16) + wcols, cm, rcall + 1, timeout, USE_TIMER)
-                        if seen != want:
-                            record_error(err_ptr, _K_ERR_COMBINE, RANK, r, j, rcall + 1, seen, _K_CMP_GE)
-                            alive = tl.zeros([], tl.int32)
-                        words = (line & low).to(tl.int32)
-                else:
-                    src = (rarea + OFF_ROWS + (t * K + k).to(tl.int64) * (H * 2)).to(tl.pointer_type(tl.int32))
-                    words = tl.load(tl.multiple_of(src, 16) + wcols, mask=cm & valid, other=0, cache_modifier=".cg")
-                y_lo = (words << 16).to(tl.float32, bitcast=True)  # the bf16 of the even column
-                y_hi = (words & -65536).to(tl.float32, bitcast=True)  # the odd column's
-                acc_lo = tl.where(valid, acc_lo + wk * y_lo, acc_lo)
-                acc_hi = tl.where(valid, acc_hi + wk * y_hi, acc_hi)
-            packed = f32_to_bf16_bits(acc_lo) | (f32_to_bf16_bits(acc_hi) << 16)
-            tl.store(out_ptr.to(tl.pointer_type(tl.int32)) + t.to(tl.int64) * HW + wcols,
-                     packed.to(tl.int32, bitcast=True), mask=cm)
+                src = (rarea + (t * K + k).to(tl.int64) * (H * 2)).to(tl.pointer_type(tl.bfloat16))
+                y = tl.load(tl.multiple_of(src, 16) + cols, mask=cm & valid, other=0.0, cache_modifier=".cg")
+                acc = tl.where(valid, acc + wk * y.to(tl.float32), acc)
+            tl.store(out_ptr + t.to(tl.int64) * H + cols, f32_to_bf16_rne(acc), mask=cm)
             it += nprog
 
 

@@ -248,34 +248,6 @@ def wait_all_ge(base, flags_off, world, value, timeout, err_ptr, err_code, rank,
 
 
 @triton.jit
-def line_tag(e):
-    """The upper half of an 8-byte line of epoch ``e`` (int64): ``e << 32`` (the epoch's low 32 bits)."""
-    return e.to(tl.int64) << 32
-
-
-@triton.jit
-def wait_lines(ptrs, mask, e, timeout, USE_TIMER: tl.constexpr):
-    """Poll the int64 lines at the 1-D block of pointers ``ptrs`` (``mask``: the ones to read) with volatile
-    loads until every one carries epoch ``e`` (``line_tag``; "Flag inside the data" in the module docstring),
-    or until ``timeout`` (see ``expired``). Returns ``(lines, seen)``: ``seen`` is the epoch of a line that
-    does not carry ``e``'s (low 32 bits, sign-extended), or ``e``'s when every line arrived; the caller
-    records a timeout. Uniform across the program's threads (``seen`` is a reduction)."""
-    want = line_tag(e) >> 32
-    none = tl.full([], 1 << 62, tl.int64)  # no epoch is this large (they are sign-extended 32-bit values)
-    lines = tl.load(ptrs, mask=mask, other=line_tag(e), volatile=True)
-    odd = tl.min(tl.where((lines >> 32) != want, lines >> 32, none), axis=0)
-    t0 = now(USE_TIMER)
-    polls = tl.full([], 0, tl.int64)
-    late = tl.full([], 0, tl.int32)
-    while (odd != none) & (late == 0):
-        lines = tl.load(ptrs, mask=mask, other=line_tag(e), volatile=True)
-        odd = tl.min(tl.where((lines >> 32) != want, lines >> 32, none), axis=0)
-        polls += 1
-        late = expired(t0, polls, timeout, USE_TIMER)
-    return lines, tl.where(odd == none, want, odd)
-
-
-@triton.jit
 def arrive_last(counter_ptr, total):
     """Count this program as done on the int32 counter at ``counter_ptr`` (device-local, starts at 0) and
     return 1 in the program that completes the count of ``total`` (0 in the others). That program also
@@ -482,7 +454,7 @@ def _allgather_lines_kernel(bases_ptr, src_addr, out_addr, shard_bytes, stage_of
         dst = (rank + j) % world
         row = tl.multiple_of((tl.load(bases_ptr + dst) + stage_off + (slot + rank) * slot_words * 8).to(
             tl.pointer_type(tl.int64)), 16)
-        tag = line_tag(e)
+        tag = e << 32
         low = tl.full([], 0xFFFFFFFF, tl.int64)
         blk = pid.to(tl.int64)
         while blk * BLOCK < n_words:
@@ -497,17 +469,28 @@ def _allgather_lines_kernel(bases_ptr, src_addr, out_addr, shard_bytes, stage_of
         out = (out_addr + tl.cast(src, tl.int64) * shard_bytes).to(tl.pointer_type(tl.int32))
         if VEC:
             out = tl.multiple_of(out, 16)
+        want = tag >> 32  # the epoch as a line carries it: its low 32 bits, sign-extended (2**31 calls wrap)
         late = tl.full([], 0, tl.int32)
         blk = pid.to(tl.int64)
         while (blk * BLOCK < n_words) & (late == 0):
             o = blk * BLOCK + offs
             m = o < n_words
-            line, seen = wait_lines(mine + o, m, e, timeout, USE_TIMER)
-            if seen == (tag >> 32):
+            # every line must carry the epoch (a smallest-epoch test would pass a stale line once epochs wrap)
+            line = tl.load(mine + o, mask=m, other=tag, volatile=True)
+            missing = tl.sum(((line >> 32) != want).to(tl.int32), axis=0)  # a reduction: the same in every thread
+            t0 = now(USE_TIMER)
+            polls = tl.full([], 0, tl.int64)
+            while (missing != 0) & (late == 0):
+                line = tl.load(mine + o, mask=m, other=tag, volatile=True)
+                missing = tl.sum(((line >> 32) != want).to(tl.int32), axis=0)
+                polls += 1
+                late = expired(t0, polls, timeout, USE_TIMER)
+            if missing == 0:
                 tl.store(out + o, (line & low).to(tl.int32), mask=m)
             else:
-                record_error(err_ptr, _K_ERR_DONE, rank, src, -1, e, seen, _K_CMP_GE)
-                late = 1
+                stale = tl.min(tl.where((line >> 32) != want, line >> 32, want), axis=0)
+                stale = tl.where(stale == want, tl.max(line >> 32, axis=0), stale)
+                record_error(err_ptr, _K_ERR_DONE, rank, src, -1, e, stale, _K_CMP_GE)
             blk += nprog
     tl.debug_barrier()
     if arrive_last(state_ptr + 1, nprog * world) != 0:

@@ -10,10 +10,9 @@ Rule of thumb (what ``moe_buffer_size_bytes`` computes):
   transport needs none (it allocates per call).
 * low-latency mode (``num_rdma_bytes``): ``get_low_latency_rdma_size_hint``: two parities of a dispatch
   area of ``R * T`` rows (payload and scales: a token arrives once per rank) plus ``R * T * min(K, E_local)``
-  4-byte routing records, and a combine area of ``T * K`` BF16 rows plus ``16 R`` rows in 8-byte lines
-  (small combines), with rows wide enough for the widest low-latency message the layer sends, which is the
-  backward dispatch: the gradient plus the routing metadata, ``(H + 128) * elem`` bytes. DeepSeek-V3 on 8
-  GPUs with T = 128: about 67 MB.
+  4-byte routing records, and a combine area of ``T * K`` BF16 rows, with rows wide enough for the widest
+  low-latency message the layer sends, which is the backward dispatch: the gradient plus the routing
+  metadata, ``(H + 128) * elem`` bytes. DeepSeek-V3 on 8 GPUs with T = 128: about 60 MB.
 
 ``get_buffer`` keeps one Buffer per (group, transport, device) and grows it (destroy + recreate, which is
 collective: every rank builds the same layers in the same order) when a layer needs more; layers look

@@ -7,8 +7,7 @@ FP32 combine); the kernels are in ``epcomm.kernels.low_latency``.
 Storage (symmetric, per rank): arrival flags ``[2 kinds, 2 parities, R]`` and an area partitioned once
 into ``[D0 | D1 | C0 | C1]``: two dispatch areas (``R`` source regions of ``C = T * min(K, E_local)`` rows:
 payload, scales, ``token * K + slot``, plus per (source, expert) counts) and two combine areas (``T * K``
-bf16 rows, one per (token, slot) of this rank, plus per sender a header line and up to ``line_rows`` rows
-in 8-byte lines); ``epcomm.buffer.layout.low_latency_area`` lays out one
+bf16 rows, one per (token, slot) of this rank); ``epcomm.buffer.layout.low_latency_area`` lays out one
 call shape, ``get_low_latency_rdma_size_hint`` states the total. The partition never depends on the call's
 shape: a rank that has moved on to a call of another shape must not write where a slower peer still reads.
 The storage is a ``SymmetricHeap`` of its own, created at construction when ``nbytes`` is given (DeepEP's
@@ -28,15 +27,9 @@ Protocol (no host synchronisation, fixed shapes, no remote atomics, single-write
     then compacts each source's rows into ``recv_x [E_local, R * T, H]`` (source-major, then token, slot)
     and writes ``recv_count``, ``layout_range``, ``src_info`` (-1 past the count) and a private ``route`` per
     row (source rank, token, slot) that combine uses.
-  * combine call ``c`` uses parity ``c & 1``. Both ranks of a pair know its row count from the dispatch (the
-    sender from ``layout_range``, the receiver from its ``topk_idx``; the sender also announces it in a
-    header line). At most ``line_rows`` (16) rows: the rows travel as 8-byte lines ``epoch << 32 | two bf16``
-    (NCCL's LL idea: the flag inside the data, no fence, no flag round trip), at the row's record position
-    in the dispatch's region, recomputed by the receiver from its ``topk_idx``. More: the send half stores
-    each row into row ``token * K + slot`` of its source's combine area, fences and releases epoch
-    ``c + 1`` to every rank. The receive half waits for every rank's header line (every rank waits for every
-    rank, rows or not), the flags of its direct pairs and each line row it reads, then reduces
-    ``sum_k w * float(y)`` in slot order into bf16.
+  * combine call ``c`` uses parity ``c & 1``: the send half stores each received row into row
+    ``token * K + slot`` of its source's combine area and releases epoch ``c + 1`` to every rank; the receive
+    half waits for all ``R`` flags and reduces ``sum_k w * float(y)`` in slot order into bf16.
   * A plain call is one fused kernel on GPUs (the send half, then the receive half in the same programs;
     grid = SMs, so every program is resident) or two launches (``fused=False``; the interpreter). With
     ``return_recv_hook=True`` the call launches the send half and returns; ``hook()`` launches the receive
@@ -64,7 +57,7 @@ import torch.distributed as dist
 
 from .. import env
 from ..buffer.handles import LowLatencyHandle
-from ..buffer.layout import LOW_LATENCY_ALIGN, LOW_LATENCY_LINE_ROWS, low_latency_area, low_latency_flag_bytes
+from ..buffer.layout import LOW_LATENCY_ALIGN, low_latency_area, low_latency_flag_bytes
 from ..kernels.launch import next_pow2
 from ..errors import BufferTooSmallError, EpcommError
 from ..fp8 import FP8_DTYPE, GROUP
@@ -107,12 +100,10 @@ class OneSidedLowLatency:
         heap: carve the storage from this ``SymmetricHeap`` (``nbytes`` of it, fixed) instead of owning one.
         nbytes: bytes of storage to create now (0: size it at the first call and grow as needed).
         fused: one kernel per plain call (default on CUDA); False launches send and receive halves apart.
-        line_rows: a pair of ranks with at most this many combine rows sends them as 8-byte lines (0: only
-            empty pairs); the same on every rank.
     Collective: construction (when it allocates), every call and ``destroy``, on every rank of the group."""
 
     def __init__(self, group, device: torch.device, buffer_id: int = 0, name: str = "nvlink", heap=None,
-                 nbytes: int = 0, fused: Optional[bool] = None, line_rows: int = LOW_LATENCY_LINE_ROWS) -> None:
+                 nbytes: int = 0, fused: Optional[bool] = None) -> None:
         from ..kernels import low_latency as K
         from ..kernels.shmem import num_sms
 
@@ -126,7 +117,6 @@ class OneSidedLowLatency:
         self._on_gpu = self.device.type == "cuda"
         self._ctl = torch.zeros(K.CTL_WORDS, dtype=torch.int64, device=self.device)
         self._fused = self._on_gpu if fused is None else bool(fused)
-        self._line_rows = int(line_rows)
         self._sms = num_sms(self.device)
         self._heaps: list = []  # heaps created here, kept until destroy (pending results may use an old one)
         self._given_heap = heap
@@ -149,7 +139,6 @@ class OneSidedLowLatency:
         flags = heap.empty((2, 2, self.num_ranks), torch.int64)
         area = heap.empty((max(nbytes, 1),), torch.uint8)
         flags.zero_()
-        area.zero_()  # no stale line may carry a current epoch, whatever partition the calls choose
         if self._on_gpu:
             torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)  # every flag is zero before any peer may release into it
@@ -236,9 +225,9 @@ class OneSidedLowLatency:
         t_max, hidden, topk, num_experts, use_fp8, _round, use_ue8m0, x_dtype = shape
         r, e_local = self.num_ranks, num_experts // self.num_ranks
         pay, sw = self._payload(hidden, use_fp8, use_ue8m0, x_dtype)
-        lay = low_latency_area(t_max, hidden, r, e_local, topk, pay, sw, self._line_rows)
-        bf16 = low_latency_area(t_max, hidden, r, e_local, topk, 2 * hidden, 0, self._line_rows)
-        fp8 = low_latency_area(t_max, hidden, r, e_local, topk, hidden, hidden // GROUP, self._line_rows)
+        lay = low_latency_area(t_max, hidden, r, e_local, topk, pay, sw)
+        bf16 = low_latency_area(t_max, hidden, r, e_local, topk, 2 * hidden, 0)
+        fp8 = low_latency_area(t_max, hidden, r, e_local, topk, hidden, hidden // GROUP)
         roomy = max(bf16["dispatch_bytes"], fp8["dispatch_bytes"])  # what the size hint provisions
         return lay["dispatch_bytes"], lay["combine_bytes"], roomy
 
@@ -266,30 +255,29 @@ class OneSidedLowLatency:
         e_local = num_experts // r
         groups = hidden // GROUP
         payload_bytes, scale_words = self._payload(hidden, use_fp8, use_ue8m0, x_dtype)
-        lay = low_latency_area(t_max, hidden, r, e_local, topk, payload_bytes, scale_words, self._line_rows)
+        lay = low_latency_area(t_max, hidden, r, e_local, topk, payload_bytes, scale_words)
         d_bytes, c_bytes = self._part
         xw = payload_bytes // 4
         xwp = next_pow2(xw)
         hwp = next_pow2(hidden // 2)
         jb = max(64, min(1024, 4096 // kper))
-        common = dict(RANK=self.rank, R=r, R_P=max(2, next_pow2(r)), T=t_max, K=topk, K_P=max(2, next_pow2(topk)),
-                      E_L=e_local, E_LP=max(2, next_pow2(e_local)), H=hidden, OFF_FLAG=self._off_flag,
-                      USE_PTX=self._on_gpu, USE_TIMER=self._on_gpu, num_warps=8)
+        common = dict(RANK=self.rank, R=r, R_P=max(2, next_pow2(r)), T=t_max, K=topk, E_L=e_local,
+                      E_LP=max(2, next_pow2(e_local)), H=hidden, OFF_FLAG=self._off_flag, USE_PTX=self._on_gpu,
+                      USE_TIMER=self._on_gpu, num_warps=8)
         dispatch_consts = dict(
-            common, KPER=kper, FP8=use_fp8, ROUND=round_scale, UE8M0=use_ue8m0, XW=xw,
+            common, K_P=max(2, next_pow2(topk)), KPER=kper, FP8=use_fp8, ROUND=round_scale, UE8M0=use_ue8m0, XW=xw,
             XWP=xwp, SW=max(scale_words, 1), SWP=next_pow2(max(scale_words, 1)), G4P=next_pow2(-(-groups // 4)),
             C=lay["cap"],
             OFF_D=self._off_area, D_BYTES=d_bytes, OFF_PAY=lay["pay"], OFF_SCL=lay["scl"], OFF_META=lay["meta"],
             OFF_CNT=lay["cnt"], JB=jb, EB=max(8, min(64, 8192 // jb)), ROWS=max(1, min(rows, 8192 // xwp)),
             FB=1024)
         combine_consts = dict(common, HWP=hwp, OFF_C=self._off_area + 2 * d_bytes, C_BYTES=c_bytes,
-                              OFF_LINES=lay["lines"], OFF_HDR=lay["hdr"], OFF_ROWS=lay["rows"], LN=lay["line_rows"],
                               ROWS=max(1, min(rows, 8192 // hwp)),
-                              BW=min(512 if rows == 1 else 1024, hwp), JB=max(64, 4096 // next_pow2(topk)))
+                              BC=min(1024 if rows == 1 else 2048, next_pow2(hidden)))
         return _Geometry(e_local=e_local,
                          scale_dtype=(torch.int32 if use_ue8m0 else torch.float32) if use_fp8 else None,
                          scale_words=scale_words, payload_dtype=FP8_DTYPE if use_fp8 else x_dtype,
-                         hmeta_words=e_local * (1 + 2 * r + 3 * r * t_max),
+                         hmeta_words=e_local * (1 + 2 * r + 2 * r * t_max),
                          dispatch=self._K.dispatch_launcher(dispatch_consts),
                          combine=self._K.combine_launcher(combine_consts))
 
