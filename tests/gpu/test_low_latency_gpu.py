@@ -2,7 +2,8 @@
 LowLatencyCase/GraphCase runs (tests/gpu/test_buffer_gpu.py, transport "nvlink"): a missing peer becomes an
 exception after the timeout, the interpreter suite's patterns (two micro-batches with hooks, two Buffers,
 zero-copy, the size hint) with the real kernels, and one CUDA graph holding two micro-batches with hooks on
-one Buffer and a plain step on a second Buffer, replayed with new data."""
+one Buffer and a plain step on a second Buffer, replayed with new data, and hundreds of calls issued ahead of
+the device."""
 
 import pytest
 import torch
@@ -118,3 +119,58 @@ def _graph_micro_batches(ctx, replays: int = 4, transport="nvlink", buffer_kwarg
 def test_gpu_graph_two_micro_batches_and_two_buffers(world_size):
     _need(world_size)
     _assert_clean(spawn(_graph_micro_batches, world_size, device="cuda", timeout_s=400))
+
+
+def _stress(ctx, num_tokens: int, hook: bool, calls: int = 200):
+    """Many calls without a host synchronisation: ``calls`` dispatch + combine pairs, then ``calls``
+    combines back to back with the last handle (each reuses storage two calls later); errors recorded on the
+    device and the last results against the reference."""
+    from epcomm import reference
+    from epcomm.buffer import Buffer
+    from epcomm.testing.checks import same_bits
+    from epcomm.testing.routing import make_inputs
+
+    t_max, hidden, num_experts, topk = 128, 1024, 32 * ctx.world_size, 8
+    inputs = make_inputs(9, ctx.world_size, num_tokens, hidden, num_experts, topk, "uniform", torch.bfloat16)
+    mine = inputs[ctx.rank].to(ctx.device)
+    ref = reference.low_latency_dispatch([i.x for i in inputs], [i.topk_idx for i in inputs], num_experts,
+                                         use_fp8=False)
+    want = reference.low_latency_combine([r.x for r in ref], ref, [i.topk_idx for i in inputs],
+                                         [i.topk_weights for i in inputs], num_experts)[ctx.rank]
+    buf = Buffer(ctx.group, transport="nvlink")
+    problems = []
+
+    def call(kind, *args, **kwargs):
+        fn = buf.low_latency_dispatch if kind == "dispatch" else buf.low_latency_combine
+        out = fn(*args, return_recv_hook=hook, **kwargs)
+        if hook:
+            out[-1]()
+        return out
+
+    for _ in range(calls):
+        recv, count, handle, _, _ = call("dispatch", mine.x, mine.topk_idx, t_max, num_experts, use_fp8=False)
+        combined = call("combine", recv, mine.topk_idx, mine.topk_weights, handle)[0]
+    for _ in range(calls):
+        combined = call("combine", recv, mine.topk_idx, mine.topk_weights, handle)[0]
+    torch.cuda.synchronize()
+    try:
+        buf.check_errors()
+    except Exception as exc:  # noqa: BLE001 - reported with the rank
+        problems.append(str(exc))
+    if not same_bits(count, torch.tensor(ref[ctx.rank].count, dtype=torch.int32)):
+        problems.append("recv_count differs")
+    if not same_bits(combined, want):
+        problems.append("combine differs")
+    buf.destroy()
+    return [(f"stress {num_tokens} tokens, hook={hook}", problems)] if problems else []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("num_tokens,hook", [(1, False), (8, True), (128, False)])
+def test_gpu_stress_back_to_back_calls(world_size, num_tokens, hook, monkeypatch):
+    """No hang and no wrong result over hundreds of calls issued ahead of the device (what a decode loop and
+    the benchmarks do); a lost flag or line would show as a recorded timeout."""
+    _need(world_size)
+    monkeypatch.setenv("EPCOMM_TIMEOUT_S", "10")
+    _assert_clean(spawn(_stress, world_size, num_tokens, hook, device="cuda", timeout_s=300))
