@@ -488,8 +488,7 @@ def _allgather_lines_kernel(bases_ptr, src_addr, out_addr, shard_bytes, stage_of
             if missing == 0:
                 tl.store(out + o, (line & low).to(tl.int32), mask=m)
             else:
-                stale = tl.min(tl.where((line >> 32) != want, line >> 32, want), axis=0)
-                stale = tl.where(stale == want, tl.max(line >> 32, axis=0), stale)
+                stale = tl.min(tl.where((line >> 32) != want, line >> 32, 1 << 62), axis=0)  # a line's old epoch
                 record_error(err_ptr, _K_ERR_DONE, rank, src, -1, e, stale, _K_CMP_GE)
             blk += nprog
     tl.debug_barrier()
