@@ -627,6 +627,9 @@ def launch_allgather(bases: torch.Tensor, src_addr: int, out_off: int, shard_byt
         USE_TIMER=device.type == "cuda", **_flags(device))
 
 
+_LINE_BLOCK = 512  # words a line all-gather program moves per step
+
+
 def launch_allgather_lines(bases: torch.Tensor, src_addr: int, out_addr: int, shard_bytes: int, stage_off: int,
                            slot_words: int, state: torch.Tensor, err: torch.Tensor, rank: int, world: int,
                            timeout_s: float, programs: int) -> None:
@@ -642,5 +645,3 @@ def launch_allgather_lines(bases: torch.Tensor, src_addr: int, out_addr: int, sh
            state, err, rank, world, timeout_units(timeout_s, device), BLOCK=_LINE_BLOCK, VEC=vec, num_warps=4,
            USE_TIMER=device.type == "cuda")
 
-
-_LINE_BLOCK = 512  # words a line all-gather program moves per step

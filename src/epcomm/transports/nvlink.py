@@ -38,7 +38,7 @@ from ..buffer.config import model_num_sms
 from ..buffer.handles import DispatchHandle
 from ..buffer.layout import align_up
 from ..buffer.validate import raise_if_bad_topk
-from ..kernels.launch import next_pow2
+from ..kernels.launch import launch, next_pow2
 from ..errors import BufferTooSmallError, EpcommError, EpcommTimeoutError
 from .base import (Capabilities, CombineRequest, DispatchRequest, DispatchResult, LowLatencyCombineRequest,
                    LowLatencyCombineResult, LowLatencyDispatchRequest, LowLatencyDispatchResult, Transport)
@@ -211,7 +211,6 @@ class NVLinkTransport(Transport):
     # ------------------------------------------------------------------ normal mode
     def dispatch(self, req: DispatchRequest) -> DispatchResult:
         from ..kernels.ep import SUMMARY_HEAD, exchange_kernel, pow2_block
-        from ..kernels.launch import launch
 
         fn = "Buffer.dispatch"
         if req.handle is not None:
@@ -287,7 +286,6 @@ class NVLinkTransport(Transport):
     def _run_dispatch(self, req: DispatchRequest, itr, state: _NVLinkState, outs, num_recv: int, worst: int) -> None:
         from ..kernels.ep import (PROGRESS_SLOTS, ReceiveSide, dispatch_copyout_kernel, launch_push, pow2_block,
                                   record_words)
-        from ..kernels.launch import launch
 
         num_ranks, rank, dev = self.num_ranks, self.rank, self.device
         x, scales = req.x, req.x_scales
@@ -362,7 +360,6 @@ class NVLinkTransport(Transport):
 
     def combine(self, req: CombineRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         from ..kernels.ep import PUSH_WARPS, chunk_block, combine_push_kernel, pow2_block, wait_arrivals_kernel
-        from ..kernels.launch import launch
         from ..kernels.reduce import OwnRows, reduce_from_layout
 
         h: DispatchHandle = req.handle
