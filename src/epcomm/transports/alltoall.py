@@ -90,6 +90,7 @@ class AllToAllTransport(Transport):
         self._errors = torch.zeros(2, dtype=torch.int32, device=device)  # [worst-token overflow, LL overflow]
         self._zero_copy: dict = {}
         self._zero_bases: dict = {}
+        self._pinned: dict = {}  # pinned host blocks for the dispatch's count read, by size
 
     @classmethod
     def capabilities(cls) -> Capabilities:
@@ -281,9 +282,10 @@ class AllToAllTransport(Transport):
                R_POW2=max(2, next_pow2(num_ranks)), HAS_EXPERTS=has_experts, HAS_TOPK=k > 0,
                BLOCK_T=256, BLOCK_E=pow2_block(e_local), BLOCK_K=pow2_block(k))
         self._a2a(recv_table, table)
-        rows, recs = self._pack(x, req.x_scales, req.topk_idx, req.topk_weights, itr, pos, first, req.num_experts)
         recv_per_expert = recv_table[:, 1:].sum(0, dtype=torch.int32)  # enqueued before the synchronisation
-        host = ctl.tolist()
+        read = self._read_later(ctl)  # the host waits for the counts only, not for the pack kernel below
+        rows, recs = self._pack(x, req.x_scales, req.topk_idx, req.topk_weights, itr, pos, first, req.num_experts)
+        host = read()
         bad_layout, bad_topk = host[:2]
         self._raise_host_checks(host[2:4], bad_topk, bad_layout, req.num_experts)
         send_counts = host[4:4 + tw:1 + e_local]
@@ -295,6 +297,24 @@ class AllToAllTransport(Transport):
                              slot=None, capacity=0, recv_dst=None, pos=pos, first=first)
         return self._exchange_rows(req, rows[:num_send], recs[:num_send], send_counts, recv_counts_h, per_expert,
                                    recv_per_expert, state)
+
+    def _read_later(self, t: torch.Tensor):
+        """Start copying the int32 tensor ``t`` to the host; returns a function that waits for that copy
+        (not for work enqueued after it) and returns ``t`` as a list. On CPUs the copy happens at the call."""
+        if not t.is_cuda:
+            return t.tolist
+        host = self._pinned.get(t.numel())
+        if host is None:
+            host = self._pinned[t.numel()] = torch.empty(t.numel(), dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+
+        def read() -> list:
+            done.synchronize()
+            return host.tolist()
+
+        return read
 
     def _cached_dispatch(self, req: DispatchRequest) -> DispatchResult:
         h = req.handle
