@@ -51,6 +51,7 @@ _MAX_TOKEN = (1 << 31) - 1  # a source-token bound above every token
 # Config.overlap_reduce: the first round carries the source tokens below this fraction of the largest rank's count
 # (its reduction hides behind the second round's sends; the second round's reduction does not)
 COMBINE_SPLIT_NUM, COMBINE_SPLIT_DEN = 3, 4
+OVERLAP_REDUCE_PROGRAMS = None  # programs of the overlapped reduction (None: one per token and column block)
 DEFAULT_AREA_BYTES = 1 << 30
 
 
@@ -419,7 +420,8 @@ class NVLinkTransport(Transport):
                     launch(wait_arrivals_kernel, (1,), self.heap.peer_bases, self._off(self.arrive), self.epoch,
                            self.err, rank, num_ranks, self._timeout(), j, R_POW2=self.r_pow2, ADVANCE=j == 1,
                            **self.timer_kw)
-                    reduce_from_layout(*reduce_args, min(t_lo, n), min(t_hi, n), req.bias, out, None, **reduce_kw)
+                    kw = reduce_kw if j else dict(reduce_kw, programs=OVERLAP_REDUCE_PROGRAMS)
+                    reduce_from_layout(*reduce_args, min(t_lo, n), min(t_hi, n), req.bias, out, None, **kw)
             if self._side is not None:  # join: later work (and frees) on this stream follow the first reduction
                 torch.cuda.current_stream(dev).wait_stream(self._side)
             return out, out_w
