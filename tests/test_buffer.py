@@ -22,10 +22,6 @@ def normal_cases(world_size: int) -> list:
         NormalCase(num_tokens=30, hidden=72, num_experts=24, topk=2, routing="one_rank", seed=7),
         NormalCase(num_tokens=30, hidden=64, num_experts=24, topk=2, with_topk=False, bias=1, seed=8),
         NormalCase(num_tokens=uneven, hidden=256, num_experts=24, topk=4, dtype="fp8", bias=1, overlap=True, seed=9),
-        # the one-sided combine's reduction overlapped with its sends in two rounds (other transports ignore it)
-        NormalCase(num_tokens=uneven, hidden=200, num_experts=24, topk=3, bias=2, overlap_reduce=True, seed=10),
-        NormalCase(num_tokens=50, hidden=128, num_experts=24, topk=4, routing="skewed", overlap=True,
-                   overlap_reduce=True, seed=13),
     ]
 
 

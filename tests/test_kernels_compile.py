@@ -13,7 +13,6 @@ CASES = [
     NormalCase(num_tokens=(5, 3), hidden=64, num_experts=4, topk=2, dtype="bf16", bias=2, seed=41),
     NormalCase(num_tokens=6, hidden=128, num_experts=4, topk=3, dtype="fp8", strict_sms=True, seed=42),
     NormalCase(num_tokens=(4, 6), hidden=32, num_experts=4, topk=2, dtype="fp32", worst=True, seed=43),
-    NormalCase(num_tokens=(7, 4), hidden=64, num_experts=4, topk=2, dtype="bf16", overlap_reduce=True, seed=46),
     LowLatencyCase(num_tokens=(3, 2), max_tokens=4, hidden=128, num_experts=4, topk=2, seed=44),
     LowLatencyCase(num_tokens=2, max_tokens=3, hidden=256, num_experts=4, topk=2, use_fp8=False, hook=True,
                    zero_copy=True, seed=45),
@@ -43,7 +42,6 @@ def test_kernels_compile_for_sm90(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     launches = [launch for rank in spawn(_record, 2, device="cpu", timeout_s=600) for launch in rank]
     assert len({(m, n) for m, n, _, _ in launches}) >= 8, "too few distinct kernels were launched"
-    assert any(n == "combine_push_kernel" and kw.get("SPLIT") for _, n, _, kw in launches), "no overlapped combine"
     monkeypatch.delenv("TRITON_INTERPRET")
     failures = spawn(_compile, 1, launches, device="cpu", timeout_s=900)[0]
     assert not failures, "\n".join(failures)

@@ -135,10 +135,6 @@ def bench_worker(ctx, opts: DispatchBenchOptions) -> list:
                     add(name, "dispatch BF16 cached (stream)", s(lambda: buf.dispatch(x, handle=handle, config=cfg)),
                         "bf16")
                     add(name, "combine BF16 (stream)", s(lambda: buf.combine(recv_x, handle, config=ccfg)), "bf16")
-                    if one_sided:  # the same without the reduction overlapped with the sends (Config.overlap_reduce)
-                        plain = replace(ccfg or Buffer.get_combine_config(ctx.world_size), overlap_reduce=False)
-                        add(name, "combine BF16 (stream, overlap_reduce off)",
-                            s(lambda: buf.combine(recv_x, handle, config=plain)), "bf16")
 
                 def layout_and_dispatch():
                     pr, _, pe, ir, _ = buf.get_dispatch_layout(idx, opts.experts)

@@ -26,11 +26,6 @@ class Config:
         and the combine's reduction spreads over the whole GPU for its ~0.1 ms, which is 100-200 us
         faster per call at DeepSeek sizes on 4xH200 (``benchmarks/NOTES.md``). The pushes always keep to
         ``num_sms``.
-    overlap_reduce: whether the one-sided combine sends its rows in two rounds over source-token ranges, so
-        that a rank reduces the tokens of the first round (on a second stream, over the GPU's other SMs)
-        while the rows of the second are still arriving. None (the default): when the local passes are not
-        bounded (see ``strict_sms``) and the largest rank has at least ``OVERLAP_MIN_TOKENS`` tokens.
-        Results are the same either way. The portable transport ignores it.
     """
 
     num_sms: Optional[int] = None
@@ -39,7 +34,6 @@ class Config:
     num_max_rdma_chunked_send_tokens: int = 6
     num_max_rdma_chunked_recv_tokens: int = 256
     strict_sms: Optional[bool] = None
-    overlap_reduce: Optional[bool] = None
 
     def __post_init__(self) -> None:
         if self.num_sms is not None and (not isinstance(self.num_sms, int) or self.num_sms < 2 or self.num_sms % 2):
@@ -50,9 +44,8 @@ class Config:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"Config: {name}={value!r} must be a positive integer")
-        for name in ("strict_sms", "overlap_reduce"):
-            if getattr(self, name) not in (None, True, False):
-                raise ValueError(f"Config: {name}={getattr(self, name)!r} must be None, True or False")
+        if self.strict_sms not in (None, True, False):
+            raise ValueError(f"Config: strict_sms={self.strict_sms!r} must be None, True or False")
         if self.num_max_nvl_chunked_recv_tokens < self.num_max_nvl_chunked_send_tokens:
             raise ValueError(f"Config: num_max_nvl_chunked_recv_tokens={self.num_max_nvl_chunked_recv_tokens} "
                              f"must be >= num_max_nvl_chunked_send_tokens={self.num_max_nvl_chunked_send_tokens}")
@@ -63,10 +56,6 @@ class Config:
         call)."""
         return None if self.num_sms is None else self.num_sms // 2
 
-
-# The one-sided combine overlaps its reduction with its sends (``Config.overlap_reduce``) from this many tokens
-# on the largest rank; below it the reduction is too short to hide.
-OVERLAP_MIN_TOKENS = 512
 
 # The traffic model behind the default ``num_sms`` of the one-sided normal kernels. A push program stores
 # what it loads into peers' memory; one SM sustains about PER_SM_GBPS of such stores (measured on H200 over

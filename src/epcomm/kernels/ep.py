@@ -192,12 +192,10 @@ def plan_kernel(per_rank_ptr, per_expert_ptr, itr_ptr, topk_ptr, pos_ptr, table_
 
 @triton.jit
 def _publish(bases_ptr, hdr_first_ptr, hdr_rows_ptr, hdr_off, arrive_off, epoch_ptr, rank, world,
-             R_POW2: tl.constexpr, HAS_HDR: tl.constexpr, FIRST_ZERO: tl.constexpr, USE_PTX: tl.constexpr,
-             epoch_add):
-    """Called by the last program: write the round headers, then release the epoch (plus ``epoch_add``) to
-    every peer."""
+             R_POW2: tl.constexpr, HAS_HDR: tl.constexpr, FIRST_ZERO: tl.constexpr, USE_PTX: tl.constexpr):
+    """Called by the last program: write the round headers, then release the epoch to every peer."""
     fence_sys(USE_PTX)
-    epoch = tl.load(epoch_ptr) + epoch_add
+    epoch = tl.load(epoch_ptr)
     peers = tl.arange(0, R_POW2)
     live = peers < world
     safe = tl.where(live, peers, rank)
@@ -363,7 +361,7 @@ def dispatch_push_kernel(x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_
         tl.debug_barrier()
         if arrive_last(counter_ptr, nprog) != 0:
             _publish(bases_ptr, first_ptr, rows_ptr, hdr_off, arrive_off, epoch_ptr, rank, world, R_POW2, True,
-                     SINGLE_ROUND, USE_PTX, 0)
+                     SINGLE_ROUND, USE_PTX)
 
 
 @triton.jit
@@ -522,80 +520,28 @@ def dispatch_kernel(x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_ptr, 
 
 
 @triton.jit
-def _rows_below(src_ptr, start, count, t_lo, t_hi, BLOCK: tl.constexpr):
-    """How many of the ``count`` rows from ``start`` (``src_ptr`` int32 ``[M, 2]``, sorted by source token)
-    have a source token below ``t_lo``, and how many below ``t_hi``."""
-    below_lo = tl.zeros([], tl.int32)
-    below_hi = tl.zeros([], tl.int32)
-    c0 = 0
-    while c0 < count:
-        rows = c0 + tl.arange(0, BLOCK)
-        live = rows < count
-        tok = tl.load(src_ptr + (start + rows).to(tl.int64) * 2, mask=live, other=0)
-        below_lo += tl.sum((live & (tok < t_lo)).to(tl.int32), axis=0)
-        below_hi += tl.sum((live & (tok < t_hi)).to(tl.int32), axis=0)
-        c0 += BLOCK
-    return below_lo, below_hi
-
-
-@triton.jit
-def _split_segments(src_ptr, prefix_ptr, t_lo, t_hi, rank, world, R_POW2: tl.constexpr, BLOCK: tl.constexpr):
-    """The rows of this round (source token in ``[t_lo, t_hi)``) as one segment per source rank, laid end to
-    end: returns ``(first, start, end)`` over ``R_POW2`` sources: the segment's first row (region start plus
-    the rows below ``t_lo``), its start and end among the round's rows. The own rank's segment is empty."""
-    peers = tl.arange(0, R_POW2)
-    first = tl.zeros([R_POW2], tl.int64)
-    seg = tl.zeros([R_POW2], tl.int64)
-    for q in tl.static_range(R_POW2):
-        if (q < world) & (q != rank):
-            start = tl.load(prefix_ptr + q)
-            lo, hi = _rows_below(src_ptr, start, tl.load(prefix_ptr + world + q), t_lo, t_hi, BLOCK)
-            first = tl.where(peers == q, (start + lo).to(tl.int64), first)
-            seg = tl.where(peers == q, (hi - lo).to(tl.int64), seg)
-    end = tl.cumsum(seg, axis=0)
-    return first, end - seg, end
-
-
-@triton.jit
 def combine_push_kernel(x_ptr, w_ptr, src_ptr, prefix_ptr, dst_row_ptr, bases_ptr, area_off, w_off, arrive_off,
-                        epoch_ptr, counter_ptr, num_rows, cap, rank, world, t_lo, t_hi, epoch_add, XW: tl.constexpr,
-                        K: tl.constexpr, R_POW2: tl.constexpr, TOK: tl.constexpr, BLOCK: tl.constexpr,
-                        BLOCK_K: tl.constexpr, HAS_W: tl.constexpr, SINGLE_ROUND: tl.constexpr, SPLIT: tl.constexpr,
-                        VEC: tl.constexpr, USE_PTX: tl.constexpr):
+                        epoch_ptr, counter_ptr, num_rows, cap, rank, world, XW: tl.constexpr, K: tl.constexpr,
+                        R_POW2: tl.constexpr, TOK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
+                        HAS_W: tl.constexpr, SINGLE_ROUND: tl.constexpr, VEC: tl.constexpr,
+                        USE_PTX: tl.constexpr):
     """Send every received row back to its source rank (``src_ptr``: int32 ``[M, 2]`` source token, source
     rank): single round, to row ``rank * cap + m - prefix[source]`` of the source's area; otherwise to
     ``dst_row[m]`` (-1: not in this round). With weights, its ``K`` top-k weights too. Rows from this rank
-    itself stay where they are: the reduce reads them from ``x`` (``epcomm.kernels.reduce.OwnRows``).
-    ``SPLIT`` (single-round addressing): only the rows whose source token is in ``[t_lo, t_hi)``, spread
-    evenly over the programs, so that the source can reduce its tokens below ``t_hi`` while later rows are
-    still on their way; ``prefix_ptr`` then also holds the rows per source (``[2R]``). The last program
-    releases the epoch plus ``epoch_add``."""
+    itself stay where they are: the reduce reads them from ``x`` (``epcomm.kernels.reduce.OwnRows``)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    if SPLIT:
-        seg_first, seg_start, seg_end = _split_segments(src_ptr, prefix_ptr, t_lo, t_hi, rank, world, R_POW2, 4096)
-        total = tl.sum(seg_end - seg_start, axis=0)
-    else:
-        total = num_rows
-    per = tl.cdiv(tl.cdiv(total, nprog), TOK) * TOK
+    per = tl.cdiv(tl.cdiv(num_rows, nprog), TOK) * TOK
     lo = pid * per
-    hi = tl.minimum(lo + per, total)
+    hi = tl.minimum(lo + per, num_rows)
     kcols = tl.arange(0, BLOCK_K)
     toks = tl.arange(0, TOK)
     m0 = lo
     while m0 < hi:
         m = (m0 + toks).to(tl.int64)
         live = m < hi
-        if SPLIT:  # m is the row's index among this round's rows: find its segment (source), then its row
-            peers = tl.arange(0, R_POW2)
-            s = tl.sum((seg_end[None, :] <= m[:, None]).to(tl.int32), axis=1)
-            pick = peers[None, :] == s[:, None]
-            within = m - tl.sum(tl.where(pick, seg_start[None, :], 0), axis=1)
-            m = tl.sum(tl.where(pick, seg_first[None, :], 0), axis=1) + within
-            ok = live
-        else:
-            s = tl.load(src_ptr + m * 2 + 1, mask=live, other=-1)
-            ok = live & (s >= 0) & (s != rank)
+        s = tl.load(src_ptr + m * 2 + 1, mask=live, other=-1)
+        ok = live & (s >= 0) & (s != rank)
         s = tl.where(ok, s, 0)
         if SINGLE_ROUND:
             a = rank * cap + m - tl.load(prefix_ptr + s, mask=ok, other=0)
@@ -619,19 +565,15 @@ def combine_push_kernel(x_ptr, w_ptr, src_ptr, prefix_ptr, dst_row_ptr, bases_pt
     tl.debug_barrier()
     if arrive_last(counter_ptr, nprog) != 0:
         _publish(bases_ptr, bases_ptr, bases_ptr, 0, arrive_off, epoch_ptr, rank, world, R_POW2, False, False,
-                 USE_PTX, epoch_add)
+                 USE_PTX)
 
 
 @triton.jit
-def wait_arrivals_kernel(bases_ptr, arrive_off, epoch_ptr, err_ptr, rank, world, timeout, epoch_add,
-                         R_POW2: tl.constexpr, ADVANCE: tl.constexpr, USE_TIMER: tl.constexpr):
-    """Wait until every rank released this round's epoch (plus ``epoch_add``) into ``arrive`` (one program).
-    ``ADVANCE``: then store that value as the epoch, so the next barrier moves past it."""
-    epoch = tl.load(epoch_ptr) + epoch_add
-    wait_all_ge(tl.load(bases_ptr + rank), arrive_off, world, epoch, timeout, err_ptr, _K_ERR_DONE, rank, R_POW2,
-                USE_TIMER)
-    if ADVANCE:
-        tl.store(epoch_ptr, epoch)
+def wait_arrivals_kernel(bases_ptr, arrive_off, epoch_ptr, err_ptr, rank, world, timeout, R_POW2: tl.constexpr,
+                         USE_TIMER: tl.constexpr):
+    """Wait until every rank released this round's epoch into ``arrive`` (one program)."""
+    wait_all_ge(tl.load(bases_ptr + rank), arrive_off, world, tl.load(epoch_ptr), timeout, err_ptr, _K_ERR_DONE,
+                rank, R_POW2, USE_TIMER)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -58,20 +58,12 @@ class NormalCase:
     with_topk: bool = True
     overlap: bool = False  # previous_event + async_finish: the calls run on the communication stream
     strict_sms: Optional[bool] = None  # Config.strict_sms of the dispatch and the combine
-    overlap_reduce: Optional[bool] = None  # Config.overlap_reduce of the combine
     seed: int = 0
-
-    def config_kw(self, base) -> dict:
-        """``{"config": ...}``: ``base`` (the Buffer's default Config) with this case's knobs, or {}."""
-        knobs = {k: v for k, v in (("strict_sms", self.strict_sms), ("overlap_reduce", self.overlap_reduce))
-                 if v is not None}
-        return {"config": replace(base, **knobs)} if knobs else {}
 
     def label(self) -> str:
         return (f"N={self.num_tokens} H={self.hidden} E={self.num_experts} K={self.topk} {self.routing} "
                 f"{self.dtype} align={self.expert_alignment} worst={self.worst} bias={self.bias}"
-                + (" overlap" if self.overlap else "") + (f" strict_sms={self.strict_sms}" if self.strict_sms else "")
-                + (f" overlap_reduce={self.overlap_reduce}" if self.overlap_reduce is not None else ""))
+                + (" overlap" if self.overlap else ""))
 
 
 @dataclass
@@ -130,7 +122,8 @@ def check_normal(ctx, buf, case: NormalCase) -> CaseResult:
     max_recv = max(r.recv_x.size(0) for r in ref)
     worst = max(max_recv, 1) + 3 if case.worst else 0
     stream_kw = dict(previous_event=buf.capture(), async_finish=True) if case.overlap else {}
-    stream_kw.update(case.config_kw(buf.get_dispatch_config(ctx.world_size)))
+    if case.strict_sms is not None:
+        stream_kw["config"] = replace(buf.get_dispatch_config(ctx.world_size), strict_sms=case.strict_sms)
     recv_x, recv_idx, recv_w, per_expert_list, handle, event = buf.dispatch(
         x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
         num_tokens_per_expert=per_expert if case.with_topk else None,
@@ -192,7 +185,8 @@ def check_normal(ctx, buf, case: NormalCase) -> CaseResult:
         w_in = torch.zeros(worst or m, case.topk)
         w_in[:m] = ref[rank].recv_topk_weights
     stream_kw = dict(previous_event=buf.capture(), async_finish=True) if case.overlap else {}
-    stream_kw.update(case.config_kw(buf.get_combine_config(ctx.world_size)))
+    if case.strict_sms is not None:
+        stream_kw["config"] = replace(buf.get_combine_config(ctx.world_size), strict_sms=case.strict_sms)
     combined, combined_w, event = buf.combine(y.to(dev), handle,
                                               topk_weights=w_in.to(dev) if w_in is not None else None, bias=bias,
                                               **stream_kw)

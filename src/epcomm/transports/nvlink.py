@@ -27,7 +27,6 @@ Low-latency mode: ``epcomm.transports.low_latency`` (one-sided, double-buffered,
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Optional
@@ -35,7 +34,7 @@ from typing import Optional
 import torch
 
 from .. import env
-from ..buffer.config import OVERLAP_MIN_TOKENS, model_num_sms
+from ..buffer.config import model_num_sms
 from ..buffer.handles import DispatchHandle
 from ..buffer.layout import align_up
 from ..buffer.validate import raise_if_bad_topk
@@ -47,11 +46,6 @@ from .base import (Capabilities, CombineRequest, DispatchRequest, DispatchResult
 log = logging.getLogger(__name__)
 
 MAX_LOCAL_EXPERTS = 1024
-_MAX_TOKEN = (1 << 31) - 1  # a source-token bound above every token
-# Config.overlap_reduce: the first round carries the source tokens below this fraction of the largest rank's count
-# (its reduction hides behind the second round's sends; the second round's reduction does not)
-COMBINE_SPLIT_NUM, COMBINE_SPLIT_DEN = 3, 4
-OVERLAP_REDUCE_PROGRAMS = None  # programs of the overlapped reduction (None: one per token and column block)
 DEFAULT_AREA_BYTES = 1 << 30
 
 
@@ -150,8 +144,6 @@ class NVLinkTransport(Transport):
         self.counters = torch.zeros(4, dtype=torch.int32, device=device)
         self.err = torch.zeros(8, dtype=torch.int64, device=device)
         self.deferred = torch.zeros(1, dtype=torch.int32, device=device)  # sync-free calls' bad inputs
-        # second stream of the overlapped combine (made here: not while a CUDA graph is being captured)
-        self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
         from .low_latency import OneSidedLowLatency
 
         self._ll = OneSidedLowLatency(group, device, buffer_id, name=self.name, nbytes=int(num_rdma_bytes))
@@ -401,30 +393,7 @@ class NVLinkTransport(Transport):
             src_safe = src_rank.clamp(min=0)
             k_in_src = torch.arange(m, device=dev) - st.recv_prefix.long()[src_safe]
         own = OwnRows(x if m else buf, w_in if k else None, st.recv_prefix[rank:rank + 1], rank)
-        push_args = (x_words, w_in, recv_src, st.recv_prefix)
-        push_kw = dict(XW=xw, K=max(k, 1), R_POW2=self.r_pow2, TOK=tok, BLOCK=chunk_block(xw, tok),
-                       BLOCK_K=pow2_block(k), HAS_W=k > 0, SINGLE_ROUND=single, VEC=xw % 4 == 0, num_warps=PUSH_WARPS,
-                       **self.flags_kw)
-        reduce_args = (buf, h.is_token_in_rank, st.pos, cap)
-        reduce_kw = dict(w_buf=wbuf, w_out=out_w, programs=grid if _strict(req) else None, own=own)
         self._barrier()
-        if self._overlap(req, st, single):
-            # two rounds over source tokens [0, t0) and [t0, ...); the first round's reduction runs on a second
-            # stream while the second round's rows travel; rows keep their single-round places
-            t0 = -(-st.num_tokens_max * COMBINE_SPLIT_NUM // COMBINE_SPLIT_DEN)
-            for j, (t_lo, t_hi) in enumerate(((0, t0), (t0, _MAX_TOKEN))):
-                launch(combine_push_kernel, (grid,), *push_args, self.counters, self.heap.peer_bases, area_off,
-                       area_off + w_rel, self._off(self.arrive), self.epoch, self.counters[1:], m, cap, rank,
-                       num_ranks, t_lo, t_hi, j, SPLIT=True, **push_kw)
-                with self._side_stream(j == 0):
-                    launch(wait_arrivals_kernel, (1,), self.heap.peer_bases, self._off(self.arrive), self.epoch,
-                           self.err, rank, num_ranks, self._timeout(), j, R_POW2=self.r_pow2, ADVANCE=j == 1,
-                           **self.timer_kw)
-                    kw = reduce_kw if j else dict(reduce_kw, programs=OVERLAP_REDUCE_PROGRAMS)
-                    reduce_from_layout(*reduce_args, min(t_lo, n), min(t_hi, n), req.bias, out, None, **kw)
-            if self._side is not None:  # join: later work (and frees) on this stream follow the first reduction
-                torch.cuda.current_stream(dev).wait_stream(self._side)
-            return out, out_w
         for j in range(num_rounds):
             if j:
                 self._barrier()
@@ -436,34 +405,18 @@ class NVLinkTransport(Transport):
                 before = torch.zeros(num_ranks, dtype=torch.int64, device=dev)
                 before.index_add_(0, src_safe, (valid & (src_tok < lo_t)).long())
                 dst_row = torch.where(in_rng, rank * cap + k_in_src - before[src_safe], -1)
-            launch(combine_push_kernel, (grid,), *push_args, dst_row, self.heap.peer_bases, area_off,
-                   area_off + w_rel, self._off(self.arrive), self.epoch, self.counters[1:], m, cap, rank, num_ranks,
-                   0, _MAX_TOKEN, 0, SPLIT=False, **push_kw)
+            launch(combine_push_kernel, (grid,),
+                x_words, w_in, recv_src, st.recv_prefix, dst_row, self.heap.peer_bases, area_off, area_off + w_rel,
+                self._off(self.arrive), self.epoch, self.counters[1:], m, cap, rank, num_ranks, XW=xw, K=max(k, 1),
+                R_POW2=self.r_pow2, TOK=tok, BLOCK=chunk_block(xw, tok), BLOCK_K=pow2_block(k), HAS_W=k > 0,
+                SINGLE_ROUND=single, VEC=xw % 4 == 0, num_warps=PUSH_WARPS, **self.flags_kw)
             launch(wait_arrivals_kernel, (1,), self.heap.peer_bases, self._off(self.arrive), self.epoch, self.err, rank,
-                   num_ranks, self._timeout(), 0, R_POW2=self.r_pow2, ADVANCE=False, **self.timer_kw)
+                   num_ranks, self._timeout(), R_POW2=self.r_pow2, **self.timer_kw)
             if hi > lo:
                 first = None if single else cum[lo].to(torch.int32)
-                reduce_from_layout(*reduce_args, lo, hi, req.bias, out, first, **reduce_kw)
+                reduce_from_layout(buf, h.is_token_in_rank, st.pos, cap, lo, hi, req.bias, out, first, wbuf, out_w,
+                                   programs=grid if _strict(req) else None, own=own)
         return out, out_w
-
-    def _overlap(self, req: CombineRequest, st: "_NVLinkState", single: bool) -> bool:
-        """Whether this combine overlaps its reduction with its sends (``Config.overlap_reduce``)."""
-        if not single or st.num_tokens_max is None or st.num_tokens_max < 2 or _strict(req):
-            return False  # rounds for a small buffer, no host-known token counts, or bounded local passes
-        if req.config.overlap_reduce is not None:
-            return req.config.overlap_reduce
-        return st.num_tokens_max >= OVERLAP_MIN_TOKENS
-
-    @contextlib.contextmanager
-    def _side_stream(self, use: bool):
-        """Run the block on this transport's second stream, after the work enqueued so far (in place when
-        ``use`` is False or off CUDA)."""
-        if not use or self._side is None:
-            yield
-            return
-        self._side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._side):
-            yield
 
     # ------------------------------------------------------------------ low-latency mode (epcomm.transports.low_latency)
     def low_latency_dispatch(self, req: LowLatencyDispatchRequest) -> LowLatencyDispatchResult:
