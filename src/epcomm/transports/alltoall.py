@@ -91,6 +91,7 @@ class AllToAllTransport(Transport):
         self._zero_copy: dict = {}
         self._zero_bases: dict = {}
         self._pinned: dict = {}  # pinned host blocks for the dispatch's count read, by size
+        self._no_rows = torch.empty(0, dtype=torch.int64, device=device)  # send_idx of the GPU path's handles
 
     @classmethod
     def capabilities(cls) -> Capabilities:
@@ -207,17 +208,19 @@ class AllToAllTransport(Transport):
 
         state = _NormalState(send_idx=send_idx, send_counts=tuple(send_counts), slot=slot, capacity=0, recv_dst=None)
         return self._exchange_rows(req, _as_bytes(x).index_select(0, send_idx), meta[:num_send], send_counts,
-                                   recv_counts_h, per_expert, recv_per_expert, state)
+                                   recv_counts_h, lambda: (per_expert, recv_per_expert), state)
 
     def _exchange_rows(self, req: DispatchRequest, rows: torch.Tensor, records: torch.Tensor, send_counts: list,
-                       recv_counts: list, per_expert: list, recv_per_expert: torch.Tensor,
-                       state: "_NormalState") -> DispatchResult:
+                       recv_counts: list, expert_counts, state: "_NormalState") -> DispatchResult:
         """Exact mode, after the host synchronisation: move the packed rows and records, unpack, build the
-        handle. ``rows``/``records`` are in send order (destination rank, then token)."""
+        handle. ``rows``/``records`` are in send order (destination rank, then token). ``expert_counts()``
+        returns ``(per_expert list, recv_per_expert [E_local] int32 tensor)``; it runs once the rows are on
+        their way (the call is host-bound until the rows' all_to_all is issued)."""
         x, dev, num_ranks = req.x, req.x.device, self.num_ranks
         num_recv = sum(recv_counts)
         recv_x = torch.empty(num_recv, x.size(1), dtype=x.dtype, device=dev)
         self._a2a(recv_x, rows, recv_counts, send_counts)
+        per_expert, recv_per_expert = expert_counts()
         recv_meta = torch.empty(num_recv, records.size(1), dtype=torch.int32, device=dev)
         self._a2a(recv_meta, records, recv_counts, send_counts)
         if self._gpu_path(x):  # one kernel instead of a torch op per field
@@ -282,7 +285,6 @@ class AllToAllTransport(Transport):
                R_POW2=max(2, next_pow2(num_ranks)), HAS_EXPERTS=has_experts, HAS_TOPK=k > 0,
                BLOCK_T=256, BLOCK_E=pow2_block(e_local), BLOCK_K=pow2_block(k))
         self._a2a(recv_table, table)
-        recv_per_expert = recv_table[:, 1:].sum(0, dtype=torch.int32)  # enqueued before the synchronisation
         read = self._read_later(ctl)  # the host waits for the counts only, not for the pack kernel below
         rows, recs = self._pack(x, req.x_scales, req.topk_idx, req.topk_weights, itr, pos, first, req.num_experts)
         host = read()
@@ -290,13 +292,17 @@ class AllToAllTransport(Transport):
         self._raise_host_checks(host[2:4], bad_topk, bad_layout, req.num_experts)
         send_counts = host[4:4 + tw:1 + e_local]
         recv_table_h = host[4 + tw:]
-        recv_counts_h = recv_table_h[::1 + e_local]
-        per_expert = [sum(recv_table_h[s * (1 + e_local) + 1 + e] for s in range(num_ranks)) for e in range(e_local)]
         num_send = sum(send_counts)
-        state = _NormalState(send_idx=torch.empty(0, dtype=torch.int64, device=dev), send_counts=tuple(send_counts),
-                             slot=None, capacity=0, recv_dst=None, pos=pos, first=first)
-        return self._exchange_rows(req, rows[:num_send], recs[:num_send], send_counts, recv_counts_h, per_expert,
-                                   recv_per_expert, state)
+        state = _NormalState(send_idx=self._no_rows, send_counts=tuple(send_counts), slot=None, capacity=0,
+                             recv_dst=None, pos=pos, first=first)
+
+        def expert_counts():
+            per_expert = [sum(recv_table_h[s * (1 + e_local) + 1 + e] for s in range(num_ranks))
+                          for e in range(e_local)]
+            return per_expert, recv_table[:, 1:].sum(0, dtype=torch.int32)
+
+        return self._exchange_rows(req, rows[:num_send], recs[:num_send], send_counts,
+                                   recv_table_h[::1 + e_local], expert_counts, state)
 
     def _read_later(self, t: torch.Tensor):
         """Start copying the int32 tensor ``t`` to the host; returns a function that waits for that copy
