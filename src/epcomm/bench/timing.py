@@ -42,6 +42,11 @@ class Timing:
         return nbytes / (self.median_us * 1e-6) / 1e9 if self.median_us > 0 else float("nan")
 
 
+# seconds of back-to-back calls before an isolated call is timed on a GPU: on the GPU hosts the same call measured
+# right after start-up took up to 1.6x longer than after other calls had kept the host busy (benchmarks/NOTES.md)
+WARMUP_S = 0.3
+
+
 def _barrier(group, device: torch.device) -> None:
     if device.type == "cuda":
         flag = torch.ones(1, device=device)
@@ -51,14 +56,28 @@ def _barrier(group, device: torch.device) -> None:
 
 
 def time_op(fn: Callable[[], object], group, device: torch.device, iters: int = 20, warmup: int = 5,
-            flush_l2: bool = True, setup: Callable[[], object] | None = None) -> Timing:
+            flush_l2: bool = True, setup: Callable[[], object] | None = None,
+            warmup_s: float = WARMUP_S) -> Timing:
     """Time ``fn()`` (which must be collective when it communicates) on every rank of ``group``.
-    ``setup()``, if given, runs before each iteration, outside the timed region."""
-    for _ in range(warmup):
+    ``setup()``, if given, runs before each iteration, outside the timed region. The warm-up runs ``warmup``
+    calls, then on CUDA as many more as fill about ``warmup_s`` seconds (the same count on every rank)."""
+
+    def one():
         if setup is not None:
             setup()
         fn()
+
     cuda = device.type == "cuda"
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        one()
+    if cuda and warmup_s > 0 and warmup > 0:  # isolated calls are host-bound: time them on a host that has been busy a while
+        torch.cuda.synchronize(device)
+        per_call = (time.perf_counter() - t0) / max(warmup, 1)
+        more = torch.tensor([min(int(warmup_s / max(per_call, 1e-6)), 10_000)], dtype=torch.int64, device=device)
+        dist.all_reduce(more, op=dist.ReduceOp.MAX, group=group)
+        for _ in range(int(more.item())):
+            one()
     scratch = torch.empty(256 << 20, dtype=torch.uint8, device=device) if cuda and flush_l2 else None
     times = []
     for _ in range(iters):
