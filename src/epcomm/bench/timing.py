@@ -7,6 +7,8 @@ iterations:
 * ``time_op`` (an isolated call): each iteration starts after a device-side barrier (a one-element
   all_reduce); the time runs from the barrier to the end of the call's last kernel, so it includes the
   host work of the call that the device waits for. On CPUs: ``time.perf_counter`` after a gloo barrier.
+  On GPUs the warm-up lasts at least ``WARMUP_S`` seconds: such host-bound times depend on how long the
+  host has been busy.
 * ``time_stream`` (a steady stream of calls, DeepEP's method): a chain of matrix products gives the host a
   head start, a barrier lines the ranks up, then the iterations are enqueued back to back (an L2 flush
   between them when asked) and each call is bracketed by its own events. The host is ahead of the device,
