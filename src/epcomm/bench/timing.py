@@ -73,7 +73,7 @@ def time_op(fn: Callable[[], object], group, device: torch.device, iters: int = 
     t0 = time.perf_counter()
     for _ in range(warmup):
         one()
-    if cuda and warmup_s > 0 and warmup > 0:  # isolated calls are host-bound: time them on a host that has been busy a while
+    if cuda and warmup_s > 0 and warmup > 0:  # host-bound calls: time them on a host that has been busy a while
         torch.cuda.synchronize(device)
         per_call = (time.perf_counter() - t0) / max(warmup, 1)
         more = torch.tensor([min(int(warmup_s / max(per_call, 1e-6)), 10_000)], dtype=torch.int64, device=device)
