@@ -37,7 +37,7 @@ import triton.language as tl
 from ..fp8 import FP8_AMAX_FLOOR, FP8_MAX_INV
 from .numerics import f32_to_bf16_rne
 from .launch import Launcher
-from .shmem import arrive_last, fence_sys, ld_acquire, st_release, wait_all_ge
+from .shmem import arrive_last, fence_sys, ld_acquire, st_release, wait_flags_ge
 
 # control words (int64) of ``OneSidedLowLatency._ctl``
 CTL_STATE = 0  # [2] calls made: dispatch, combine
@@ -249,8 +249,8 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, out_x_ptr, out_s_ptr, hmeta_ptr, bases_pt
         rpar = rcall & 1
         rarea = local_base + OFF_D + rpar * D_BYTES
         if ld_acquire(err_ptr) == 0:  # after a timeout every later receive fails fast
-            wait_all_ge(local_base, OFF_FLAG + rpar * (R * 8), R, rcall + 1, timeout, err_ptr, _K_ERR_DISPATCH,
-                        RANK, R_P, USE_TIMER)
+            wait_flags_ge(local_base, OFF_FLAG + rpar * (R * 8), R, rcall + 1, timeout, err_ptr, _K_ERR_DISPATCH,
+                        RANK, R_P, USE_PTX, USE_TIMER)
         tl.debug_barrier()
         s2 = tl.arange(0, R_P)[:, None]
         e2 = tl.arange(0, E_LP)[None, :]
@@ -270,35 +270,37 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, out_x_ptr, out_s_ptr, hmeta_ptr, bases_pt
             lr = hmeta_ptr + M_LR + (e2 * R + s2) * 2
             tl.store(lr, begin, mask=m2)
             tl.store(lr + 1, cc, mask=m2)
-        SE: tl.constexpr = R_P * E_LP
-        ccf = tl.reshape(cc, [SE])
-        endf = tl.cumsum(ccf, 0)
-        firstf = tl.reshape(first, [SE])
-        beginf = tl.reshape(begin, [SE])
-        total = tl.sum(ccf)
-        fr = tl.arange(0, SE)
-        rr = tl.arange(0, ROWS)
-        wc = tl.arange(0, XWP)
-        sc = tl.arange(0, SWP)
-        q0 = pid * ROWS
-        while q0 < total:
-            q = q0 + rr
-            qm = q < total
-            f = tl.sum((endf[None, :] <= q[:, None]).to(tl.int32), axis=1)  # (source, expert) of row q
-            oh = fr[None, :] == f[:, None]
-            within = q - tl.sum(tl.where(oh, (endf - ccf)[None, :], 0), axis=1)
-            j = tl.sum(tl.where(oh, firstf[None, :], 0), axis=1) + within
-            pos = tl.sum(tl.where(oh, beginf[None, :], 0), axis=1) + within
-            s = f // E_LP
-            e = f - s * E_LP
-            ok = qm & (pos < RT)
-            nover = tl.sum((qm & (pos >= RT)).to(tl.int32))
+        # work units: ROWS consecutive output rows of one expert (contiguous stores, coalesced column-major
+        # scales); a unit's rows come from one or more sources, found from the expert's column of begin
+        nch = (rc + ROWS - 1) // ROWS  # [E_LP]
+        uend = tl.cumsum(nch, 0)
+        units = tl.sum(nch)
+        if pid == 0:
+            nover = tl.sum(tl.sum(cc, axis=0) - rc)  # rows past R * T (expert ids repeated within tokens)
             if nover > 0:
                 tl.atomic_add(ctl_ptr + _K_CTL_OVERFLOW, nover.to(tl.int64))
+        rr = tl.arange(0, ROWS)
+        s1 = tl.arange(0, R_P)
+        wc = tl.arange(0, XWP)
+        sc = tl.arange(0, SWP)
+        u = pid
+        while u < units:
+            e = tl.sum((uend <= u).to(tl.int32))
+            eh = e1 == e
+            p0 = (u - tl.sum(tl.where(eh, uend - nch, 0))) * ROWS
+            ecol = e2 == e
+            b_e = tl.sum(tl.where(ecol, begin, 0), axis=1)  # [R_P] first output row of each source
+            f_e = tl.sum(tl.where(ecol, first, 0), axis=1)  # [R_P] its first record in the source's region
+            c_e = tl.sum(tl.where(ecol, cc, 0), axis=1)
+            pos = p0 + rr
+            ok = pos < tl.sum(tl.where(eh, rc, 0))
+            s = tl.sum((((b_e + c_e)[None, :] <= pos[:, None]) & (s1 < R)[None, :]).to(tl.int32), axis=1)
+            sh = s1[None, :] == s[:, None]
+            j = tl.sum(tl.where(sh, (f_e - b_e)[None, :], 0), axis=1) + pos
             m = tl.load((rarea + OFF_META + (s * C + j).to(tl.int64) * 4).to(tl.pointer_type(tl.int32)), mask=ok,
                         other=0, cache_modifier=".cg")
             src_row = (s * T + m // K).to(tl.int64)
-            dst_row = (e * RT + pos).to(tl.int64)
+            dst_row = e.to(tl.int64) * RT + pos
             src = tl.multiple_of((rarea + OFF_PAY + src_row * (XW * 4)).to(tl.pointer_type(tl.int32)), 16)
             cm = ok[:, None] & (wc < XW)[None, :]
             v = tl.load(src[:, None] + wc[None, :], mask=cm, cache_modifier=".cg")
@@ -307,11 +309,11 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, out_x_ptr, out_s_ptr, hmeta_ptr, bases_pt
                 smask = ok[:, None] & (sc < SW)[None, :]
                 ssrc = (rarea + OFF_SCL + src_row * (SW * 4)).to(tl.pointer_type(tl.int32))
                 sv = tl.load(ssrc[:, None] + sc[None, :], mask=smask, cache_modifier=".cg")
-                sdst = out_s_ptr.to(tl.pointer_type(tl.int32)) + (e.to(tl.int64) * SW)[:, None] * RT
+                sdst = out_s_ptr.to(tl.pointer_type(tl.int32)) + e.to(tl.int64) * (SW * RT)
                 tl.store(sdst + sc[None, :].to(tl.int64) * RT + pos[:, None], sv, mask=smask)
             tl.store(hmeta_ptr + M_SRC + dst_row, m // K, mask=ok)
             tl.store(hmeta_ptr + M_ROUTE + dst_row, s * (T * K) + m, mask=ok)
-            q0 += nprog * ROWS
+            u += nprog
         # src_info = -1 past each expert's count
         fl = tl.arange(0, FB)
         ee = pid
@@ -393,8 +395,8 @@ def ll_combine_kernel(y_ptr, idx_ptr, w_ptr, out_ptr, hmeta_ptr, bases_ptr, ctl_
         rpar = rcall & 1
         rarea = local_base + OFF_C + rpar * C_BYTES
         if ld_acquire(err_ptr) == 0:
-            wait_all_ge(local_base, OFF_FLAG + (2 + rpar) * (R * 8), R, rcall + 1, timeout, err_ptr,
-                        _K_ERR_COMBINE, RANK, R_P, USE_TIMER)
+            wait_flags_ge(local_base, OFF_FLAG + (2 + rpar) * (R * 8), R, rcall + 1, timeout, err_ptr,
+                        _K_ERR_COMBINE, RANK, R_P, USE_PTX, USE_TIMER)
         tl.debug_barrier()
         NCH: tl.constexpr = (H + BC - 1) // BC
         cols0 = tl.arange(0, BC)

@@ -32,8 +32,9 @@ Memory-ordering rules (PTX memory model, system scope because the observer is an
   alternate between two buffers so that a writer never overwrites lines still being read.
 * **Uniform polls.** A poll loop's condition must have the same value in every thread of the program:
   Triton places ``bar.sync`` inside scalar atomics and reductions, and threads that left a loop at
-  different iterations would deadlock there. ``ld_acquire`` (one thread loads, all get its value) and
-  ``now`` (a reduction over every thread's clock read) are uniform; never poll with per-thread inline PTX.
+  different iterations would deadlock there. ``ld_acquire`` (one thread loads, all get its value), ``now``
+  and ``wait_flags_ge`` (per-thread reads, then a reduction over every thread) are uniform; never branch on
+  a per-thread inline-PTX load without such a reduction.
 * **Who writes which flag.** Every flag has exactly one writer unless it is incremented with
   ``atomic_add_release`` (remote atomics need native P2P atomics: ``epcomm.shmem.p2p_atomics_supported``).
   Single-writer flags hold monotonically increasing epochs (``>=`` comparisons), so they never need to be
@@ -245,6 +246,50 @@ def wait_all_ge(base, flags_off, world, value, timeout, err_ptr, err_code, rank,
             flag = (base + flags_off + q * 8).to(tl.pointer_type(tl.int64))
             ok = wait_until(flag, _K_CMP_GE, value, timeout, err_ptr, err_code, rank, q, -1, USE_TIMER)
     return ok
+
+
+@triton.jit
+def wait_flags_ge(base, flags_off, world, value, timeout, err_ptr, err_code, rank, R_POW2: tl.constexpr,
+                  USE_PTX: tl.constexpr, USE_TIMER: tl.constexpr):
+    """``wait_all_ge`` with every flag read in one poll: each thread acquire-loads flag ``thread % R_POW2``
+    and the smallest value over all threads (a reduction across the program's warps, so the same in every
+    thread) decides; one memory round trip per poll instead of one per flag. Returns 1, or 0 after a
+    timeout (the error record names the first flag still below ``value``)."""
+    if USE_PTX:
+        lanes = tl.arange(0, _cuda_ext.num_threads()) % R_POW2  # one element per thread
+    else:
+        lanes = tl.arange(0, R_POW2)
+    live = lanes < world
+    ptrs = (base + flags_off + tl.where(live, lanes, 0) * 8).to(tl.pointer_type(tl.int64))
+    big = tl.full([], 1 << 62, tl.int64)
+    seen = tl.min(tl.where(live, _ld_acquire_lanes(ptrs, USE_PTX), big), axis=0)
+    ok = (seen >= value).to(tl.int32)
+    t0 = now(USE_TIMER)
+    polls = tl.full([], 0, tl.int64)
+    late = tl.full([], 0, tl.int32)
+    while (ok == 0) & (late == 0):
+        seen = tl.min(tl.where(live, _ld_acquire_lanes(ptrs, USE_PTX), big), axis=0)
+        ok = (seen >= value).to(tl.int32)
+        polls += 1
+        late = expired(t0, polls, timeout, USE_TIMER)
+    if ok == 0:
+        v = tl.where(live, _ld_acquire_lanes(ptrs, USE_PTX), big)
+        peer = tl.min(tl.where(v < value, lanes, R_POW2), axis=0)
+        record_error(err_ptr, err_code, rank, peer, -1, value, tl.min(tl.where(lanes == peer, v, big), axis=0),
+                     _K_CMP_GE)
+    return ok
+
+
+@triton.jit
+def _ld_acquire_lanes(ptrs, USE_PTX: tl.constexpr):
+    """Per-element acquire load (system scope) of int64 flags; each thread gets its own elements' values, so
+    callers reduce over all threads before branching on them (``wait_flags_ge``)."""
+    if USE_PTX:
+        v = tl.inline_asm_elementwise("ld.acquire.sys.global.b64 $0, [$1];", "=l,l", [ptrs], dtype=tl.int64,
+                                      is_pure=False, pack=1)
+    else:
+        v = tl.atomic_add(ptrs, 0, sem="acquire", scope="sys")
+    return v
 
 
 @triton.jit
