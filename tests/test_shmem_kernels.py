@@ -70,7 +70,7 @@ def _variants():
         ("wait", K._wait_kernel, (a, 3, 1, 10 ** 10, err, 1, 1), dict(num_warps=1, USE_TIMER=True),
          ("ld.global.sys.acquire.b64", "%globaltimer", "bar.sync")),
         ("barrier R=4", K._barrier_kernel, (bases, 8192, state, err, 1, 4, 10 ** 10), dict(R_POW2=4, num_warps=1, **timer),
-         ("fence.acq_rel.sys", "st.release.sys.global.b64", "ld.global.sys.acquire.b64", "%globaltimer")),
+         ("fence.acq_rel.sys", "st.release.sys.global.b64", "ld.acquire.sys.global.b64", "%globaltimer")),
         ("barrier R=3", K._barrier_kernel, (bases, 8192, state, err, 0, 3, 1), dict(R_POW2=4, num_warps=1, **timer), ()),
         ("allgather aligned", K._allgather_kernel, (bases, a, 16384, 1 << 20, 256, 512, state, err, 1, 4, 10 ** 10),
          dict(BLOCK=16384, ALIGNED16=True, R_POW2=4, num_warps=8, **timer),

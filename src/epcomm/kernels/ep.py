@@ -424,7 +424,7 @@ def dispatch_copyout_kernel(area_ptr, meta_ptr, hdr_ptr, bases_ptr, arrive_off, 
     nprog = tl.num_programs(0)
     if ONE_SIDED:
         wait_all_ge(tl.load(bases_ptr + rank), arrive_off, world, tl.load(epoch_ptr), timeout, err_ptr, _K_ERR_DONE,
-                    rank, R_POW2, USE_TIMER)
+                    rank, R_POW2, USE_PTX, USE_TIMER)
         tl.debug_barrier()
     for s in tl.static_range(R):
         if ONE_SIDED:
@@ -570,10 +570,10 @@ def combine_push_kernel(x_ptr, w_ptr, src_ptr, prefix_ptr, dst_row_ptr, bases_pt
 
 @triton.jit
 def wait_arrivals_kernel(bases_ptr, arrive_off, epoch_ptr, err_ptr, rank, world, timeout, R_POW2: tl.constexpr,
-                         USE_TIMER: tl.constexpr):
+                         USE_PTX: tl.constexpr, USE_TIMER: tl.constexpr):
     """Wait until every rank released this round's epoch into ``arrive`` (one program)."""
     wait_all_ge(tl.load(bases_ptr + rank), arrive_off, world, tl.load(epoch_ptr), timeout, err_ptr, _K_ERR_DONE,
-                rank, R_POW2, USE_TIMER)
+                rank, R_POW2, USE_PTX, USE_TIMER)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ import triton.language as tl
 from ..fp8 import FP8_AMAX_FLOOR, FP8_MAX_INV
 from .numerics import f32_to_bf16_rne
 from .launch import Launcher
-from .shmem import arrive_last, fence_sys, ld_acquire, st_release, wait_flags_ge
+from .shmem import arrive_last, fence_sys, ld_acquire, st_release, wait_all_ge
 
 # control words (int64) of ``OneSidedLowLatency._ctl``
 CTL_STATE = 0  # [2] calls made: dispatch, combine
@@ -249,7 +249,7 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, out_x_ptr, out_s_ptr, hmeta_ptr, bases_pt
         rpar = rcall & 1
         rarea = local_base + OFF_D + rpar * D_BYTES
         if ld_acquire(err_ptr) == 0:  # after a timeout every later receive fails fast
-            wait_flags_ge(local_base, OFF_FLAG + rpar * (R * 8), R, rcall + 1, timeout, err_ptr, _K_ERR_DISPATCH,
+            wait_all_ge(local_base, OFF_FLAG + rpar * (R * 8), R, rcall + 1, timeout, err_ptr, _K_ERR_DISPATCH,
                         RANK, R_P, USE_PTX, USE_TIMER)
         tl.debug_barrier()
         s2 = tl.arange(0, R_P)[:, None]
@@ -395,7 +395,7 @@ def ll_combine_kernel(y_ptr, idx_ptr, w_ptr, out_ptr, hmeta_ptr, bases_ptr, ctl_
         rpar = rcall & 1
         rarea = local_base + OFF_C + rpar * C_BYTES
         if ld_acquire(err_ptr) == 0:
-            wait_flags_ge(local_base, OFF_FLAG + (2 + rpar) * (R * 8), R, rcall + 1, timeout, err_ptr,
+            wait_all_ge(local_base, OFF_FLAG + (2 + rpar) * (R * 8), R, rcall + 1, timeout, err_ptr,
                         _K_ERR_COMBINE, RANK, R_P, USE_PTX, USE_TIMER)
         tl.debug_barrier()
         NCH: tl.constexpr = (H + BC - 1) // BC

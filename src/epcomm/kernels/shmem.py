@@ -33,7 +33,7 @@ Memory-ordering rules (PTX memory model, system scope because the observer is an
 * **Uniform polls.** A poll loop's condition must have the same value in every thread of the program:
   Triton places ``bar.sync`` inside scalar atomics and reductions, and threads that left a loop at
   different iterations would deadlock there. ``ld_acquire`` (one thread loads, all get its value), ``now``
-  and ``wait_flags_ge`` (per-thread reads, then a reduction over every thread) are uniform; never branch on
+  and ``wait_all_ge`` (per-thread reads, then a reduction over every thread) are uniform; never branch on
   a per-thread inline-PTX load without such a reduction.
 * **Who writes which flag.** Every flag has exactly one writer unless it is incremented with
   ``atomic_add_release`` (remote atomics need native P2P atomics: ``epcomm.shmem.p2p_atomics_supported``).
@@ -236,25 +236,12 @@ def wait_until(ptr, cmp, value, timeout, err_ptr, err_code, rank, peer, slot, US
 
 @triton.jit
 def wait_all_ge(base, flags_off, world, value, timeout, err_ptr, err_code, rank, R_POW2: tl.constexpr,
-                USE_TIMER: tl.constexpr):
+                USE_PTX: tl.constexpr, USE_TIMER: tl.constexpr):
     """Wait until the int64 flags ``[world]`` at ``base + flags_off`` (this rank's heap) are all ``>= value``,
-    one after the other (``wait_until`` each, ``peer`` = the flag's index in an error record). Returns 1, or
-    0 after the first timeout (the later flags are then not waited for)."""
-    ok = tl.full([], 1, tl.int32)
-    for q in tl.static_range(R_POW2):
-        if (q < world) & (ok != 0):
-            flag = (base + flags_off + q * 8).to(tl.pointer_type(tl.int64))
-            ok = wait_until(flag, _K_CMP_GE, value, timeout, err_ptr, err_code, rank, q, -1, USE_TIMER)
-    return ok
-
-
-@triton.jit
-def wait_flags_ge(base, flags_off, world, value, timeout, err_ptr, err_code, rank, R_POW2: tl.constexpr,
-                  USE_PTX: tl.constexpr, USE_TIMER: tl.constexpr):
-    """``wait_all_ge`` with every flag read in one poll: each thread acquire-loads flag ``thread % R_POW2``
-    and the smallest value over all threads (a reduction across the program's warps, so the same in every
-    thread) decides; one memory round trip per poll instead of one per flag. Returns 1, or 0 after a
-    timeout (the error record names the first flag still below ``value``)."""
+    every flag read in each poll: each thread acquire-loads flag ``thread % R_POW2`` and the smallest value
+    over all threads (a reduction across the program's warps, so the same in every thread) decides; one
+    memory round trip per poll. Timeout and error record as ``wait_until`` (``peer``: the first flag still
+    below ``value``, ``slot`` -1). Returns 1, or 0 after the timeout."""
     if USE_PTX:
         lanes = tl.arange(0, _cuda_ext.num_threads()) % R_POW2  # one element per thread
     else:
@@ -283,7 +270,7 @@ def wait_flags_ge(base, flags_off, world, value, timeout, err_ptr, err_code, ran
 @triton.jit
 def _ld_acquire_lanes(ptrs, USE_PTX: tl.constexpr):
     """Per-element acquire load (system scope) of int64 flags; each thread gets its own elements' values, so
-    callers reduce over all threads before branching on them (``wait_flags_ge``)."""
+    callers reduce over all threads before branching on them (``wait_all_ge``)."""
     if USE_PTX:
         v = tl.inline_asm_elementwise("ld.acquire.sys.global.b64 $0, [$1];", "=l,l", [ptrs], dtype=tl.int64,
                                       is_pure=False, pack=1)
@@ -326,7 +313,7 @@ def block_barrier(bases_ptr, flags_off, epoch_ptr, err_ptr, rank, world, timeout
     remote = peer_ptr(bases_ptr, safe_peers, flags_off + rank * 8, tl.int64)
     st_release(remote, tl.zeros([R_POW2], tl.int64) + epoch, USE_PTX)
     ok = wait_all_ge(tl.load(bases_ptr + rank), flags_off, world, epoch, timeout, err_ptr, err_code, rank, R_POW2,
-                     USE_TIMER)
+                     USE_PTX, USE_TIMER)
     tl.store(epoch_ptr, epoch)
     return ok
 
@@ -454,7 +441,7 @@ def _allgather_kernel(bases_ptr, src_addr, out_off, shard_bytes, ready_off, done
         tl.store(state_ptr, e)
         done_remote = peer_ptr(bases_ptr, safe_peers, done_off + rank * 8, tl.int64)
         st_release(done_remote, tl.zeros([R_POW2], tl.int64) + e, USE_PTX)
-        wait_all_ge(base_local, done_off, world, e, timeout, err_ptr, _K_ERR_DONE, rank, R_POW2, USE_TIMER)
+        wait_all_ge(base_local, done_off, world, e, timeout, err_ptr, _K_ERR_DONE, rank, R_POW2, USE_PTX, USE_TIMER)
 
 
 @triton.jit

@@ -411,7 +411,7 @@ class NVLinkTransport(Transport):
                 R_POW2=self.r_pow2, TOK=tok, BLOCK=chunk_block(xw, tok), BLOCK_K=pow2_block(k), HAS_W=k > 0,
                 SINGLE_ROUND=single, VEC=xw % 4 == 0, num_warps=PUSH_WARPS, **self.flags_kw)
             launch(wait_arrivals_kernel, (1,), self.heap.peer_bases, self._off(self.arrive), self.epoch, self.err, rank,
-                   num_ranks, self._timeout(), R_POW2=self.r_pow2, **self.timer_kw)
+                   num_ranks, self._timeout(), R_POW2=self.r_pow2, **self.flags_kw, **self.timer_kw)
             if hi > lo:
                 first = None if single else cum[lo].to(torch.int32)
                 reduce_from_layout(buf, h.is_token_in_rank, st.pos, cap, lo, hi, req.bias, out, first, wbuf, out_w,
