@@ -241,6 +241,38 @@ def test_missing_peer_times_out(monkeypatch):
     assert "rank 0" in combine and "rank 1's combine rows of call 0" in combine, combine
 
 
+def _repeated_ids(ctx):
+    """Every token selects expert 0 twice (ids within a token must be distinct): 2 * T rows per source arrive
+    for one expert, whose output holds R * T; the first R * T (source 0's, in order) are kept and the rest
+    are reported as dropped, not written past the expert's rows."""
+    from epcomm.buffer import Buffer
+    from epcomm.errors import EpcommError
+
+    t = 4
+    x = torch.randn(t, 128).to(torch.bfloat16)
+    idx = torch.zeros(t, 2, dtype=torch.int64)
+    buf = Buffer(ctx.group, transport=NVLinkTransport, **NVL)
+    recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, t, 4, use_fp8=False)
+    message = ""
+    try:
+        buf.check_errors()
+    except EpcommError as exc:
+        message = str(exc)
+    out = (handle.recv_count.tolist(), handle.src_info[0].tolist(), message)
+    torch.distributed.barrier(group=ctx.group)
+    buf.destroy()
+    return out
+
+
+def test_repeated_expert_ids_drop_rows_and_say_so(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    (count0, src0, msg0), (count1, _, msg1) = spawn(_repeated_ids, 2, device="cpu", timeout_s=300)
+    assert count0 == [8, 0] and count1 == [0, 0], (count0, count1)
+    assert src0 == [0, 0, 1, 1, 2, 2, 3, 3], src0  # source 0's rows, token order
+    assert "rank 0: 8 low-latency rows did not fit" in msg0 and "distinct" in msg0, msg0
+    assert msg1 == "", msg1
+
+
 # ---------------------------------------------------------------------------------------------------------
 # without the interpreter
 # ---------------------------------------------------------------------------------------------------------
