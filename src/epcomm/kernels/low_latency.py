@@ -464,7 +464,7 @@ def ll_combine_kernel(y_ptr, idx_ptr, w_ptr, out_ptr, hmeta_ptr, bases_ptr, ctl_
         if LINES:
             if good != 0:
                 hptr = (rline + OFF_HDR + s1 * 8).to(tl.pointer_type(tl.int64))
-                hl, missing = poll_lines(hptr, live, want, timeout, USE_TIMER, True)
+                hl, missing = poll_lines(hptr, live, want, timeout, USE_TIMER)
                 if missing != 0:
                     good = 0
                     peer = tl.min(tl.where(live & ((hl >> 32) != want), s1, R_P), axis=0)
@@ -486,7 +486,7 @@ def ll_combine_kernel(y_ptr, idx_ptr, w_ptr, out_ptr, hmeta_ptr, bases_ptr, ctl_
         if LINES:
             if (good != 0) & (pid < n_tokens * NCH) & (tl.sum(tl.maximum(nl, 0), axis=0) > 0):
                 rptr = (rline + OFF_RTE + (s1[:, None] * LR + jl) * 8).to(tl.pointer_type(tl.int64))
-                rl, missing = poll_lines(rptr, rmask, want, timeout, USE_TIMER, True)
+                rl, missing = poll_lines(rptr, rmask, want, timeout, USE_TIMER)
                 if missing != 0:
                     good = 0
                     peer = tl.min(tl.min(tl.where(rmask & ((rl >> 32) != want), s1[:, None], R_P), axis=1), axis=0)
@@ -517,8 +517,7 @@ def ll_combine_kernel(y_ptr, idx_ptr, w_ptr, out_ptr, hmeta_ptr, bases_ptr, ctl_
                         j = tl.sum(tl.ravel(tl.where(hit, jl, 0)), axis=0)
                         lp = (rline + OFF_LINE + ((src * LR + j) * HW).to(tl.int64) * 8).to(
                             tl.pointer_type(tl.int64))
-                        lv, missing = poll_lines(tl.multiple_of(lp, 16) + w, wm, want, timeout, USE_TIMER,
-                                                   BW < 512)
+                        lv, missing = poll_lines(tl.multiple_of(lp, 16) + w, wm, want, timeout, USE_TIMER)
                         if missing != 0:
                             good = 0
                             record_error(err_ptr, _K_ERR_COMBINE, RANK, src, k, rcall + 1, stale_epoch(lv, wm, want),

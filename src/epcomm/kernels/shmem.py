@@ -278,17 +278,11 @@ def wait_flags_ge(base, flags_off, need, value, timeout, err_ptr, err_code, rank
 
 
 @triton.jit
-def poll_lines(ptrs, mask, want, timeout, USE_TIMER: tl.constexpr, RELOAD: tl.constexpr):
+def poll_lines(ptrs, mask, want, timeout, USE_TIMER: tl.constexpr):
     """Volatile-load the int64 lines ``epoch << 32 | word`` at ``ptrs`` (where ``mask``) until every one carries
     the epoch ``want`` (the low 32 bits of the epoch, sign-extended: ``(epoch << 32) >> 32``). Returns
     ``(lines, missing)``: ``missing`` (the number of lines still without the epoch) is 0 unless the timeout
-    expired; the same in every thread (a reduction decides each poll).
-
-    ``RELOAD``: load the lines once more after the decision. Needed when the block has fewer elements than
-    the program has threads: Triton then gives several threads copies of one element, each loaded on its
-    own, and the reduction sees only one copy, so another thread's copy may still hold the old line; a load
-    issued after every thread agreed sees the new one. A block of at least two elements per thread (each
-    element owned by one thread) can use its polled lines directly."""
+    expired; the same in every thread (a reduction decides each poll)."""
     line = tl.load(ptrs, mask=mask, other=0, volatile=True)
     missing = tl.sum(tl.ravel((mask & ((line >> 32) != want)).to(tl.int32)), axis=0)
     if missing != 0:
@@ -300,8 +294,6 @@ def poll_lines(ptrs, mask, want, timeout, USE_TIMER: tl.constexpr, RELOAD: tl.co
             missing = tl.sum(tl.ravel((mask & ((line >> 32) != want)).to(tl.int32)), axis=0)
             polls += 1
             late = expired(t0, polls, timeout, USE_TIMER)
-    if RELOAD:
-        line = tl.load(ptrs, mask=mask, other=0, volatile=True)
     return line, missing
 
 
@@ -553,7 +545,7 @@ def _allgather_lines_kernel(bases_ptr, src_addr, out_addr, shard_bytes, stage_of
             o = blk * BLOCK + offs
             m = o < n_words
             # every line must carry the epoch (a smallest-epoch test would pass a stale line once epochs wrap)
-            line, missing = poll_lines(mine + o, m, want, timeout, USE_TIMER, False)  # BLOCK >= 2 per thread
+            line, missing = poll_lines(mine + o, m, want, timeout, USE_TIMER)
             if missing == 0:
                 tl.store(out + o, (line & low).to(tl.int32), mask=m)
             else:
