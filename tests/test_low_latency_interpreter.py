@@ -31,22 +31,6 @@ class FusedNVLinkTransport(NVLinkTransport):
         self._ll._fused = True
 
 
-class PlainCombineNVLinkTransport(NVLinkTransport):
-    """Combine rows always as plain rows with a fence and a flag (no lines)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._ll.line_rows = 0
-
-
-class MixedCombineNVLinkTransport(NVLinkTransport):
-    """Lines only for pairs of at most 2 rows: in most calls some pairs send lines and others plain rows."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._ll.line_rows = 2
-
-
 def _assert_clean(results):
     problems = [f"rank {r}: {label}: {fails}" for r, res in enumerate(results) for label, fails in res]
     assert not problems, "\n".join(problems)
@@ -70,12 +54,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("transport", [NVLinkTransport, MixedCombineNVLinkTransport, PlainCombineNVLinkTransport],
-                         ids=["lines", "mixed", "plain"])
-def test_low_latency_matches_reference(monkeypatch, transport):
-    """Combine rows as lines (every pair small here), as lines or plain rows by pair, and as plain rows."""
+def test_low_latency_matches_reference(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    _assert_clean(spawn(run_cases, 3, CASES, transport, NVL, device="cpu", timeout_s=600))
+    _assert_clean(spawn(run_cases, 3, CASES, NVLinkTransport, NVL, device="cpu", timeout_s=600))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -260,53 +241,36 @@ def test_missing_peer_times_out(monkeypatch):
     assert "rank 0" in combine and "rank 1's combine rows of call 0" in combine, combine
 
 
-def _repeated_ids(ctx, transport):
+def _repeated_ids(ctx):
     """Every token selects expert 0 twice (ids within a token must be distinct): 2 * T rows per source arrive
     for one expert, whose output holds R * T; the first R * T (source 0's, in order) are kept and the rest
-    are reported as dropped, not written past the expert's rows. The combine then returns the kept rows
-    (rank 0's tokens: both slots) and nothing for the dropped ones (rank 1's tokens: zeros), without waiting
-    for rows that never come."""
+    are reported as dropped, not written past the expert's rows."""
     from epcomm.buffer import Buffer
     from epcomm.errors import EpcommError
 
     t = 4
-    g = torch.Generator().manual_seed(ctx.rank)
-    x = torch.randn(t, 128, generator=g).to(torch.bfloat16)
-    w = torch.rand(t, 2, generator=g)
+    x = torch.randn(t, 128).to(torch.bfloat16)
     idx = torch.zeros(t, 2, dtype=torch.int64)
-    buf = Buffer(ctx.group, transport=transport, **NVL)
+    buf = Buffer(ctx.group, transport=NVLinkTransport, **NVL)
     recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, t, 4, use_fp8=False)
-    messages = []
-    for _ in range(2):
-        try:
-            buf.check_errors()
-            messages.append("")
-        except EpcommError as exc:
-            messages.append(str(exc))
-        if len(messages) == 1:
-            combined, _, _ = buf.low_latency_combine(recv, idx, w, handle)
-    want = ((w[:, :1] * x.float()) + (w[:, 1:] * x.float())).to(torch.bfloat16) if ctx.rank == 0 else \
-        torch.zeros_like(x)
-    out = (handle.recv_count.tolist(), handle.src_info[0].tolist(), messages,
-           bool(torch.equal(combined.view(torch.int16), want.view(torch.int16))))
+    message = ""
+    try:
+        buf.check_errors()
+    except EpcommError as exc:
+        message = str(exc)
+    out = (handle.recv_count.tolist(), handle.src_info[0].tolist(), message)
     torch.distributed.barrier(group=ctx.group)
     buf.destroy()
     return out
 
 
-@pytest.mark.parametrize("transport", [NVLinkTransport, PlainCombineNVLinkTransport], ids=["lines", "plain"])
-def test_repeated_expert_ids_drop_rows_and_say_so(monkeypatch, transport):
+def test_repeated_expert_ids_drop_rows_and_say_so(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("EPCOMM_TIMEOUT_S", "30")
-    (count0, src0, msg0, same0), (count1, _, msg1, same1) = spawn(_repeated_ids, 2, transport, device="cpu",
-                                                                  timeout_s=300)
+    (count0, src0, msg0), (count1, _, msg1) = spawn(_repeated_ids, 2, device="cpu", timeout_s=300)
     assert count0 == [8, 0] and count1 == [0, 0], (count0, count1)
     assert src0 == [0, 0, 1, 1, 2, 2, 3, 3], src0  # source 0's rows, token order
-    assert "rank 0: 8 low-latency rows did not fit" in msg0[0] and "distinct" in msg0[0], msg0
-    assert msg0[1] == "" and msg1 == ["", ""], (msg0, msg1)  # the combine waited for nothing that never came
-    assert same0, "rank 0's combine (every row kept) differs"
-    if transport is NVLinkTransport:
-        assert same1, "rank 1's combine: dropped rows must add nothing"
+    assert "rank 0: 8 low-latency rows did not fit" in msg0 and "distinct" in msg0, msg0
+    assert msg1 == "", msg1
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -359,10 +323,8 @@ def _sample_args():
     disp = dict(common, K_P=8, KPER=4, FP8=True, ROUND=False, UE8M0=False, XW=h // 4, XWP=2048, SW=h // 128, SWP=64,
                 G4P=16, C=lay["cap"], OFF_D=9472, D_BYTES=lay["dispatch_bytes"], OFF_PAY=lay["pay"], OFF_SCL=lay["scl"],
                 OFF_META=lay["meta"], OFF_CNT=lay["cnt"], JB=1024, EB=8, ROWS=4, FB=1024)
-    off_c = 9472 + 2 * lay["dispatch_bytes"]
-    comb = dict(common, HWP=4096, OFF_C=off_c, C_BYTES=lay["combine_bytes"], OFF_L=off_c + 2 * lay["combine_bytes"],
-                L_BYTES=lay["line_bytes"], OFF_HDR=lay["hdr"], OFF_RTE=lay["rte"], OFF_LINE=lay["lines"],
-                LR=lay["line_rows"], LRP=16, LMAX=lay["line_rows"], ROWS=2, BC=2048)
+    comb = dict(common, HWP=4096, OFF_C=9472 + 2 * lay["dispatch_bytes"], C_BYTES=lay["combine_bytes"], ROWS=2,
+                BC=2048)
     x = torch.empty(t, h, dtype=torch.bfloat16)
     idx = torch.empty(t, k, dtype=torch.int64)
     w = torch.empty(t, k, dtype=torch.float32)
@@ -414,7 +376,6 @@ def test_kernels_compile_for_sm90():
         assert needle in ptx, f"dispatch PTX lacks {needle}"
     ptx = compile_for(K.ll_combine_kernel, c_args, dict(comb, DO_SEND=True, DO_RECV=True,
                                                         enable_fp_fusion=False)).asm["ptx"]
-    for needle in ("st.global.v4", "ld.global.cg.v4", "st.release.sys", "ld.global.sys.acquire", "mul.rn.f32",
-                   "ld.volatile.global"):
+    for needle in ("st.global.v4", "ld.global.cg.v4", "st.release.sys", "ld.global.sys.acquire", "mul.rn.f32"):
         assert needle in ptx, f"combine PTX lacks {needle}"
     assert "fma" not in ptx, "the combine's products must be rounded before the add (no FMA)"

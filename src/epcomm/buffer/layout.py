@@ -42,37 +42,21 @@ def low_latency_pair_capacity(num_max_dispatch_tokens_per_rank: int, num_topk: i
 
 LOW_LATENCY_ALIGN = 256
 
-# Combine rows of a pair of ranks that travel as 8-byte lines (``epoch << 32 | two bf16``) instead of plain rows
-# plus a fence and a flag: at most this many (decode steps of a few tokens; see epcomm.transports.low_latency).
-LOW_LATENCY_LINE_ROWS = 16
-
-
-def low_latency_line_rows(num_max_dispatch_tokens_per_rank: int, num_topk: int, num_local_experts: int) -> int:
-    """Rows per source rank in the combine's line area: ``LOW_LATENCY_LINE_ROWS``, or fewer when no pair can
-    carry that many (``low_latency_pair_capacity``)."""
-    return min(LOW_LATENCY_LINE_ROWS, low_latency_pair_capacity(num_max_dispatch_tokens_per_rank, num_topk,
-                                                                num_local_experts))
-
 
 def low_latency_area(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_local_experts: int,
                      num_topk: int, payload_row_bytes: int, scale_words: int) -> dict:
     """Byte layout of the one-sided low-latency storage of one rank for one call geometry (the same on every
-    rank; ``epcomm.transports.low_latency``). Per parity a dispatch area, a combine area and a line area:
+    rank; ``epcomm.transports.low_latency``). Two dispatch areas, then two combine areas (one per parity):
 
     * dispatch area: ``pay [R, T, payload_row_bytes]`` | ``scl [R, T, scale_words]`` int32 (a token's row
       arrives once per rank, whatever the number of its experts there) | ``meta [R, C]`` int32 records,
       one per (token, expert), ``C = T * min(K, E_local)`` per source rank | ``cnt [R, E_local]`` int32;
-    * combine area: ``rows [T * K, hidden]`` bf16, one row per (token, slot) of this rank;
-    * line area (only ever holds lines, so no stale row can pass for a line): ``hdr [R]`` int64 header
-      lines | ``rte [R, L]`` int64 route lines | ``lines [R, L, hidden / 2]`` int64 row lines
-      (``L = low_latency_line_rows``: the combine rows of a pair that travel as lines, see the transport).
+    * combine area: ``rows [T * K, hidden]`` bf16, one row per (token, slot) of this rank.
 
-    Returns the offsets (relative to the start of their area), ``cap`` (``C``), ``line_rows`` (``L``),
-    ``dispatch_bytes``, ``combine_bytes``, ``line_bytes`` and ``total`` bytes; each part is 256-aligned."""
+    Returns the offsets (relative to the start of the area) and ``total`` bytes; each part is 256-aligned."""
     t, r, k = num_max_dispatch_tokens_per_rank, num_ranks, num_topk
     cap = low_latency_pair_capacity(t, k, num_local_experts)
-    lines = low_latency_line_rows(t, k, num_local_experts)
-    out = {"cap": cap, "line_rows": lines}
+    out = {"cap": cap}
     off = 0
     for name, nbytes in (("pay", r * t * payload_row_bytes), ("scl", r * t * scale_words * 4),
                          ("meta", r * cap * 4), ("cnt", r * num_local_experts * 4)):
@@ -80,12 +64,7 @@ def low_latency_area(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ran
         off = align_up(off + nbytes, LOW_LATENCY_ALIGN)
     out["dispatch_bytes"] = off
     out["combine_bytes"] = align_up(t * k * hidden * 2, LOW_LATENCY_ALIGN)
-    off = 0
-    for name, nbytes in (("hdr", r * 8), ("rte", r * lines * 8), ("lines", r * lines * hidden * 4)):
-        out[name] = off
-        off = align_up(off + nbytes, LOW_LATENCY_ALIGN)
-    out["line_bytes"] = off
-    out["total"] = 2 * (out["dispatch_bytes"] + out["combine_bytes"] + out["line_bytes"])
+    out["total"] = 2 * (out["dispatch_bytes"] + out["combine_bytes"])
     return out
 
 
@@ -101,8 +80,8 @@ def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden
 
     epcomm sizes by what can arrive, double-buffered: per parity, from each of the R ranks at most ``T``
     dispatch rows (payload and scales: a token travels once per rank) and ``T * min(K, E_local)`` 4-byte
-    records, and ``T * K`` combine rows of this rank's own tokens (plus a few small-call rows per source as
-    lines), instead of DeepEP's ``E * T`` rows per direction. Without ``num_topk`` the bound takes
+    records, and ``T * K`` combine rows of this rank's own tokens, instead of DeepEP's ``E * T`` rows per
+    direction. Without ``num_topk`` the bound takes
     ``K = E_local`` (every local expert selected). Float32 payloads (``use_fp8=False`` with fp32 ``x``) need
     twice the payload part; the one-sided transports grow their storage on the first such call."""
     if num_experts % num_ranks:

@@ -37,8 +37,7 @@ import triton.language as tl
 from ..fp8 import FP8_AMAX_FLOOR, FP8_MAX_INV
 from .numerics import f32_to_bf16_rne
 from .launch import Launcher
-from .shmem import (_K_CMP_GE, arrive_last, fence_sys, ld_acquire, poll_lines, record_error, st_release, stale_epoch,
-                    wait_all_ge, wait_flags_ge)
+from .shmem import arrive_last, fence_sys, ld_acquire, st_release, wait_all_ge
 
 # control words (int64) of ``OneSidedLowLatency._ctl``
 CTL_STATE = 0  # [2] calls made: dispatch, combine
@@ -114,9 +113,8 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, out_x_ptr, out_s_ptr, hmeta_ptr, bases_pt
     Receive: wait for every source's epoch, read ``cnt``, and copy each source's records (expert-major) into
     ``out_x [E_L, R * T, ...]`` at ``begin[e, s] + i``, the row and scales of each from the source's row of
     that record's token (a row is read once per expert that selected it); column-major scales; ``hmeta`` (int32) gets
-    ``recv_count [E_L] | layout_range [E_L, R, 2] | src_info [E_L, R*T] (-1 past the count) | route [E_L, R*T]
-    | lrow [E_L, R*T]`` (``route = s * T * K + token * K + slot``: where combine returns the row; ``lrow``: the
-    row's place among the rows kept from its source, expert-major: its line row if combine sends lines)."""
+    ``recv_count [E_L] | layout_range [E_L, R, 2] | src_info [E_L, R*T] (-1 past the count) | route [E_L, R*T]``
+    (``route = s * T * K + token * K + slot``: where combine returns the row)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     err_ptr = ctl_ptr + _K_CTL_ERR
@@ -125,7 +123,6 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, out_x_ptr, out_s_ptr, hmeta_ptr, bases_pt
     M_LR: tl.constexpr = E_L
     M_SRC: tl.constexpr = E_L + 2 * E_L * R
     M_ROUTE: tl.constexpr = M_SRC + E_L * RT
-    M_LROW: tl.constexpr = M_ROUTE + E_L * RT
     G: tl.constexpr = H // 128
     if DO_SEND:
         call = tl.load(ctl_ptr)
@@ -267,8 +264,6 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, out_x_ptr, out_s_ptr, hmeta_ptr, bases_pt
         first = incl_c - cc  # their first row in that region
         begin = tl.cumsum(cc, axis=0) - cc  # their first row in the expert's output
         rc = tl.minimum(tl.sum(cc, axis=0), RT)  # [E_LP]
-        held = tl.minimum(tl.maximum(tl.minimum(begin + cc, rc[None, :]) - begin, 0), cc)  # rows kept (<= R * T)
-        dropped = tl.cumsum(cc - held, axis=1) - (cc - held)  # rows of the source dropped in earlier experts
         e1 = tl.arange(0, E_LP)
         if pid == 0:
             tl.store(hmeta_ptr + e1, rc, mask=e1 < E_L)
@@ -297,7 +292,6 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, out_x_ptr, out_s_ptr, hmeta_ptr, bases_pt
             b_e = tl.sum(tl.where(ecol, begin, 0), axis=1)  # [R_P] first output row of each source
             f_e = tl.sum(tl.where(ecol, first, 0), axis=1)  # [R_P] its first record in the source's region
             c_e = tl.sum(tl.where(ecol, cc, 0), axis=1)
-            d_e = tl.sum(tl.where(ecol, dropped, 0), axis=1)
             pos = p0 + rr
             ok = pos < tl.sum(tl.where(eh, rc, 0))
             s = tl.sum((((b_e + c_e)[None, :] <= pos[:, None]) & (s1 < R)[None, :]).to(tl.int32), axis=1)
@@ -319,7 +313,6 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, out_x_ptr, out_s_ptr, hmeta_ptr, bases_pt
                 tl.store(sdst + sc[None, :].to(tl.int64) * RT + pos[:, None], sv, mask=smask)
             tl.store(hmeta_ptr + M_SRC + dst_row, m // K, mask=ok)
             tl.store(hmeta_ptr + M_ROUTE + dst_row, s * (T * K) + m, mask=ok)
-            tl.store(hmeta_ptr + M_LROW + dst_row, j - tl.sum(tl.where(sh, d_e[None, :], 0), axis=1), mask=ok)
             u += nprog
         # src_info = -1 past each expert's count
         fl = tl.arange(0, FB)
@@ -333,43 +326,21 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, out_x_ptr, out_s_ptr, hmeta_ptr, bases_pt
             ee += nprog
 
 
-@triton.jit
-def _bf16_halves(w):
-    """The two bf16 of the int32 words ``w`` (the low half is the first element) as float32."""
-    return (w << 16).to(tl.float32, bitcast=True), (w & -65536).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _bf16_word(lo, hi):
-    """float32 pairs -> int32 words of two bf16 (round to nearest even), ``lo`` in the low half."""
-    blo = f32_to_bf16_rne(lo).to(tl.uint16, bitcast=True).to(tl.int32)
-    bhi = f32_to_bf16_rne(hi).to(tl.uint16, bitcast=True).to(tl.int32)
-    return blo | (bhi << 16)
-
-
 @triton.jit(do_not_specialize=["n_tokens", "info_slot", "timeout"])
 def ll_combine_kernel(y_ptr, idx_ptr, w_ptr, out_ptr, hmeta_ptr, bases_ptr, ctl_ptr,
                       n_tokens, info_slot, local_base, timeout,
                       RANK: tl.constexpr, R: tl.constexpr, R_P: tl.constexpr, T: tl.constexpr, K: tl.constexpr,
                       E_L: tl.constexpr, E_LP: tl.constexpr, H: tl.constexpr, HWP: tl.constexpr,
-                      OFF_FLAG: tl.constexpr, OFF_C: tl.constexpr, C_BYTES: tl.constexpr, OFF_L: tl.constexpr,
-                      L_BYTES: tl.constexpr, OFF_HDR: tl.constexpr, OFF_RTE: tl.constexpr, OFF_LINE: tl.constexpr, LR: tl.constexpr, LRP: tl.constexpr,
-                      LMAX: tl.constexpr, ROWS: tl.constexpr, BC: tl.constexpr, DO_SEND: tl.constexpr,
-                      DO_RECV: tl.constexpr, USE_PTX: tl.constexpr, USE_TIMER: tl.constexpr):
+                      OFF_FLAG: tl.constexpr, OFF_C: tl.constexpr, C_BYTES: tl.constexpr, ROWS: tl.constexpr,
+                      BC: tl.constexpr, DO_SEND: tl.constexpr, DO_RECV: tl.constexpr, USE_PTX: tl.constexpr,
+                      USE_TIMER: tl.constexpr):
     """Low-latency combine, send half and/or receive half.
 
-    Send: every received row ``(e, i < recv_count[e])`` of ``y [E_L, R * T, H]`` bf16 goes back to its source
-    rank ``s`` (``route`` in ``hmeta``). If this rank returns at most ``LMAX`` rows to ``s`` (``LMAX > 0``),
-    they travel as 8-byte lines ``epoch << 32 | two bf16`` into ``s``'s line area (row ``j``: the ``j``-th row
-    this rank holds from ``s``, expert-major, plus a route line ``epoch << 32 | token * K + slot``), which the
-    receiver polls without a fence or a flag; otherwise as plain rows into row ``token * K + slot`` of ``s``'s
-    combine area. Program 0 first stores a header line per rank: the number of line rows, or -1 for plain
-    rows. If any rank gets plain rows, every program fences, arrives, and the last one releases the epoch to
-    every rank's flag.
-    Receive: read the ``R`` header lines (every program, rows or not), wait for the flags of the ranks that
-    sent plain rows, then ``out[t] = bf16(sum over k ascending with a valid id of w[t, k] * float(row))``,
-    from +0.0, each product rounded before the add (a row that never arrived, dropped by the dispatch, adds
-    nothing)."""
+    Send: every received row ``(e, i < recv_count[e])`` of ``y [E_L, R * T, H]`` bf16 goes to row
+    ``token * K + slot`` of its source's combine area (``route`` in ``hmeta``); then fence, arrive, and the
+    last program releases the epoch to every rank (every rank waits for every rank, rows or not).
+    Receive: wait, then ``out[t] = bf16(sum over k ascending with a valid id of w[t, k] * float(row))``,
+    from +0.0, each product rounded before the add."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     err_ptr = ctl_ptr + _K_CTL_ERR
@@ -377,40 +348,16 @@ def ll_combine_kernel(y_ptr, idx_ptr, w_ptr, out_ptr, hmeta_ptr, bases_ptr, ctl_
     RT: tl.constexpr = R * T
     TK: tl.constexpr = T * K
     HW: tl.constexpr = H // 2
-    M_LR: tl.constexpr = E_L
     M_ROUTE: tl.constexpr = E_L + 2 * E_L * R + E_L * RT
-    M_LROW: tl.constexpr = M_ROUTE + E_L * RT
-    LINES: tl.constexpr = LMAX > 0
-    s1 = tl.arange(0, R_P)
-    live = s1 < R
-    low = tl.full([], 0xFFFFFFFF, tl.int64)
     if DO_SEND:
         call = tl.load(ctl_ptr + 1)
         parity = call & 1
         area = OFF_C + parity * C_BYTES
-        larea = OFF_L + parity * L_BYTES
-        tag = (call + 1) << 32
         e1 = tl.arange(0, E_LP)
         rc = tl.load(hmeta_ptr + e1, mask=e1 < E_L, other=0)
         rc = tl.minimum(tl.maximum(rc, 0), RT)
         endc = tl.cumsum(rc, 0)
         total = tl.sum(rc)
-        n_plain = R
-        if LINES:
-            # rows held per (expert, source): the source's range of the expert's rows, cut at recv_count
-            m2 = (e1 < E_L)[:, None] & live[None, :]
-            lrp = hmeta_ptr + M_LR + (e1[:, None] * R + s1[None, :]) * 2
-            lb = tl.load(lrp, mask=m2, other=0)
-            lc = tl.load(lrp + 1, mask=m2, other=0)
-            held = tl.minimum(tl.maximum(tl.minimum(lb + lc, rc[:, None]) - lb, 0), lc)
-            nrows = tl.sum(held, axis=0)  # [R_P] rows returned to each rank
-            as_lines = live & (nrows <= LMAX)
-            line_bits = tl.sum(tl.where(as_lines, 1 << s1, 0))  # bit s: rows to rank s travel as lines
-            n_plain = tl.sum((live & (nrows > LMAX)).to(tl.int32))
-            if pid == 0:
-                hdst = tl.load(bases_ptr + tl.where(live, s1, RANK)) + larea + OFF_HDR + RANK * 8
-                hval = tl.where(as_lines, nrows, -1).to(tl.int64) & low
-                tl.store(hdst.to(tl.pointer_type(tl.int64)), tag | hval, mask=live)
         rr = tl.arange(0, ROWS)
         wc = tl.arange(0, HWP)
         q0 = pid * ROWS
@@ -423,33 +370,23 @@ def ll_combine_kernel(y_ptr, idx_ptr, w_ptr, out_ptr, hmeta_ptr, bases_ptr, ctl_
             route = tl.load(hmeta_ptr + M_ROUTE + row, mask=qm, other=0)
             s = route // TK
             ok = qm & (s >= 0) & (s < R)
-            s = tl.where(ok, s, 0)
             m = (route - s * TK).to(tl.int64)
-            base = tl.load(bases_ptr + s)
+            dst = tl.load(bases_ptr + tl.where(ok, s, 0)) + area + m * (H * 2)
+            dst = tl.multiple_of(dst.to(tl.pointer_type(tl.int32)), 16)
             cm = ok[:, None] & (wc < HW)[None, :]
             v = tl.load(y_ptr.to(tl.pointer_type(tl.int32)) + row[:, None] * HW + wc[None, :], mask=cm)
-            if LINES:
-                lin = ok & (((line_bits >> s) & 1) != 0)
-                lrow = tl.load(hmeta_ptr + M_LROW + row, mask=lin, other=0)
-                lidx = (RANK * LR + lrow).to(tl.int64)
-                ldst = tl.multiple_of((base + larea + OFF_LINE + lidx * (HW * 8)).to(tl.pointer_type(tl.int64)), 16)
-                tl.store(ldst[:, None] + wc[None, :], tag | (v.to(tl.int64) & low), mask=cm & lin[:, None])
-                tl.store((base + larea + OFF_RTE + lidx * 8).to(tl.pointer_type(tl.int64)), tag | m, mask=lin)
-                ok = ok & (lin == 0)
-            dst = tl.multiple_of((base + area + m * (H * 2)).to(tl.pointer_type(tl.int32)), 16)
-            tl.store(dst[:, None] + wc[None, :], v, mask=cm & ok[:, None])
+            tl.store(dst[:, None] + wc[None, :], v, mask=cm)
             q0 += nprog * ROWS
-        if n_plain > 0:
-            fence_sys(USE_PTX)
+        fence_sys(USE_PTX)
         tl.debug_barrier()
         if arrive_last(ctl_ptr + _K_CTL_COUNTER + 1, nprog) != 0:
+            fence_sys(USE_PTX)
             tl.store(ctl_ptr + 1, call + 1)
             tl.store(ctl_ptr + _K_CTL_INFO + _K_INFO_RING + info_slot, call)
-            if n_plain > 0:
-                fence_sys(USE_PTX)
-                safe = tl.where(live, s1, RANK)
-                fa = tl.load(bases_ptr + safe) + OFF_FLAG + ((2 + parity) * R + RANK) * 8
-                st_release(fa.to(tl.pointer_type(tl.int64)), tl.zeros([R_P], tl.int64) + call + 1, USE_PTX)
+            peers = tl.arange(0, R_P)
+            safe = tl.where(peers < R, peers, RANK)
+            fa = tl.load(bases_ptr + safe) + OFF_FLAG + ((2 + parity) * R + RANK) * 8
+            st_release(fa.to(tl.pointer_type(tl.int64)), tl.zeros([R_P], tl.int64) + call + 1, USE_PTX)
     if DO_RECV:
         if DO_SEND:
             rcall = call
@@ -457,77 +394,26 @@ def ll_combine_kernel(y_ptr, idx_ptr, w_ptr, out_ptr, hmeta_ptr, bases_ptr, ctl_
             rcall = tl.load(ctl_ptr + _K_CTL_INFO + _K_INFO_RING + info_slot)
         rpar = rcall & 1
         rarea = local_base + OFF_C + rpar * C_BYTES
-        rline = local_base + OFF_L + rpar * L_BYTES
-        want = ((rcall + 1) << 32) >> 32  # the epoch as lines carry it
-        good = (ld_acquire(err_ptr) == 0).to(tl.int32)  # after a timeout every later receive fails fast
-        nl = tl.full([R_P], -1, tl.int64)  # per source: rows sent as lines, or -1 (plain rows and a flag)
-        if LINES:
-            if good != 0:
-                hptr = (rline + OFF_HDR + s1 * 8).to(tl.pointer_type(tl.int64))
-                hl, missing = poll_lines(hptr, live, want, timeout, USE_TIMER)
-                if missing != 0:
-                    good = 0
-                    peer = tl.min(tl.where(live & ((hl >> 32) != want), s1, R_P), axis=0)
-                    record_error(err_ptr, _K_ERR_COMBINE, RANK, peer, -1, rcall + 1, stale_epoch(hl, live, want),
-                                 _K_CMP_GE)
-                nl = tl.where(live, (hl << 32) >> 32, -1)
-        plain = live & (nl < 0)
-        need = tl.sum(tl.where(plain, tl.full([R_P], 1, tl.int64) << s1.to(tl.int64), 0), axis=0)
-        if (good != 0) & (need != 0):
-            good = wait_flags_ge(local_base, OFF_FLAG + (2 + rpar) * (R * 8), need, rcall + 1, timeout, err_ptr,
-                                 _K_ERR_COMBINE, RANK, R_P, USE_PTX, USE_TIMER)
+        if ld_acquire(err_ptr) == 0:
+            wait_all_ge(local_base, OFF_FLAG + (2 + rpar) * (R * 8), R, rcall + 1, timeout, err_ptr,
+                        _K_ERR_COMBINE, RANK, R_P, USE_PTX, USE_TIMER)
         tl.debug_barrier()
-        BW: tl.constexpr = BC // 2  # words (bf16 pairs) per item
-        NCH: tl.constexpr = (HW + BW - 1) // BW
-        w0 = tl.arange(0, BW)
-        jl = tl.arange(0, LRP)[None, :]
-        rte = tl.full([R_P, LRP], -1, tl.int64)
-        rmask = live[:, None] & (jl < nl[:, None])
-        if LINES:
-            if (good != 0) & (pid < n_tokens * NCH) & (tl.sum(tl.maximum(nl, 0), axis=0) > 0):
-                rptr = (rline + OFF_RTE + (s1[:, None] * LR + jl) * 8).to(tl.pointer_type(tl.int64))
-                rl, missing = poll_lines(rptr, rmask, want, timeout, USE_TIMER)
-                if missing != 0:
-                    good = 0
-                    peer = tl.min(tl.min(tl.where(rmask & ((rl >> 32) != want), s1[:, None], R_P), axis=1), axis=0)
-                    record_error(err_ptr, _K_ERR_COMBINE, RANK, peer, -1, rcall + 1, stale_epoch(rl, rmask, want),
-                                 _K_CMP_GE)
-                rte = tl.where(rmask, rl & low, -1)
+        NCH: tl.constexpr = (H + BC - 1) // BC
+        cols0 = tl.arange(0, BC)
         it = pid
         while it < n_tokens * NCH:
             t = it // NCH
-            w = (it - t * NCH) * BW + w0
-            wm = w < HW
-            acc_lo = tl.zeros([BW], tl.float32)
-            acc_hi = tl.zeros([BW], tl.float32)
+            cols = (it - t * NCH) * BC + cols0
+            cm = cols < H
+            acc = tl.zeros([BC], tl.float32)
             for k in tl.static_range(K):
                 g = tl.load(idx_ptr + t * K + k)
                 valid = (g >= 0) & (g < E)
                 wk = tl.load(w_ptr + t * K + k)
-                src = tl.where(valid, g // E_L, 0)
-                yw = tl.zeros([BW], tl.int32)
-                if tl.sum((plain & (s1 == src)).to(tl.int32), axis=0) != 0:
-                    rp = (rarea + (t * K + k).to(tl.int64) * (H * 2)).to(tl.pointer_type(tl.int32))
-                    yw = tl.load(tl.multiple_of(rp, 16) + w, mask=wm & valid, other=0, cache_modifier=".cg")
-                else:
-                    # a line source: find the row by its route line (absent: dropped by the dispatch)
-                    hit = rmask & (s1[:, None] == src) & (rte == t * K + k)
-                    valid = valid & (tl.sum(tl.ravel(hit.to(tl.int32)), axis=0) != 0) & (good != 0)
-                    if valid:
-                        j = tl.sum(tl.ravel(tl.where(hit, jl, 0)), axis=0)
-                        lp = (rline + OFF_LINE + ((src * LR + j) * HW).to(tl.int64) * 8).to(
-                            tl.pointer_type(tl.int64))
-                        lv, missing = poll_lines(tl.multiple_of(lp, 16) + w, wm, want, timeout, USE_TIMER)
-                        if missing != 0:
-                            good = 0
-                            record_error(err_ptr, _K_ERR_COMBINE, RANK, src, k, rcall + 1, stale_epoch(lv, wm, want),
-                                         _K_CMP_GE)
-                        yw = (lv & low).to(tl.int32)
-                lo, hi = _bf16_halves(yw)
-                acc_lo = tl.where(valid, acc_lo + wk * lo, acc_lo)
-                acc_hi = tl.where(valid, acc_hi + wk * hi, acc_hi)
-            tl.store(out_ptr.to(tl.pointer_type(tl.int32)) + t.to(tl.int64) * HW + w, _bf16_word(acc_lo, acc_hi),
-                     mask=wm)
+                src = (rarea + (t * K + k).to(tl.int64) * (H * 2)).to(tl.pointer_type(tl.bfloat16))
+                y = tl.load(tl.multiple_of(src, 16) + cols, mask=cm & valid, other=0.0, cache_modifier=".cg")
+                acc = tl.where(valid, acc + wk * y.to(tl.float32), acc)
+            tl.store(out_ptr + t.to(tl.int64) * H + cols, f32_to_bf16_rne(acc), mask=cm)
             it += nprog
 
 

@@ -237,26 +237,16 @@ def wait_until(ptr, cmp, value, timeout, err_ptr, err_code, rank, peer, slot, US
 @triton.jit
 def wait_all_ge(base, flags_off, world, value, timeout, err_ptr, err_code, rank, R_POW2: tl.constexpr,
                 USE_PTX: tl.constexpr, USE_TIMER: tl.constexpr):
-    """Wait until the int64 flags ``[world]`` at ``base + flags_off`` (this rank's heap) are all ``>= value``
-    (``wait_flags_ge`` with every flag needed). Returns 1, or 0 after the timeout."""
-    need = (tl.full([], 1, tl.int64) << world) - 1
-    return wait_flags_ge(base, flags_off, need, value, timeout, err_ptr, err_code, rank, R_POW2, USE_PTX, USE_TIMER)
-
-
-@triton.jit
-def wait_flags_ge(base, flags_off, need, value, timeout, err_ptr, err_code, rank, R_POW2: tl.constexpr,
-                  USE_PTX: tl.constexpr, USE_TIMER: tl.constexpr):
-    """Wait until the int64 flags ``r`` with bit ``r`` set in ``need`` (int64 bitmask, ``r < R_POW2 <= 62``)
-    of the array at ``base + flags_off`` (this rank's heap) are all ``>= value``, every flag read in each
-    poll: each thread acquire-loads flag ``thread % R_POW2`` and the smallest value over all threads (a
-    reduction across the program's warps, so the same in every thread) decides; one memory round trip per
-    poll. Timeout and error record as ``wait_until`` (``peer``: the first needed flag still below ``value``,
-    ``slot`` -1). Returns 1, or 0 after the timeout."""
+    """Wait until the int64 flags ``[world]`` at ``base + flags_off`` (this rank's heap) are all ``>= value``,
+    every flag read in each poll: each thread acquire-loads flag ``thread % R_POW2`` and the smallest value
+    over all threads (a reduction across the program's warps, so the same in every thread) decides; one
+    memory round trip per poll. Timeout and error record as ``wait_until`` (``peer``: the first flag still
+    below ``value``, ``slot`` -1). Returns 1, or 0 after the timeout."""
     if USE_PTX:
         lanes = tl.arange(0, _cuda_ext.num_threads()) % R_POW2  # one element per thread
     else:
         lanes = tl.arange(0, R_POW2)
-    live = ((need >> lanes) & 1) != 0
+    live = lanes < world
     ptrs = (base + flags_off + tl.where(live, lanes, 0) * 8).to(tl.pointer_type(tl.int64))
     big = tl.full([], 1 << 62, tl.int64)
     seen = tl.min(tl.where(live, _ld_acquire_lanes(ptrs, USE_PTX), big), axis=0)
@@ -275,33 +265,6 @@ def wait_flags_ge(base, flags_off, need, value, timeout, err_ptr, err_code, rank
         record_error(err_ptr, err_code, rank, peer, -1, value, tl.min(tl.where(lanes == peer, v, big), axis=0),
                      _K_CMP_GE)
     return ok
-
-
-@triton.jit
-def poll_lines(ptrs, mask, want, timeout, USE_TIMER: tl.constexpr):
-    """Volatile-load the int64 lines ``epoch << 32 | word`` at ``ptrs`` (where ``mask``) until every one carries
-    the epoch ``want`` (the low 32 bits of the epoch, sign-extended: ``(epoch << 32) >> 32``). Returns
-    ``(lines, missing)``: ``missing`` (the number of lines still without the epoch) is 0 unless the timeout
-    expired; the same in every thread (a reduction decides each poll)."""
-    line = tl.load(ptrs, mask=mask, other=0, volatile=True)
-    missing = tl.sum(tl.ravel((mask & ((line >> 32) != want)).to(tl.int32)), axis=0)
-    if missing != 0:
-        t0 = now(USE_TIMER)
-        polls = tl.full([], 0, tl.int64)
-        late = tl.full([], 0, tl.int32)
-        while (missing != 0) & (late == 0):
-            line = tl.load(ptrs, mask=mask, other=0, volatile=True)
-            missing = tl.sum(tl.ravel((mask & ((line >> 32) != want)).to(tl.int32)), axis=0)
-            polls += 1
-            late = expired(t0, polls, timeout, USE_TIMER)
-    return line, missing
-
-
-@triton.jit
-def stale_epoch(line, mask, want):
-    """The smallest epoch (32-bit, sign-extended) among the lines of ``mask`` that do not carry ``want``: what a
-    timed-out ``poll_lines`` saw, for the error record."""
-    return tl.min(tl.ravel(tl.where(mask & ((line >> 32) != want), line >> 32, 1 << 62)), axis=0)
 
 
 @triton.jit
@@ -545,12 +508,20 @@ def _allgather_lines_kernel(bases_ptr, src_addr, out_addr, shard_bytes, stage_of
             o = blk * BLOCK + offs
             m = o < n_words
             # every line must carry the epoch (a smallest-epoch test would pass a stale line once epochs wrap)
-            line, missing = poll_lines(mine + o, m, want, timeout, USE_TIMER)
+            line = tl.load(mine + o, mask=m, other=tag, volatile=True)
+            missing = tl.sum(((line >> 32) != want).to(tl.int32), axis=0)  # a reduction: the same in every thread
+            t0 = now(USE_TIMER)
+            polls = tl.full([], 0, tl.int64)
+            while (missing != 0) & (late == 0):
+                line = tl.load(mine + o, mask=m, other=tag, volatile=True)
+                missing = tl.sum(((line >> 32) != want).to(tl.int32), axis=0)
+                polls += 1
+                late = expired(t0, polls, timeout, USE_TIMER)
             if missing == 0:
                 tl.store(out + o, (line & low).to(tl.int32), mask=m)
             else:
-                late = 1
-                record_error(err_ptr, _K_ERR_DONE, rank, src, -1, e, stale_epoch(line, m, want), _K_CMP_GE)
+                stale = tl.min(tl.where((line >> 32) != want, line >> 32, 1 << 62), axis=0)  # a line's old epoch
+                record_error(err_ptr, _K_ERR_DONE, rank, src, -1, e, stale, _K_CMP_GE)
             blk += nprog
     tl.debug_barrier()
     if arrive_last(state_ptr + 1, nprog * world) != 0:

@@ -57,7 +57,7 @@ import torch.distributed as dist
 
 from .. import env
 from ..buffer.handles import LowLatencyHandle
-from ..buffer.layout import LOW_LATENCY_ALIGN, LOW_LATENCY_LINE_ROWS, low_latency_area, low_latency_flag_bytes
+from ..buffer.layout import LOW_LATENCY_ALIGN, low_latency_area, low_latency_flag_bytes
 from ..kernels.launch import next_pow2
 from ..errors import BufferTooSmallError, EpcommError
 from ..fp8 import FP8_DTYPE, GROUP
@@ -86,7 +86,7 @@ class _State:
     """Transport-private part of a LowLatencyHandle."""
 
     shape: tuple  # (T, hidden, topk, experts, fp8, round, ue8m0, x dtype)
-    hmeta: torch.Tensor  # int32: recv_count | layout_range | src_info | route | lrow
+    hmeta: torch.Tensor  # int32: recv_count | layout_range | src_info | route
     zero_copy_index: int
 
 
@@ -101,10 +101,6 @@ class OneSidedLowLatency:
         nbytes: bytes of storage to create now (0: size it at the first call and grow as needed).
         fused: one kernel per plain call (default on CUDA); False launches send and receive halves apart.
     Collective: construction (when it allocates), every call and ``destroy``, on every rank of the group."""
-
-    #: combine rows a rank returns to one rank as lines, at most (0: always plain rows and flags); at most
-    #: ``epcomm.buffer.layout.LOW_LATENCY_LINE_ROWS`` (the line area's size)
-    line_rows: int = LOW_LATENCY_LINE_ROWS
 
     def __init__(self, group, device: torch.device, buffer_id: int = 0, name: str = "nvlink", heap=None,
                  nbytes: int = 0, fused: Optional[bool] = None) -> None:
@@ -143,7 +139,6 @@ class OneSidedLowLatency:
         flags = heap.empty((2, 2, self.num_ranks), torch.int64)
         area = heap.empty((max(nbytes, 1),), torch.uint8)
         flags.zero_()
-        area.zero_()  # no old bytes where lines will be polled (a line's epoch lives in its high 32 bits)
         if self._on_gpu:
             torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)  # every flag is zero before any peer may release into it
@@ -177,37 +172,34 @@ class OneSidedLowLatency:
         self._heaps.append(heap)
         self._attach(heap, nbytes)
 
-    def _fit(self, need_d: int, need_c: int, need_l: int, roomy_d: int, why: str) -> None:
-        """Make the partition hold a call needing ``need_d`` bytes per dispatch area, ``need_c`` per combine
-        area and ``need_l`` per line area: split storage sized by the caller in this call's proportions, or
-        allocate new storage (``roomy_d``: the dispatch size to provision, room for the BF16 and FP8 variants
-        of the shape)."""
+    def _fit(self, need_d: int, need_c: int, roomy_d: int, why: str) -> None:
+        """Make the partition hold a call needing ``need_d`` bytes per dispatch area and ``need_c`` per combine
+        area: split storage sized by the caller in this call's proportions, or allocate new storage
+        (``roomy_d``: the dispatch size to provision, room for the BF16 and FP8 variants of the shape)."""
         part = self._part
-        if part is not None and need_d <= part[0] and need_c <= part[1] and need_l <= part[2]:
+        if part is not None and need_d <= part[0] and need_c <= part[1]:
             return
         if part is None and self._area is not None:
             half = self._budget // 2
-            need_cl = need_c + need_l
             for want_d in (max(roomy_d, need_d), need_d):  # room for both payload kinds if the budget allows
-                if want_d + need_cl > half:
+                if want_d + need_c > half:
                     continue
-                d = max(want_d, half * want_d // (want_d + need_cl) // LOW_LATENCY_ALIGN * LOW_LATENCY_ALIGN)
-                c = (half - d - need_l) // LOW_LATENCY_ALIGN * LOW_LATENCY_ALIGN
+                d = max(want_d, half * want_d // (want_d + need_c) // LOW_LATENCY_ALIGN * LOW_LATENCY_ALIGN)
+                c = (half - d) // LOW_LATENCY_ALIGN * LOW_LATENCY_ALIGN
                 if c >= need_c:
-                    self._set_part(d, c, need_l)
+                    self._set_part(d, c)
                     return
         d = max(roomy_d, need_d, part[0] if part else 0)
         c = max(need_c, part[1] if part else 0)
-        ln = max(need_l, part[2] if part else 0)
         if self._area is not None and self.rank == 0:
             log.warning("%s: %d bytes of low-latency storage do not hold this call's %d; allocating %d more (pass "
                         "num_rdma_bytes = Buffer.get_low_latency_rdma_size_hint(...) to avoid it)", why,
-                        self._budget, 2 * (need_d + need_c + need_l), 2 * (d + c + ln))
-        self._grow(2 * (d + c + ln), why)
-        self._set_part(d, c, ln)
+                        self._budget, 2 * (need_d + need_c), 2 * (d + c))
+        self._grow(2 * (d + c), why)
+        self._set_part(d, c)
 
-    def _set_part(self, d: int, c: int, ln: int) -> None:
-        self._part = (d, c, ln)
+    def _set_part(self, d: int, c: int) -> None:
+        self._part = (d, c)
         self._geoms.clear()
 
     # ------------------------------------------------------------------ geometry
@@ -237,7 +229,7 @@ class OneSidedLowLatency:
         bf16 = low_latency_area(t_max, hidden, r, e_local, topk, 2 * hidden, 0)
         fp8 = low_latency_area(t_max, hidden, r, e_local, topk, hidden, hidden // GROUP)
         roomy = max(bf16["dispatch_bytes"], fp8["dispatch_bytes"])  # what the size hint provisions
-        return lay["dispatch_bytes"], lay["combine_bytes"], lay["line_bytes"], roomy
+        return lay["dispatch_bytes"], lay["combine_bytes"], roomy
 
     @staticmethod
     def _payload(hidden: int, use_fp8: bool, use_ue8m0: bool, x_dtype: torch.dtype) -> tuple:
@@ -264,7 +256,7 @@ class OneSidedLowLatency:
         groups = hidden // GROUP
         payload_bytes, scale_words = self._payload(hidden, use_fp8, use_ue8m0, x_dtype)
         lay = low_latency_area(t_max, hidden, r, e_local, topk, payload_bytes, scale_words)
-        d_bytes, c_bytes, l_bytes = self._part
+        d_bytes, c_bytes = self._part
         xw = payload_bytes // 4
         xwp = next_pow2(xw)
         hwp = next_pow2(hidden // 2)
@@ -279,17 +271,13 @@ class OneSidedLowLatency:
             OFF_D=self._off_area, D_BYTES=d_bytes, OFF_PAY=lay["pay"], OFF_SCL=lay["scl"], OFF_META=lay["meta"],
             OFF_CNT=lay["cnt"], JB=jb, EB=max(8, min(64, 8192 // jb)), ROWS=max(1, min(rows, 8192 // xwp)),
             FB=1024)
-        line_rows = lay["line_rows"]
         combine_consts = dict(common, HWP=hwp, OFF_C=self._off_area + 2 * d_bytes, C_BYTES=c_bytes,
-                              OFF_L=self._off_area + 2 * (d_bytes + c_bytes), L_BYTES=l_bytes, OFF_HDR=lay["hdr"],
-                              OFF_RTE=lay["rte"], OFF_LINE=lay["lines"], LR=line_rows,
-                              LRP=max(2, next_pow2(line_rows)), LMAX=min(self.line_rows, line_rows),
                               ROWS=max(1, min(rows, 8192 // hwp)),
                               BC=min(1024 if rows == 1 else 2048, next_pow2(hidden)))
         return _Geometry(e_local=e_local,
                          scale_dtype=(torch.int32 if use_ue8m0 else torch.float32) if use_fp8 else None,
                          scale_words=scale_words, payload_dtype=FP8_DTYPE if use_fp8 else x_dtype,
-                         hmeta_words=e_local * (1 + 2 * r + 3 * r * t_max),
+                         hmeta_words=e_local * (1 + 2 * r + 2 * r * t_max),
                          dispatch=self._K.dispatch_launcher(dispatch_consts),
                          combine=self._K.combine_launcher(combine_consts))
 
@@ -401,7 +389,7 @@ class OneSidedLowLatency:
         if code:
             what = {K.ERR_LL_DISPATCH: "dispatch rows", K.ERR_LL_COMBINE: "combine rows"}.get(code, f"code {code}")
             errors.append(f"rank {rank}: low-latency receive timed out after {env.timeout_s():g} s waiting for rank "
-                          f"{peer}'s {what} of call {expected - 1} (it had delivered epoch {seen}, expected >= "
+                          f"{peer}'s {what} of call {expected - 1} (its flag holds epoch {seen}, expected >= "
                           f"{expected}); rank {peer} is stuck, died or did not make the same low_latency_* call. "
                           f"The Buffer's low-latency state is out of step: destroy it")
         overflow, bad = words[K.CTL_OVERFLOW - K.CTL_ERR], words[K.CTL_BAD - K.CTL_ERR]
