@@ -170,7 +170,7 @@ def _stress(ctx, num_tokens: int, hook: bool, calls: int = 200):
 @pytest.mark.parametrize("num_tokens,hook", [(1, False), (8, True), (128, False)])
 def test_gpu_stress_back_to_back_calls(world_size, num_tokens, hook, monkeypatch):
     """No hang and no wrong result over hundreds of calls issued ahead of the device (what a decode loop and
-    the benchmarks do); a lost flag or line would show as a recorded timeout."""
+    the benchmarks do); a lost flag would show as a recorded timeout, a stall as the launcher's time limit."""
     _need(world_size)
     monkeypatch.setenv("EPCOMM_TIMEOUT_S", "10")
     _assert_clean(spawn(_stress, world_size, num_tokens, hook, device="cuda", timeout_s=300))
