@@ -7,7 +7,7 @@ from epcomm.testing.checks import LowLatencyCase, NormalCase, run_cases
 
 
 def normal_cases(world_size: int) -> list:
-    uneven = (0, 1, 37, 64)[:world_size] if world_size > 1 else (1,)
+    uneven = (0, 1, 37, 64) if world_size > 1 else (1,)  # repeated over the ranks
     return [
         NormalCase(num_tokens=64, hidden=200, num_experts=24, topk=3, dtype="bf16", seed=1),
         NormalCase(num_tokens=uneven, hidden=384, num_experts=24, topk=4, dtype="fp8", column_major_scales=True,
@@ -26,7 +26,7 @@ def normal_cases(world_size: int) -> list:
 
 
 def low_latency_cases(world_size: int) -> list:
-    uneven = (5, 0, 16, 3)[:world_size] if world_size > 1 else (5,)
+    uneven = (5, 0, 16, 3) if world_size > 1 else (5,)
     return [
         LowLatencyCase(num_tokens=uneven, max_tokens=16, hidden=256, num_experts=24, topk=4, seed=11),
         LowLatencyCase(num_tokens=7, max_tokens=9, hidden=384, num_experts=24, topk=3, use_fp8=False, hook=True,

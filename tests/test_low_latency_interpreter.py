@@ -120,8 +120,7 @@ def _patterns(ctx):
     e_local = num_experts // num_ranks
 
     def step_inputs(seed, n=(5, 3)):
-        counts = [n[r % len(n)] for r in range(num_ranks)]  # uneven token counts for any group size
-        return make_inputs(seed, num_ranks, counts, hidden, num_experts, topk, "uniform", torch.bfloat16)
+        return make_inputs(seed, num_ranks, n, hidden, num_experts, topk, "uniform", torch.bfloat16)
 
     def on_dev(inputs):
         return inputs[rank].to(dev)

@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("triton")
 
 from epcomm.testing import spawn  # noqa: E402
-from epcomm.testing.checks import NormalCase, run_cases  # noqa: E402
+from epcomm.testing.checks import LowLatencyCase, NormalCase, run_cases  # noqa: E402
 from epcomm.transports.nvlink import NVLinkTransport, P2PTransport  # noqa: E402
 
 CASES = [
@@ -39,6 +39,21 @@ def test_one_sided_transport_in_rounds(monkeypatch):
     cases = [NormalCase(num_tokens=(9, 3), hidden=64, num_experts=4, topk=2, dtype="bf16", bias=1, seed=35),
              NormalCase(num_tokens=8, hidden=128, num_experts=4, topk=2, dtype="fp8", seed=36)]
     _run(2, P2PTransport, {"num_nvl_bytes": 2 * 3 * (128 + 64)}, cases)
+
+
+def test_eight_ranks(monkeypatch):
+    """The largest group the transports take (8 ranks, one NVLink domain): uneven counts with empty ranks,
+    FP8 with dropped slots, num_worst_tokens, and a low-latency call, one-sided and portable."""
+    from epcomm.transports.alltoall import AllToAllTransport
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cases = [NormalCase(num_tokens=(5, 0, 7, 3, 1, 2, 6, 4), hidden=64, num_experts=16, topk=3, dtype="bf16", bias=2,
+                        seed=51),
+             NormalCase(num_tokens=6, hidden=128, num_experts=16, topk=4, dtype="fp8", routing="dropped", seed=52),
+             NormalCase(num_tokens=(4, 6, 1, 0), hidden=32, num_experts=8, topk=2, dtype="fp32", worst=True, seed=53),
+             LowLatencyCase(num_tokens=(3, 2, 0, 1), max_tokens=4, hidden=128, num_experts=16, topk=3, seed=54)]
+    _run(8, NVLinkTransport, {"num_nvl_bytes": 1 << 20}, cases)
+    _run(8, AllToAllTransport, {}, cases[:3])
 
 
 def test_portable_transport_kernels(monkeypatch):

@@ -34,7 +34,7 @@ SUITES = {"small": lambda ws: normal_cases(ws) + low_latency_cases(ws), "large":
 @pytest.mark.gpu
 @pytest.mark.parametrize("suite", list(SUITES))
 @pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, 4, 8])
 def test_gpu_buffer_matches_reference(world_size, transport, suite):
     if gpu_count() < world_size:
         pytest.skip(f"needs {world_size} GPUs")

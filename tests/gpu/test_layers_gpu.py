@@ -1,4 +1,4 @@
-"""The MoE layer on GPUs in BF16 (2 and 4 GPUs): the same cases as the CPU suite against a float32 dense
+"""The MoE layer on GPUs in BF16 (2, 4 and 8 GPUs): the same cases as the CPU suite against a float32 dense
 reference of the same weights (tolerance 3e-2 relative, see ``epcomm.layers.checks``), over the portable
 ``alltoall`` transport and whatever ``auto`` picks on this machine, plus a CUDA-graph replay of the
 low-latency forward."""
@@ -46,7 +46,7 @@ def _report(results):
 
 
 @pytest.mark.parametrize("transport", ["alltoall", "nvlink", "p2p"])
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, 4, 8])
 def test_layer_bf16_matches_dense_reference(world_size, transport):
     if NGPU < world_size:
         pytest.skip(f"needs {world_size} GPUs, found {NGPU}")

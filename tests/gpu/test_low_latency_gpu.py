@@ -28,7 +28,7 @@ def test_gpu_missing_peer_times_out(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, 4, 8])
 def test_gpu_low_latency_patterns(world_size):
     _need(world_size)
     _assert_clean(spawn(_patterns, world_size, device="cuda", timeout_s=400))
@@ -115,7 +115,7 @@ def _graph_micro_batches(ctx, replays: int = 4, transport="nvlink", buffer_kwarg
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, 4, 8])
 def test_gpu_graph_two_micro_batches_and_two_buffers(world_size):
     _need(world_size)
     _assert_clean(spawn(_graph_micro_batches, world_size, device="cuda", timeout_s=400))
@@ -166,7 +166,7 @@ def _stress(ctx, num_tokens: int, hook: bool, calls: int = 200):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, 4, 8])
 @pytest.mark.parametrize("num_tokens,hook", [(1, False), (8, True), (128, False)])
 def test_gpu_stress_back_to_back_calls(world_size, num_tokens, hook, monkeypatch):
     """No hang and no wrong result over hundreds of calls issued ahead of the device (what a decode loop and

@@ -1,4 +1,4 @@
-"""epcomm.shmem on GPUs (2 and 4 ranks, NVLink): the CPU suite's cases with real sizes, the SM and copy
+"""epcomm.shmem on GPUs (2, 4 and 8 ranks, NVLink): the CPU suite's cases with real sizes, the SM and copy
 engine paths, CUDA graphs, native P2P atomics, and timeouts that must become exceptions, not hangs.
 
 The cases live in ``epcomm.shmem.checks`` (shared with the CPU tests); each test spawns one process per GPU.
@@ -15,7 +15,7 @@ from epcomm.testing import spawn
 NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = pytest.mark.gpu
 RANKS = [pytest.param(n, marks=pytest.mark.skipif(NGPU < n, reason=f"needs {n} GPUs, found {NGPU}"), id=f"{n}gpu")
-         for n in (2, 4)]
+         for n in (2, 4, 8)]
 
 # (bytes, byte offset): offset 1/3 makes both addresses unaligned (the byte-wise kernel path)
 SMALL_CASES = ((4, 0), (5, 0), (17, 1), (255, 3), (4096, 0), (65537, 0), ((1 << 20) + 3, 1), (1 << 20, 0))

@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..testing.routing import make_topk
+from ..testing.routing import make_topk, tokens_per_rank
 from .config import MoEConfig
 from .dense import DenseMoE
 from .moe import MoE
@@ -47,8 +47,8 @@ TOLERANCES = {
 
 @dataclass(frozen=True)
 class LayerCase:
-    """One forward + backward of the layer. ``tokens``: per rank (an int, or a tuple whose first R entries
-    are used). ``routing``: None (the layer's router) or a ``make_topk`` routing (``uniform``, ``skewed``,
+    """One forward + backward of the layer. ``tokens``: per rank (an int, or a tuple repeated over the
+    ranks, see ``tokens_per_rank``). ``routing``: None (the layer's router) or a ``make_topk`` routing (``uniform``, ``skewed``,
     ``dropped`` with -1 entries, ``one_rank``) passed as explicit ``topk_idx``/``topk_weights`` (whose
     gradient is then checked too). ``checkpoint``: None, ``"non_reentrant"`` or ``"reentrant"``."""
 
@@ -78,16 +78,12 @@ def _rel(got: Optional[torch.Tensor], want: torch.Tensor) -> float:
     return err / scale
 
 
-def _tokens(spec, num_ranks: int) -> list:
-    return [spec] * num_ranks if isinstance(spec, int) else list(spec)[:num_ranks]
-
-
 def check_layer(ctx, case: LayerCase, dtype: str = "fp32", ep_dispatch: str = "alltoall") -> list:
     """Run ``case``; return a list of failure messages (empty when it passes)."""
     num_ranks, rank, dev = ctx.world_size, ctx.rank, ctx.device
     dtype = case.dtype or dtype
     cfg = MoEConfig(**{**BASE, "dtype": DTYPES[dtype], "ep_dispatch": ep_dispatch, **case.config})
-    counts = _tokens(case.tokens, num_ranks)
+    counts = tokens_per_rank(case.tokens, num_ranks)
     gen = torch.Generator().manual_seed(1000 + case.seed)
     xs = [torch.randn(n, cfg.hidden, generator=gen).to(cfg.dtype) for n in counts]
     gs = [torch.randn(n, cfg.hidden, generator=gen) for n in counts]

@@ -67,12 +67,22 @@ class RankInputs:
         return RankInputs(self.x.to(device), self.topk_idx.to(device), self.topk_weights.to(device))
 
 
+def tokens_per_rank(num_tokens: int | Sequence[int], num_ranks: int) -> list[int]:
+    """Token counts of ``num_ranks`` ranks: an int for every rank, or a sequence repeated over the ranks
+    (rank ``r`` gets entry ``r % len``), so one uneven pattern serves any group size."""
+    if isinstance(num_tokens, int):
+        return [num_tokens] * num_ranks
+    counts = [int(n) for n in num_tokens]
+    if not counts:
+        raise ValueError("tokens_per_rank: num_tokens is an empty sequence; give an int or at least one count")
+    return [counts[r % len(counts)] for r in range(num_ranks)]
+
+
 def make_inputs(seed: int, num_ranks: int, num_tokens: int | Sequence[int], hidden: int, num_experts: int,
                 topk: int, routing: str = "uniform", dtype: torch.dtype = torch.bfloat16) -> list[RankInputs]:
-    """Inputs for every rank, built on the CPU from ``seed`` (identical in every process)."""
-    counts = [num_tokens] * num_ranks if isinstance(num_tokens, int) else list(num_tokens)
-    if len(counts) != num_ranks:
-        raise ValueError(f"make_inputs: {len(counts)} token counts for {num_ranks} ranks")
+    """Inputs for every rank, built on the CPU from ``seed`` (identical in every process); ``num_tokens`` as
+    in :func:`tokens_per_rank`."""
+    counts = tokens_per_rank(num_tokens, num_ranks)
     gen = torch.Generator().manual_seed(seed)
     out = []
     for n in counts:
