@@ -144,9 +144,14 @@ def bench_worker(ctx, opts: DispatchBenchOptions) -> list:
                 add(name, "layout + dispatch FP8", t(layout_and_dispatch), "fp8")
                 if ctx.device.type == "cuda" and buf.runtime.capabilities().sync_free_normal:
                     worst = ctx.world_size * opts.tokens  # the most rows a rank can receive
+                    # num_worst_tokens gives every source a region of `worst` rows: at 8 ranks this shape needs
+                    # ~3.8 GB, more than the default buffer, so the graph rows get a Buffer sized for them
+                    need = Buffer.get_normal_size_hint(worst, row_bytes(opts.hidden, "bf16") + 12 * opts.topk,
+                                                       ctx.world_size)  # a BF16 row, its top-k ids and weights
+                    gbuf = Buffer(ctx.group, transport=transport, num_nvl_bytes=need) if one_sided else buf
 
                     def graph_step(fp8=False):
-                        r = buf.dispatch(x_fp8 if fp8 else x, **layout, config=cfg, num_worst_tokens=worst)
+                        r = gbuf.dispatch(x_fp8 if fp8 else x, **layout, config=cfg, num_worst_tokens=worst)
                         return r
 
                     try:
@@ -156,7 +161,7 @@ def bench_worker(ctx, opts: DispatchBenchOptions) -> list:
                             time_graph(graph_step, ctx.group, ctx.device, iters=opts.iters), "bf16")
                         g_recv, _, _, _, g_handle, _ = graph_step()
                         add(name, "combine BF16 (graph, num_worst_tokens)",
-                            time_graph(lambda: buf.combine(g_recv, g_handle, config=ccfg), ctx.group, ctx.device,
+                            time_graph(lambda: gbuf.combine(g_recv, g_handle, config=ccfg), ctx.group, ctx.device,
                                        iters=opts.iters), "bf16")
                         del g_recv, g_handle
                     except Exception as exc:  # noqa: BLE001 - a transport that cannot be captured is reported
@@ -164,6 +169,8 @@ def bench_worker(ctx, opts: DispatchBenchOptions) -> list:
                                      "shape": shape, "ranks": ctx.world_size, "time_us": float("nan"),
                                      "min_us": float("nan"), "GB/s (DeepEP)": float("nan"),
                                      "NVLink GB/s": float("nan")})
+                    if gbuf is not buf:
+                        gbuf.destroy()
                 del recv_x, handle
             buf.destroy()
 

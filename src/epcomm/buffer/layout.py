@@ -97,5 +97,8 @@ def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden
 
 def get_normal_buffer_size_hint(num_tokens: int, hidden_bytes: int, num_ranks: int) -> int:
     """Bytes of receive storage a normal dispatch of ``num_tokens`` tokens per rank needs at most, if it
-    were done in one piece: every rank may send all its tokens to this one. Chunked transports need less."""
+    were done in one piece: every rank may send all its tokens to this one. Chunked transports need less.
+    ``hidden_bytes``: one row's payload plus its per-row extras (FP8 scales, 12 bytes per top-k slot for ids
+    and weights). Calls with ``num_worst_tokens`` give every source rank a region of that many rows in one
+    piece: size them with ``num_tokens=num_worst_tokens``."""
     return num_ranks * num_tokens * (hidden_bytes + 64)
