@@ -53,9 +53,10 @@ TOLERANCES = {
 @dataclass(frozen=True)
 class LayerCase:
     """One forward + backward of the layer. ``tokens``: per rank (an int, or a tuple repeated over the
-    ranks, see ``tokens_per_rank``). ``routing``: None (the layer's router) or a ``make_topk`` routing (``uniform``, ``skewed``,
-    ``dropped`` with -1 entries, ``one_rank``) passed as explicit ``topk_idx``/``topk_weights`` (whose
-    gradient is then checked too). ``checkpoint``: None, ``"non_reentrant"`` or ``"reentrant"``."""
+    ranks, see ``tokens_per_rank``). ``routing``: None (the layer's router) or a ``make_topk`` routing
+    (``uniform``, ``skewed``, ``dropped`` with -1 entries, ``one_rank``) passed as explicit
+    ``topk_idx``/``topk_weights`` (whose gradient is then checked too). ``checkpoint``: None,
+    ``"non_reentrant"`` or ``"reentrant"``."""
 
     label: str
     config: dict = field(default_factory=dict)

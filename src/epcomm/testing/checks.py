@@ -43,7 +43,8 @@ def describe_mismatch(name: str, got: Optional[torch.Tensor], want: Optional[tor
 
 @dataclass(frozen=True)
 class NormalCase:
-    """One normal dispatch -> combine case. ``num_tokens`` is per rank (an int, or a tuple repeated over the ranks)."""
+    """One normal dispatch -> combine case. ``num_tokens`` is per rank (an int, or a tuple repeated over
+    the ranks)."""
 
     num_tokens: object = 64
     hidden: int = 256
