@@ -113,6 +113,13 @@ def bench_worker(ctx, opts: DispatchBenchOptions) -> list:
             per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, opts.experts)
             layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                           topk_idx=idx, topk_weights=w)
+            graphs = ctx.device.type == "cuda" and buf.runtime.capabilities().sync_free_normal
+            worst = ctx.world_size * opts.tokens  # the most rows a rank can receive
+            gbuf = buf  # the graph rows' Buffer: num_worst_tokens gives every source a region of `worst` rows,
+            if graphs and one_sided:  # ~3.8 GB at 8 ranks and this shape, more than the default buffer
+                need = Buffer.get_normal_size_hint(worst, row_bytes(opts.hidden, "bf16") + 12 * opts.topk,
+                                                   ctx.world_size)  # a BF16 row, its top-k ids and weights
+                gbuf = Buffer(ctx.group, transport=transport, num_nvl_bytes=need)
             for conf in (opts.configs if one_sided and opts.configs else ((opts.num_sms, 6),)):
                 cfg = None if conf is None else Config(conf[0], conf[1], max(conf[1], 256))  # None: the defaults
                 ccfg = cfg  # the combine's
@@ -142,14 +149,7 @@ def bench_worker(ctx, opts: DispatchBenchOptions) -> list:
                                  topk_idx=idx, topk_weights=w, config=cfg)
 
                 add(name, "layout + dispatch FP8", t(layout_and_dispatch), "fp8")
-                if ctx.device.type == "cuda" and buf.runtime.capabilities().sync_free_normal:
-                    worst = ctx.world_size * opts.tokens  # the most rows a rank can receive
-                    # num_worst_tokens gives every source a region of `worst` rows: at 8 ranks this shape needs
-                    # ~3.8 GB, more than the default buffer, so the graph rows get a Buffer sized for them
-                    need = Buffer.get_normal_size_hint(worst, row_bytes(opts.hidden, "bf16") + 12 * opts.topk,
-                                                       ctx.world_size)  # a BF16 row, its top-k ids and weights
-                    gbuf = Buffer(ctx.group, transport=transport, num_nvl_bytes=need) if one_sided else buf
-
+                if graphs:
                     def graph_step(fp8=False):
                         r = gbuf.dispatch(x_fp8 if fp8 else x, **layout, config=cfg, num_worst_tokens=worst)
                         return r
@@ -169,9 +169,9 @@ def bench_worker(ctx, opts: DispatchBenchOptions) -> list:
                                      "shape": shape, "ranks": ctx.world_size, "time_us": float("nan"),
                                      "min_us": float("nan"), "GB/s (DeepEP)": float("nan"),
                                      "NVLink GB/s": float("nan")})
-                    if gbuf is not buf:
-                        gbuf.destroy()
                 del recv_x, handle
+            if gbuf is not buf:
+                gbuf.destroy()
             buf.destroy()
 
         add("nccl-baseline", "dispatch FP8",

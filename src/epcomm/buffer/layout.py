@@ -81,9 +81,9 @@ def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden
     epcomm sizes by what can arrive, double-buffered: per parity, from each of the R ranks at most ``T``
     dispatch rows (payload and scales: a token travels once per rank) and ``T * min(K, E_local)`` 4-byte
     records, and ``T * K`` combine rows of this rank's own tokens, instead of DeepEP's ``E * T`` rows per
-    direction. Without ``num_topk`` the bound takes
-    ``K = E_local`` (every local expert selected). Float32 payloads (``use_fp8=False`` with fp32 ``x``) need
-    twice the payload part; the one-sided transports grow their storage on the first such call."""
+    direction. Without ``num_topk`` the bound takes ``K = E_local`` (every local expert selected). Float32
+    payloads (``use_fp8=False`` with fp32 ``x``) need twice the payload part; the one-sided transports grow
+    their storage on the first such call."""
     if num_experts % num_ranks:
         raise ValueError(f"get_low_latency_rdma_size_hint: num_experts={num_experts} is not divisible by "
                          f"num_ranks={num_ranks}")
