@@ -194,3 +194,18 @@ def test_low_latency_backward_encodings():
     back = join_bf16x3(split_bf16x3(dot))
     assert ((back - dot).abs() <= dot.abs() * 2.0 ** -22).all()
     assert not ((split_bf16x3(dot)[..., 0].float() - dot).abs() <= dot.abs() * 2.0 ** -12).all()  # hi alone is not
+
+
+def test_error_measure_of_per_token_tensors_uses_the_batch():
+    """``_rel``: max |got - want| over max |want|, the latter over every rank's tokens when given the batch."""
+    from epcomm.layers.checks import _rel
+
+    want = torch.tensor([[2.0, -1.0]])
+    got = want + torch.tensor([[0.0, 0.5]])
+    other = torch.tensor([[10.0, -20.0], [3.0, 0.0]])
+    assert _rel(got, want) == 0.25
+    assert _rel(got, want, [want, other]) == 0.5 / 20
+    assert _rel(got, want, [want, torch.empty(0, 2)]) == 0.25  # an empty rank changes nothing
+    assert _rel(None, want, [want, other]) == 2.0 / 20  # a missing tensor counts as zeros
+    assert _rel(got[:, :1], want, [want, other]) == float("inf")
+    assert _rel(torch.zeros(1, 2), torch.zeros(1, 2), [torch.zeros(3, 2)]) == 0.0

@@ -94,3 +94,17 @@ def test_fp8_amax_floor_and_errors():
         per_token_cast_to_fp8(torch.zeros(2, 100))
     with pytest.raises(TypeError, match="^per_token_cast_to_fp8"):
         per_token_cast_to_fp8(torch.zeros(2, 128, dtype=torch.int32))
+
+
+def test_token_counts_repeat_over_the_ranks():
+    from epcomm.testing.routing import tokens_per_rank
+
+    assert tokens_per_rank(5, 3) == [5, 5, 5]
+    assert tokens_per_rank((0, 1, 37, 64), 2) == [0, 1]
+    assert tokens_per_rank((0, 1, 37, 64), 8) == [0, 1, 37, 64, 0, 1, 37, 64]
+    assert tokens_per_rank([4, 0, 3], 7) == [4, 0, 3, 4, 0, 3, 4]
+    with pytest.raises(ValueError, match="^tokens_per_rank: num_tokens is an empty sequence"):
+        tokens_per_rank((), 4)
+    inputs = make_inputs(1, 5, (3, 0), 16, 10, 2)
+    assert [i.x.shape[0] for i in inputs] == [3, 0, 3, 0, 3]
+    assert all(i.topk_idx.shape == (n, 2) for i, n in zip(inputs, [3, 0, 3, 0, 3]))
