@@ -129,18 +129,25 @@ def test_config_and_num_sms_validation():
         Config(24, strict_sms="yes")
 
 
-@pytest.mark.parametrize("send_bytes, link_gbps, max_sms, expected", [
-    (235 << 20, 400.0, 132, 24),  # a DeepSeek-sized call over NVLink4: 24 SMs, DeepEP's tuned choice
-    (235 << 20, 400.0, 16, 16),  # never more than the device has
-    (3 << 20, 400.0, 132, 4),  # a small call: about one SM per MiB, rounded up to even
-    (0, 400.0, 132, 2),  # at least two
-    (235 << 20, 25.0, 132, 2),  # PCIe: two SMs already saturate the link
+@pytest.mark.parametrize("send_bytes, link_gbps, max_sms, num_ranks, expected", [
+    (235 << 20, 400.0, 132, 4, 24),  # a DeepSeek-sized call over NVLink4: 24 SMs, DeepEP's tuned choice
+    (235 << 20, 400.0, 132, 2, 24),
+    (235 << 20, 400.0, 132, 8, 40),  # stores fanned out to 8 ranks: each SM's rate falls, more SMs
+    (235 << 20, 400.0, 132, 5, 40),
+    (235 << 20, 400.0, 16, 4, 16),  # never more than the device has
+    (3 << 20, 400.0, 132, 4, 4),  # a small call: about one SM per MiB, rounded up to even
+    (3 << 20, 400.0, 132, 8, 4),
+    (0, 400.0, 132, 4, 2),  # at least two
+    (235 << 20, 25.0, 132, 4, 2),  # PCIe: two SMs already saturate the link
+    (235 << 20, 25.0, 132, 8, 4),
 ])
-def test_num_sms_traffic_model(send_bytes, link_gbps, max_sms, expected):
+def test_num_sms_traffic_model(send_bytes, link_gbps, max_sms, num_ranks, expected):
     from epcomm.buffer.config import model_num_sms
 
-    got = model_num_sms(send_bytes, link_gbps, max_sms)
+    got = model_num_sms(send_bytes, link_gbps, max_sms, num_ranks)
     assert got == expected and got % 2 == 0
     assert Config().num_sms is None and Config().num_channels is None  # the default: chosen per call
     with pytest.raises(ValueError, match="^model_num_sms: link_gbps"):
-        model_num_sms(1, 0.0, 132)
+        model_num_sms(1, 0.0, 132, 4)
+    with pytest.raises(ValueError, match="num_ranks=0 >= 1"):
+        model_num_sms(1, 400.0, 132, 0)

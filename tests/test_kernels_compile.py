@@ -42,6 +42,9 @@ def test_kernels_compile_for_sm90(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     launches = [launch for rank in spawn(_record, 2, device="cpu", timeout_s=600) for launch in rank]
     assert len({(m, n) for m, n, _, _ in launches}) >= 8, "too few distinct kernels were launched"
+    # above 4 ranks the combine push interleaves its peers: compile that variant too, in and out of rounds
+    launches += [(m, n, a, dict(kw, INTERLEAVE=True, SINGLE_ROUND=single)) for m, n, a, kw in launches
+                 if n == "combine_push_kernel" for single in (True, False)]
     monkeypatch.delenv("TRITON_INTERPRET")
     failures = spawn(_compile, 1, launches, device="cpu", timeout_s=900)[0]
     assert not failures, "\n".join(failures)

@@ -41,6 +41,14 @@ def test_one_sided_transport_in_rounds(monkeypatch):
     _run(2, P2PTransport, {"num_nvl_bytes": 2 * 3 * (128 + 64)}, cases)
 
 
+def test_interleaved_combine_push_in_rounds(monkeypatch):
+    """Above 4 ranks the combine push interleaves its peers (every program writes to every peer); with a
+    buffer of a few rows per source both that push and the dispatch move the traffic in rounds."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    case = NormalCase(num_tokens=(30, 3, 0, 17, 1), hidden=64, num_experts=10, topk=2, dtype="bf16", bias=1, seed=38)
+    _run(5, NVLinkTransport, {"num_nvl_bytes": 4096}, [case])  # 6 combine rows per source and round
+
+
 def test_eight_ranks(monkeypatch):
     """The largest group the transports take (8 ranks, one NVLink domain): uneven counts with empty ranks,
     FP8 with dropped slots, num_worst_tokens, and a low-latency call, one-sided and portable."""

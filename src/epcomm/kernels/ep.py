@@ -520,47 +520,88 @@ def dispatch_kernel(x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_ptr, 
 
 
 @triton.jit
+def _push_rows(x_ptr, w_ptr, base, area_off, w_off, m, a, ok, kcols, XW: tl.constexpr, K: tl.constexpr,
+               BLOCK: tl.constexpr, HAS_W: tl.constexpr, VEC: tl.constexpr):
+    """Store rows ``m`` of ``x [M, XW]`` (int32 words; and of ``w [M, K]`` with ``HAS_W``) where ``ok``, into
+    rows ``a`` of the area at ``base + area_off`` (weights at ``base + w_off``) of one peer (``base``: a
+    scalar heap base, or one per row)."""
+    dst = (base + area_off + a * (XW * 4)).to(tl.pointer_type(tl.int32))
+    for c0 in tl.static_range(0, XW, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        if VEC:
+            cols = tl.max_contiguous(tl.multiple_of(cols, 4), 4)
+        cm = ok[:, None] & (cols < XW)[None, :]
+        tl.store(dst[:, None] + cols[None, :], tl.load(x_ptr + m[:, None] * XW + cols[None, :], mask=cm), mask=cm)
+    if HAS_W:
+        wd = (base + w_off + a * (K * 4)).to(tl.pointer_type(tl.float32))
+        km = ok[:, None] & (kcols < K)[None, :]
+        tl.store(wd[:, None] + kcols[None, :], tl.load(w_ptr + m[:, None] * K + kcols[None, :], mask=km), mask=km)
+
+
+@triton.jit
 def combine_push_kernel(x_ptr, w_ptr, src_ptr, prefix_ptr, dst_row_ptr, bases_ptr, area_off, w_off, arrive_off,
                         epoch_ptr, counter_ptr, num_rows, cap, rank, world, XW: tl.constexpr, K: tl.constexpr,
                         R_POW2: tl.constexpr, TOK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
                         HAS_W: tl.constexpr, SINGLE_ROUND: tl.constexpr, VEC: tl.constexpr,
-                        USE_PTX: tl.constexpr):
+                        INTERLEAVE: tl.constexpr, USE_PTX: tl.constexpr):
     """Send every received row back to its source rank (``src_ptr``: int32 ``[M, 2]`` source token, source
-    rank): single round, to row ``rank * cap + m - prefix[source]`` of the source's area; otherwise to
-    ``dst_row[m]`` (-1: not in this round). With weights, its ``K`` top-k weights too. Rows from this rank
-    itself stay where they are: the reduce reads them from ``x`` (``epcomm.kernels.reduce.OwnRows``)."""
+    rank; ``prefix_ptr``: int32 ``[2R]``, the first row and the row count of each source): single round, to
+    row ``rank * cap + m - prefix[source]`` of the source's area; otherwise to ``dst_row[m]`` (-1: not in this
+    round). With weights, its ``K`` top-k weights too. Rows from this rank itself stay where they are: the
+    reduce reads them from ``x`` (``epcomm.kernels.reduce.OwnRows``).
+
+    Work split: ``INTERLEAVE=False``, program ``p`` pushes the ``p``-th contiguous slice of all rows (sorted by
+    source, so each program writes to one or two peers); ``INTERLEAVE=True``, program ``p`` takes the
+    ``p``-th slice of every remote source's rows and each step moves ``TOK`` rows to each peer in turn (every
+    program writes to every peer, as the token-major dispatch push does)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    per = tl.cdiv(tl.cdiv(num_rows, nprog), TOK) * TOK
-    lo = pid * per
-    hi = tl.minimum(lo + per, num_rows)
     kcols = tl.arange(0, BLOCK_K)
     toks = tl.arange(0, TOK)
-    m0 = lo
-    while m0 < hi:
-        m = (m0 + toks).to(tl.int64)
-        live = m < hi
-        s = tl.load(src_ptr + m * 2 + 1, mask=live, other=-1)
-        ok = live & (s >= 0) & (s != rank)
-        s = tl.where(ok, s, 0)
-        if SINGLE_ROUND:
-            a = rank * cap + m - tl.load(prefix_ptr + s, mask=ok, other=0)
-        else:
-            a = tl.load(dst_row_ptr + m, mask=ok, other=-1)
-            ok = ok & (a >= 0)
-        base = tl.load(bases_ptr + s, mask=ok, other=0)
-        dst = (base + area_off + a * (XW * 4)).to(tl.pointer_type(tl.int32))
-        for c0 in tl.static_range(0, XW, BLOCK):
-            cols = c0 + tl.arange(0, BLOCK)
-            if VEC:
-                cols = tl.max_contiguous(tl.multiple_of(cols, 4), 4)
-            cm = ok[:, None] & (cols < XW)[None, :]
-            tl.store(dst[:, None] + cols[None, :], tl.load(x_ptr + m[:, None] * XW + cols[None, :], mask=cm), mask=cm)
-        if HAS_W:
-            wd = (base + w_off + a * (K * 4)).to(tl.pointer_type(tl.float32))
-            km = ok[:, None] & (kcols < K)[None, :]
-            tl.store(wd[:, None] + kcols[None, :], tl.load(w_ptr + m[:, None] * K + kcols[None, :], mask=km), mask=km)
-        m0 += TOK
+    if INTERLEAVE:
+        rs = tl.arange(0, R_POW2)
+        first = tl.load(prefix_ptr + rs, mask=rs < world, other=0)
+        count = tl.load(prefix_ptr + world + rs, mask=(rs < world) & (rs != rank), other=0)
+        per_s = tl.cdiv(tl.cdiv(count, nprog), TOK) * TOK
+        lo_s = first + pid * per_s
+        hi_s = tl.minimum(lo_s + per_s, first + count)
+        steps = tl.max(tl.where(hi_s > lo_s, tl.cdiv(hi_s - lo_s, TOK), 0))
+        j = 0
+        while j < steps:
+            d = 1
+            while d < world:
+                s = (rank + d) % world
+                sel = rs == s
+                m = (tl.sum(tl.where(sel, lo_s, 0)) + j * TOK + toks).to(tl.int64)
+                ok = m < tl.sum(tl.where(sel, hi_s, 0))
+                if SINGLE_ROUND:
+                    a = rank * cap + m - tl.sum(tl.where(sel, first, 0))
+                else:
+                    a = tl.load(dst_row_ptr + m, mask=ok, other=-1)
+                    ok = ok & (a >= 0)
+                _push_rows(x_ptr, w_ptr, tl.load(bases_ptr + s), area_off, w_off, m, a, ok, kcols, XW, K, BLOCK,
+                           HAS_W, VEC)
+                d += 1
+            j += 1
+    else:
+        per = tl.cdiv(tl.cdiv(num_rows, nprog), TOK) * TOK
+        lo = pid * per
+        hi = tl.minimum(lo + per, num_rows)
+        m0 = lo
+        while m0 < hi:
+            m = (m0 + toks).to(tl.int64)
+            live = m < hi
+            s = tl.load(src_ptr + m * 2 + 1, mask=live, other=-1)
+            ok = live & (s >= 0) & (s != rank)
+            s = tl.where(ok, s, 0)
+            if SINGLE_ROUND:
+                a = rank * cap + m - tl.load(prefix_ptr + s, mask=ok, other=0)
+            else:
+                a = tl.load(dst_row_ptr + m, mask=ok, other=-1)
+                ok = ok & (a >= 0)
+            _push_rows(x_ptr, w_ptr, tl.load(bases_ptr + s, mask=ok, other=0), area_off, w_off, m, a, ok, kcols, XW,
+                       K, BLOCK, HAS_W, VEC)
+            m0 += TOK
     fence_sys(USE_PTX)
     tl.debug_barrier()
     if arrive_last(counter_ptr, nprog) != 0:

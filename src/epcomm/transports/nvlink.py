@@ -18,7 +18,10 @@ Normal dispatch (``epcomm.kernels.ep``):
      ``num_sms`` programs. Traffic larger than the buffer is split into rounds over token ranges; each
      round begins with a barrier.
 Combine: a barrier, then per round ``combine_push`` returns every row to its source rank's area (rows a
-rank sends itself stay where they are), and the source waits and reduces with the ordered FP32 kernel
+rank sends itself stay where they are; up to ``NARROW_RANKS`` ranks each program pushes one contiguous slice
+of the rows, so it writes to one or two peers, and above that each program takes a slice of every peer's
+rows and writes to all of them in turn, which measured faster at 6 and 8 ranks and slower at 4), and the
+source waits and reduces with the ordered FP32 kernel
 (``epcomm.kernels.reduce``, reading its own rows from the combine input), bit-identical to the reference.
 A round covers a range of source tokens, so every contribution to a token arrives in one round.
 
@@ -34,7 +37,7 @@ from typing import Optional
 import torch
 
 from .. import env
-from ..buffer.config import model_num_sms
+from ..buffer.config import NARROW_RANKS, model_num_sms
 from ..buffer.handles import DispatchHandle
 from ..buffer.layout import align_up
 from ..buffer.validate import raise_if_bad_topk
@@ -181,7 +184,7 @@ class NVLinkTransport(Transport):
         """``config.num_sms``, or the traffic model's choice for ``rows`` rows of ``row_bytes`` leaving."""
         if config.num_sms is not None:
             return config.num_sms
-        return model_num_sms(rows * row_bytes, self.link_gbps, self.sms)
+        return model_num_sms(rows * row_bytes, self.link_gbps, self.sms, self.num_ranks)
 
     def _barrier(self) -> None:
         from ..kernels.shmem import launch_barrier
@@ -409,7 +412,8 @@ class NVLinkTransport(Transport):
                 x_words, w_in, recv_src, st.recv_prefix, dst_row, self.heap.peer_bases, area_off, area_off + w_rel,
                 self._off(self.arrive), self.epoch, self.counters[1:], m, cap, rank, num_ranks, XW=xw, K=max(k, 1),
                 R_POW2=self.r_pow2, TOK=tok, BLOCK=chunk_block(xw, tok), BLOCK_K=pow2_block(k), HAS_W=k > 0,
-                SINGLE_ROUND=single, VEC=xw % 4 == 0, num_warps=PUSH_WARPS, **self.flags_kw)
+                SINGLE_ROUND=single, VEC=xw % 4 == 0, INTERLEAVE=num_ranks > NARROW_RANKS, num_warps=PUSH_WARPS,
+                **self.flags_kw)
             launch(wait_arrivals_kernel, (1,), self.heap.peer_bases, self._off(self.arrive), self.epoch, self.err, rank,
                    num_ranks, self._timeout(), R_POW2=self.r_pow2, **self.flags_kw, **self.timer_kw)
             if hi > lo:
