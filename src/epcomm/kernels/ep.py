@@ -552,8 +552,9 @@ def combine_push_kernel(x_ptr, w_ptr, src_ptr, prefix_ptr, dst_row_ptr, bases_pt
 
     Work split: ``INTERLEAVE=False``, program ``p`` pushes the ``p``-th contiguous slice of all rows (sorted by
     source, so each program writes to one or two peers); ``INTERLEAVE=True``, program ``p`` takes the
-    ``p``-th slice of every remote source's rows and each step moves ``TOK`` rows to each peer in turn (every
-    program writes to every peer, as the token-major dispatch push does)."""
+    ``p``-th slice of every remote source's rows and each step moves ``TOK`` rows to each peer in turn, program
+    ``p`` starting ``p`` peers further on (every program writes to every peer, as the token-major dispatch push
+    does, and at any moment the programs spread over the peers)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     kcols = tl.arange(0, BLOCK_K)
@@ -568,9 +569,9 @@ def combine_push_kernel(x_ptr, w_ptr, src_ptr, prefix_ptr, dst_row_ptr, bases_pt
         steps = tl.max(tl.where(hi_s > lo_s, tl.cdiv(hi_s - lo_s, TOK), 0))
         j = 0
         while j < steps:
-            d = 1
-            while d < world:
-                s = (rank + d) % world
+            d = 0
+            while d < world - 1:
+                s = (rank + 1 + (pid + d) % (world - 1)) % world  # programs start on different peers
                 sel = rs == s
                 m = (tl.sum(tl.where(sel, lo_s, 0)) + j * TOK + toks).to(tl.int64)
                 ok = m < tl.sum(tl.where(sel, hi_s, 0))
