@@ -74,7 +74,7 @@ def model_num_sms(send_bytes: int, link_gbps: float, max_sms: int, num_ranks: in
     ``num_ranks`` ranks should occupy: enough that their store rate reaches the interconnect's ``link_gbps``
     (GB/s leaving one GPU), no more than ``send_bytes / MIN_BYTES_PER_SM`` (small calls are latency-bound:
     more programs only add fixed costs), within ``[2, max_sms]``. NVLink4 (H100/H200, 18 links) -> 24 SMs for
-    large calls at up to 4 ranks, as DeepEP's tuned configurations use, 40 at 6-8 ranks; PCIe -> 2."""
+    large calls at up to 4 ranks, as DeepEP's tuned configurations use, 40 at 5-8 ranks; PCIe -> 2."""
     if link_gbps <= 0 or max_sms < 2 or num_ranks < 1:
         raise ValueError(f"model_num_sms: link_gbps={link_gbps} must be > 0, max_sms={max_sms} >= 2 and "
                          f"num_ranks={num_ranks} >= 1")
