@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from .launch import cdiv, launch, next_pow2
+from .numerics import pick
 from .shmem import arrive_last, block_barrier, fence_sys, ld_acquire, st_release, wait_all_ge, wait_until
 from .shmem_codes import CMP_GE, ERR_BARRIER_TIMEOUT, ERR_DONE_TIMEOUT
 
@@ -572,11 +573,10 @@ def combine_push_kernel(x_ptr, w_ptr, src_ptr, prefix_ptr, dst_row_ptr, bases_pt
             d = 0
             while d < world - 1:
                 s = (rank + 1 + (pid + d) % (world - 1)) % world  # programs start on different peers
-                sel = rs == s
-                m = (tl.sum(tl.where(sel, lo_s, 0)) + j * TOK + toks).to(tl.int64)
-                ok = m < tl.sum(tl.where(sel, hi_s, 0))
+                m = (pick(lo_s, rs, s) + j * TOK + toks).to(tl.int64)
+                ok = m < pick(hi_s, rs, s)
                 if SINGLE_ROUND:
-                    a = rank * cap + m - tl.sum(tl.where(sel, first, 0))
+                    a = rank * cap + m - pick(first, rs, s)
                 else:
                     a = tl.load(dst_row_ptr + m, mask=ok, other=-1)
                     ok = ok & (a >= 0)

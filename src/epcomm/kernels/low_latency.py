@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from ..fp8 import FP8_AMAX_FLOOR, FP8_MAX_INV
-from .numerics import f32_to_bf16_rne
+from .numerics import f32_to_bf16_rne, pick
 from .launch import Launcher
 from .shmem import arrive_last, fence_sys, ld_acquire, st_release, wait_all_ge
 
@@ -79,12 +79,6 @@ def f32_to_e4m3_bits(v):
     r = tl.where(a > 0x7F800000, 0x7F, tl.where(a < (121 << 23), sub, norm)) & 0xFF
     r = r | tl.where(bits < 0, 0x80, 0)
     return r.to(tl.uint8)
-
-
-@triton.jit
-def _pick(vec, lanes, i):
-    """Element ``i`` (a compile-time lane) of the 1-D ``vec`` as a scalar (``lanes = tl.arange(0, len)``)."""
-    return tl.sum(tl.where(lanes == i, vec, 0))
 
 
 @triton.jit(do_not_specialize=["n_tokens", "info_slot", "timeout"])
@@ -198,11 +192,11 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, out_x_ptr, out_s_ptr, hmeta_ptr, bases_pt
             pay = region + OFF_PAY + prow * (XW * 4)
             scl = region + OFF_SCL + prow * (SW * 4)
             for i in tl.static_range(KPER):
-                if _pick(first.to(tl.int32), lanes, i) != 0:
+                if pick(first.to(tl.int32), lanes, i) != 0:
                     if FP8:
-                        dst8 = tl.multiple_of(_pick(pay, lanes, i).to(tl.pointer_type(tl.uint8)), 16)
+                        dst8 = tl.multiple_of(pick(pay, lanes, i).to(tl.pointer_type(tl.uint8)), 16)
                         tl.store(dst8 + xoff, q, mask=gmask)
-                        sdst = _pick(scl, lanes, i).to(tl.pointer_type(tl.int32))
+                        sdst = pick(scl, lanes, i).to(tl.pointer_type(tl.int32))
                         if UE8M0:
                             w1 = tl.arange(0, G4P)
                             tl.store(sdst + w1, swords, mask=w1 < SW)
@@ -210,7 +204,7 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, out_x_ptr, out_s_ptr, hmeta_ptr, bases_pt
                             g2 = tl.arange(0, G4P)[:, None] * 4 + tl.arange(0, 4)[None, :]
                             tl.store(sdst + g2, swords, mask=g2 < SW)
                     else:
-                        dst = tl.multiple_of(_pick(pay, lanes, i).to(tl.pointer_type(tl.int32)), 16)
+                        dst = tl.multiple_of(pick(pay, lanes, i).to(tl.pointer_type(tl.int32)), 16)
                         tl.store(dst + wcols, xw, mask=wcols < XW)
             it += nprog
         # rows per expert, into every receiver's cnt[RANK, :]
