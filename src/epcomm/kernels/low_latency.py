@@ -37,7 +37,8 @@ import triton.language as tl
 from ..fp8 import FP8_AMAX_FLOOR, FP8_MAX_INV
 from .numerics import f32_to_bf16_rne, pick
 from .launch import Launcher
-from .shmem import arrive_last, fence_sys, ld_acquire, st_release, wait_all_ge
+from .shmem import arrive_last, expired, fence_sys, ld_acquire, now, record_error, st_release, wait_all_ge
+from .shmem_codes import CMP_GE
 
 # control words (int64) of ``OneSidedLowLatency._ctl``
 CTL_STATE = 0  # [2] calls made: dispatch, combine
@@ -51,6 +52,7 @@ CTL_WORDS = CTL_INFO + 2 * INFO_RING
 
 ERR_LL_DISPATCH = 21  # a peer's dispatch rows did not arrive in time
 ERR_LL_COMBINE = 22  # a peer's combine rows did not arrive in time
+COMBINE_EMPTY = -1  # an int32 word of the combine area that no pending row occupies
 
 _K_ERR_DISPATCH = tl.constexpr(ERR_LL_DISPATCH)
 _K_ERR_COMBINE = tl.constexpr(ERR_LL_COMBINE)
@@ -61,6 +63,8 @@ _K_CTL_ERR = tl.constexpr(CTL_ERR)
 _K_CTL_OVERFLOW = tl.constexpr(CTL_OVERFLOW)
 _K_CTL_BAD = tl.constexpr(CTL_BAD)
 _K_CTL_INFO = tl.constexpr(CTL_INFO)
+_K_EMPTY = tl.constexpr(COMBINE_EMPTY)
+_K_CMP_GE = tl.constexpr(CMP_GE)
 _K_INFO_RING = tl.constexpr(INFO_RING)
 
 
@@ -108,7 +112,9 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, out_x_ptr, out_s_ptr, hmeta_ptr, bases_pt
     ``out_x [E_L, R * T, ...]`` at ``begin[e, s] + i``, the row and scales of each from the source's row of
     that record's token (a row is read once per expert that selected it); column-major scales; ``hmeta`` (int32) gets
     ``recv_count [E_L] | layout_range [E_L, R, 2] | src_info [E_L, R*T] (-1 past the count) | route [E_L, R*T]``
-    (``route = s * T * K + token * K + slot``: where combine returns the row)."""
+    (``route = s * T * K + token * K + slot``: where combine returns the row) ``| sent [T*K]`` (written by the
+    send half: 1 + the rank that row ``token * K + slot`` of this rank's tokens went to, 0 if none; the rows
+    the combine waits for)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     err_ptr = ctl_ptr + _K_CTL_ERR
@@ -117,6 +123,7 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, out_x_ptr, out_s_ptr, hmeta_ptr, bases_pt
     M_LR: tl.constexpr = E_L
     M_SRC: tl.constexpr = E_L + 2 * E_L * R
     M_ROUTE: tl.constexpr = M_SRC + E_L * RT
+    M_SENT: tl.constexpr = M_ROUTE + E_L * RT
     G: tl.constexpr = H // 128
     if DO_SEND:
         call = tl.load(ctl_ptr)
@@ -181,6 +188,7 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, out_x_ptr, out_s_ptr, hmeta_ptr, bases_pt
                 pos += tl.sum(hit.to(tl.int32), axis=1)
                 j0 += JB
             ok = valid & (pos < C)
+            tl.store(hmeta_ptr + M_SENT + flat, tl.where(ok, dest + 1, 0), mask=kmask)  # what combine waits for
             nover = tl.sum((valid & (pos >= C)).to(tl.int32))
             if nbad + nover > 0:
                 tl.atomic_add(ctl_ptr + _K_CTL_BAD, nbad.to(tl.int64))
@@ -320,21 +328,55 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, out_x_ptr, out_s_ptr, hmeta_ptr, bases_pt
             ee += nprog
 
 
+@triton.jit
+def _await_row(src, wc, cm, words, missing, flag_ptr, want, timeout, err_ptr, rank, peer, slot,
+               USE_TIMER: tl.constexpr):
+    """Poll the int32 words ``src[wc]`` (``cm``: in the row) of a combine row until none is ``EMPTY``, or until the
+    sender's flag says it sent everything (then the row was dropped: ``missing`` stays > 0), or a timeout
+    (recorded; also ends early once another wait recorded one). ``words``/``missing``: the first poll.
+    Uniform: ``missing`` is a reduction over every thread, the flag an ``ld_acquire``, the clock ``now``."""
+    t0 = now(USE_TIMER)
+    polls = tl.full([], 0, tl.int64)
+    done = tl.full([], 0, tl.int32)
+    late = tl.full([], 0, tl.int32)
+    while (missing != 0) & (done == 0) & (late == 0):
+        words = tl.load(src + wc, mask=cm, other=0, volatile=True)
+        missing = tl.sum(((words == _K_EMPTY) & cm).to(tl.int32), axis=0)
+        polls += 1
+        if (missing != 0) & (polls % 16 == 0):
+            if ld_acquire(flag_ptr) >= want:  # everything the sender stored is visible now: one last look
+                words = tl.load(src + wc, mask=cm, other=0, volatile=True)
+                missing = tl.sum(((words == _K_EMPTY) & cm).to(tl.int32), axis=0)
+                done = 1
+            elif polls % 64 == 0:
+                late = expired(t0, polls, timeout, USE_TIMER) | (ld_acquire(err_ptr) != 0).to(tl.int32)
+    if (missing != 0) & (done == 0):
+        record_error(err_ptr, _K_ERR_COMBINE, rank, peer, slot, want, ld_acquire(flag_ptr), _K_CMP_GE)
+    return words, missing
+
+
 @triton.jit(do_not_specialize=["n_tokens", "info_slot", "timeout"])
 def ll_combine_kernel(y_ptr, idx_ptr, w_ptr, out_ptr, hmeta_ptr, bases_ptr, ctl_ptr,
                       n_tokens, info_slot, local_base, timeout,
                       RANK: tl.constexpr, R: tl.constexpr, R_P: tl.constexpr, T: tl.constexpr, K: tl.constexpr,
                       E_L: tl.constexpr, E_LP: tl.constexpr, H: tl.constexpr, HWP: tl.constexpr,
                       OFF_FLAG: tl.constexpr, OFF_C: tl.constexpr, C_BYTES: tl.constexpr, ROWS: tl.constexpr,
-                      BC: tl.constexpr, DO_SEND: tl.constexpr, DO_RECV: tl.constexpr, USE_PTX: tl.constexpr,
+                      BW: tl.constexpr, DO_SEND: tl.constexpr, DO_RECV: tl.constexpr, USE_PTX: tl.constexpr,
                       USE_TIMER: tl.constexpr):
     """Low-latency combine, send half and/or receive half.
 
-    Send: every received row ``(e, i < recv_count[e])`` of ``y [E_L, R * T, H]`` bf16 goes to row
-    ``token * K + slot`` of its source's combine area (``route`` in ``hmeta``); then fence, arrive, and the
-    last program releases the epoch to every rank (every rank waits for every rank, rows or not).
-    Receive: wait, then ``out[t] = bf16(sum over k ascending with a valid id of w[t, k] * float(row))``,
-    from +0.0, each product rounded before the add."""
+    The combine area holds ``EMPTY`` (-1) in every int32 word that no row of a pending call occupies: the
+    receive waits for a row by polling its words, not for a flag, and writes ``EMPTY`` back once it has read
+    them (a word of a row equal to ``EMPTY``, two bf16 NaNs, travels as -2, still two NaNs).
+
+    Send: first wait until every rank has released call ``c - 1`` (its send of ``c - 1`` follows its receive
+    of ``c - 2``, the last call that used this parity's storage). Every received row ``(e, i < recv_count[e])``
+    of ``y [E_L, R * T, H]`` bf16 goes to row ``token * K + slot`` of its source's combine area (``route`` in
+    ``hmeta``); then fence, arrive, and the last program releases the epoch to every rank.
+    Receive: for every row the dispatch sent (``sent`` in ``hmeta``), wait until its words are in (or the
+    sender's flag shows it was dropped at the receiver: it adds nothing), then ``out[t] = bf16(sum over k
+    ascending with a valid id of w[t, k] * float(row))``, from +0.0, each product rounded before the add.
+    ``BW``: words (two bf16 each) per work item, at least one per thread (polled words are never replicated)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     err_ptr = ctl_ptr + _K_CTL_ERR
@@ -343,10 +385,14 @@ def ll_combine_kernel(y_ptr, idx_ptr, w_ptr, out_ptr, hmeta_ptr, bases_ptr, ctl_
     TK: tl.constexpr = T * K
     HW: tl.constexpr = H // 2
     M_ROUTE: tl.constexpr = E_L + 2 * E_L * R + E_L * RT
+    M_SENT: tl.constexpr = M_ROUTE + E_L * RT
     if DO_SEND:
         call = tl.load(ctl_ptr + 1)
         parity = call & 1
         area = OFF_C + parity * C_BYTES
+        if ld_acquire(err_ptr) == 0:
+            wait_all_ge(local_base, OFF_FLAG + (3 - parity) * (R * 8), R, call, timeout, err_ptr, _K_ERR_COMBINE,
+                        RANK, R_P, USE_PTX, USE_TIMER)
         e1 = tl.arange(0, E_LP)
         rc = tl.load(hmeta_ptr + e1, mask=e1 < E_L, other=0)
         rc = tl.minimum(tl.maximum(rc, 0), RT)
@@ -369,7 +415,7 @@ def ll_combine_kernel(y_ptr, idx_ptr, w_ptr, out_ptr, hmeta_ptr, bases_ptr, ctl_
             dst = tl.multiple_of(dst.to(tl.pointer_type(tl.int32)), 16)
             cm = ok[:, None] & (wc < HW)[None, :]
             v = tl.load(y_ptr.to(tl.pointer_type(tl.int32)) + row[:, None] * HW + wc[None, :], mask=cm)
-            tl.store(dst[:, None] + wc[None, :], v, mask=cm)
+            tl.store(dst[:, None] + wc[None, :], tl.where(v == _K_EMPTY, _K_EMPTY - 1, v), mask=cm)
             q0 += nprog * ROWS
         fence_sys(USE_PTX)
         tl.debug_barrier()
@@ -388,26 +434,39 @@ def ll_combine_kernel(y_ptr, idx_ptr, w_ptr, out_ptr, hmeta_ptr, bases_ptr, ctl_
             rcall = tl.load(ctl_ptr + _K_CTL_INFO + _K_INFO_RING + info_slot)
         rpar = rcall & 1
         rarea = local_base + OFF_C + rpar * C_BYTES
-        if ld_acquire(err_ptr) == 0:
-            wait_all_ge(local_base, OFF_FLAG + (2 + rpar) * (R * 8), R, rcall + 1, timeout, err_ptr,
-                        _K_ERR_COMBINE, RANK, R_P, USE_PTX, USE_TIMER)
-        tl.debug_barrier()
-        NCH: tl.constexpr = (H + BC - 1) // BC
-        cols0 = tl.arange(0, BC)
+        rflags = (local_base + OFF_FLAG + (2 + rpar) * (R * 8)).to(tl.pointer_type(tl.int64))
+        want = rcall + 1
+        NCH: tl.constexpr = (HW + BW - 1) // BW
+        wc0 = tl.arange(0, BW)
+        out_w = out_ptr.to(tl.pointer_type(tl.int32))
         it = pid
         while it < n_tokens * NCH:
             t = it // NCH
-            cols = (it - t * NCH) * BC + cols0
-            cm = cols < H
-            acc = tl.zeros([BC], tl.float32)
+            cw = (it - t * NCH) * BW + wc0
+            cm = cw < HW
+            acc_lo = tl.zeros([BW], tl.float32)  # even columns (the low half of each word)
+            acc_hi = tl.zeros([BW], tl.float32)
             for k in tl.static_range(K):
-                g = tl.load(idx_ptr + t * K + k)
-                valid = (g >= 0) & (g < E)
-                wk = tl.load(w_ptr + t * K + k)
-                src = (rarea + (t * K + k).to(tl.int64) * (H * 2)).to(tl.pointer_type(tl.bfloat16))
-                y = tl.load(tl.multiple_of(src, 16) + cols, mask=cm & valid, other=0.0, cache_modifier=".cg")
-                acc = tl.where(valid, acc + wk * y.to(tl.float32), acc)
-            tl.store(out_ptr + t.to(tl.int64) * H + cols, f32_to_bf16_rne(acc), mask=cm)
+                sent = tl.load(hmeta_ptr + M_SENT + t * K + k)
+                if sent > 0:
+                    src = tl.multiple_of((rarea + (t * K + k).to(tl.int64) * (H * 2)).to(tl.pointer_type(tl.int32)),
+                                         16)
+                    words = tl.load(src + cw, mask=cm, other=0, volatile=True)
+                    missing = tl.sum(((words == _K_EMPTY) & cm).to(tl.int32), axis=0)
+                    if missing != 0:
+                        words, missing = _await_row(src, cw, cm, words, missing, rflags + (sent - 1), want, timeout,
+                                                    err_ptr, RANK, sent - 1, t * K + k, USE_TIMER)
+                    g = tl.load(idx_ptr + t * K + k)
+                    wk = tl.load(w_ptr + t * K + k)
+                    use = (g >= 0) & (g < E) & (missing == 0)
+                    lo = (words << 16).to(tl.float32, bitcast=True)
+                    hi = (words & -65536).to(tl.float32, bitcast=True)
+                    acc_lo = tl.where(use, acc_lo + wk * lo, acc_lo)
+                    acc_hi = tl.where(use, acc_hi + wk * hi, acc_hi)
+                    tl.store(src + cw, tl.full([BW], _K_EMPTY, tl.int32), mask=cm)  # free for call rcall + 2
+            lo16 = f32_to_bf16_rne(acc_lo).to(tl.uint16, bitcast=True).to(tl.int32)
+            hi16 = f32_to_bf16_rne(acc_hi).to(tl.uint16, bitcast=True).to(tl.int32)
+            tl.store(out_w + t.to(tl.int64) * HW + cw, lo16 | (hi16 << 16), mask=cm)
             it += nprog
 
 
