@@ -37,8 +37,8 @@ import triton.language as tl
 from ..fp8 import FP8_AMAX_FLOOR, FP8_MAX_INV
 from .numerics import f32_to_bf16_rne, pick
 from .launch import Launcher
-from .shmem import arrive_last, expired, fence_sys, ld_acquire, now, record_error, st_release, wait_all_ge
-from .shmem_codes import CMP_GE
+from .shmem import (arrive_last, expired, fence_sys, ld_acquire, min_flag, now, record_flag_timeout, st_release,
+                    wait_all_ge)
 
 # control words (int64) of ``OneSidedLowLatency._ctl``
 CTL_STATE = 0  # [2] calls made: dispatch, combine
@@ -64,7 +64,6 @@ _K_CTL_OVERFLOW = tl.constexpr(CTL_OVERFLOW)
 _K_CTL_BAD = tl.constexpr(CTL_BAD)
 _K_CTL_INFO = tl.constexpr(CTL_INFO)
 _K_EMPTY = tl.constexpr(COMBINE_EMPTY)
-_K_CMP_GE = tl.constexpr(CMP_GE)
 _K_INFO_RING = tl.constexpr(INFO_RING)
 
 
@@ -329,30 +328,61 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, out_x_ptr, out_s_ptr, hmeta_ptr, bases_pt
 
 
 @triton.jit
-def _await_row(src, wc, cm, words, missing, flag_ptr, want, timeout, err_ptr, rank, peer, slot,
-               USE_TIMER: tl.constexpr):
-    """Poll the int32 words ``src[wc]`` (``cm``: in the row) of a combine row until none is ``EMPTY``, or until the
-    sender's flag says it sent everything (then the row was dropped: ``missing`` stays > 0), or a timeout
-    (recorded; also ends early once another wait recorded one). ``words``/``missing``: the first poll.
-    Uniform: ``missing`` is a reduction over every thread, the flag an ``ld_acquire``, the clock ``now``."""
+def _sum_rows(rows, cw, cm, sent_ptr, idx_ptr, w_ptr, E: tl.constexpr, K: tl.constexpr, ROW_WORDS: tl.constexpr,
+              BW: tl.constexpr, CHECK: tl.constexpr):
+    """One token's weighted sum over its ``K`` combine rows (``rows``: int32 pointer to its first row, rows
+    ``ROW_WORDS`` apart; ``cw``/``cm``: this item's words): ``(acc_lo, acc_hi, empty)``, the float32 sums of the even
+    and odd columns and, per word, how many of its rows still hold ``EMPTY`` there. Rows the dispatch did not
+    send, or whose slot is -1 here, add nothing. The loads are volatile and independent, so all ``K`` rows
+    are in flight at once. ``CHECK``: also leave out any row with an ``EMPTY`` word (one the receiver
+    dropped), at the price of a reduction per row."""
+    acc_lo = tl.zeros([BW], tl.float32)
+    acc_hi = tl.zeros([BW], tl.float32)
+    empty = tl.zeros([BW], tl.int32)
+    for k in tl.static_range(K):
+        sent = tl.load(sent_ptr + k)
+        g = tl.load(idx_ptr + k)
+        wk = tl.load(w_ptr + k)
+        m = cm & (sent > 0)
+        y = tl.load(rows + k * ROW_WORDS + cw, mask=m, other=0, volatile=True)
+        hole = (y == _K_EMPTY) & m
+        empty += hole.to(tl.int32)
+        use = (g >= 0) & (g < E) & (sent > 0)
+        if CHECK:
+            use = use & (tl.sum(hole.to(tl.int32), axis=0) == 0)
+        acc_lo = tl.where(use, acc_lo + wk * (y << 16).to(tl.float32, bitcast=True), acc_lo)
+        acc_hi = tl.where(use, acc_hi + wk * (y & -65536).to(tl.float32, bitcast=True), acc_hi)
+    return acc_lo, acc_hi, empty
+
+
+@triton.jit
+def _await_rows(rows, cw, cm, sent_ptr, missing, flags_base, flags_off, want, timeout, err_ptr, rank, slot,
+                R: tl.constexpr, R_P: tl.constexpr, K: tl.constexpr, ROW_WORDS: tl.constexpr, BW: tl.constexpr,
+                USE_PTX: tl.constexpr, USE_TIMER: tl.constexpr):
+    """Poll one token's combine rows (as ``_sum_rows`` reads them) until no word holds ``EMPTY``, or until
+    every rank has released call ``want - 1`` (then everything sent has landed: rows still missing were
+    dropped by their receiver), or a timeout (recorded; ends early once another wait recorded one).
+    ``missing``: the first look's count. Returns the count of ``EMPTY`` words left. Uniform: the count is a
+    reduction over every thread, the flags ``min_flag``, the clock ``now``."""
     t0 = now(USE_TIMER)
     polls = tl.full([], 0, tl.int64)
     done = tl.full([], 0, tl.int32)
     late = tl.full([], 0, tl.int32)
     while (missing != 0) & (done == 0) & (late == 0):
-        words = tl.load(src + wc, mask=cm, other=0, volatile=True)
-        missing = tl.sum(((words == _K_EMPTY) & cm).to(tl.int32), axis=0)
+        if polls % 16 == 15:
+            done = (min_flag(flags_base, flags_off, R, R_P, USE_PTX) >= want).to(tl.int32)
+        empty = tl.zeros([BW], tl.int32)
+        for k in tl.static_range(K):
+            m = cm & (tl.load(sent_ptr + k) > 0)
+            y = tl.load(rows + k * ROW_WORDS + cw, mask=m, other=0, volatile=True)
+            empty += ((y == _K_EMPTY) & m).to(tl.int32)
+        missing = tl.sum(empty, axis=0)
         polls += 1
-        if (missing != 0) & (polls % 16 == 0):
-            if ld_acquire(flag_ptr) >= want:  # everything the sender stored is visible now: one last look
-                words = tl.load(src + wc, mask=cm, other=0, volatile=True)
-                missing = tl.sum(((words == _K_EMPTY) & cm).to(tl.int32), axis=0)
-                done = 1
-            elif polls % 64 == 0:
-                late = expired(t0, polls, timeout, USE_TIMER) | (ld_acquire(err_ptr) != 0).to(tl.int32)
+        if (missing != 0) & (done == 0) & (polls % 64 == 0):
+            late = expired(t0, polls, timeout, USE_TIMER) | (ld_acquire(err_ptr) != 0).to(tl.int32)
     if (missing != 0) & (done == 0):
-        record_error(err_ptr, _K_ERR_COMBINE, rank, peer, slot, want, ld_acquire(flag_ptr), _K_CMP_GE)
-    return words, missing
+        record_flag_timeout(flags_base, flags_off, R, want, err_ptr, _K_ERR_COMBINE, rank, slot, R_P, USE_PTX)
+    return missing
 
 
 @triton.jit(do_not_specialize=["n_tokens", "info_slot", "timeout"])
@@ -434,39 +464,36 @@ def ll_combine_kernel(y_ptr, idx_ptr, w_ptr, out_ptr, hmeta_ptr, bases_ptr, ctl_
             rcall = tl.load(ctl_ptr + _K_CTL_INFO + _K_INFO_RING + info_slot)
         rpar = rcall & 1
         rarea = local_base + OFF_C + rpar * C_BYTES
-        rflags = (local_base + OFF_FLAG + (2 + rpar) * (R * 8)).to(tl.pointer_type(tl.int64))
+        rflags_off = OFF_FLAG + (2 + rpar) * (R * 8)
         want = rcall + 1
         NCH: tl.constexpr = (HW + BW - 1) // BW
-        wc0 = tl.arange(0, BW)
+        cw0 = tl.arange(0, BW)
         out_w = out_ptr.to(tl.pointer_type(tl.int32))
         it = pid
         while it < n_tokens * NCH:
             t = it // NCH
-            cw = (it - t * NCH) * BW + wc0
+            cw = (it - t * NCH) * BW + cw0
             cm = cw < HW
-            acc_lo = tl.zeros([BW], tl.float32)  # even columns (the low half of each word)
-            acc_hi = tl.zeros([BW], tl.float32)
-            for k in tl.static_range(K):
-                sent = tl.load(hmeta_ptr + M_SENT + t * K + k)
-                if sent > 0:
-                    src = tl.multiple_of((rarea + (t * K + k).to(tl.int64) * (H * 2)).to(tl.pointer_type(tl.int32)),
-                                         16)
-                    words = tl.load(src + cw, mask=cm, other=0, volatile=True)
-                    missing = tl.sum(((words == _K_EMPTY) & cm).to(tl.int32), axis=0)
-                    if missing != 0:
-                        words, missing = _await_row(src, cw, cm, words, missing, rflags + (sent - 1), want, timeout,
-                                                    err_ptr, RANK, sent - 1, t * K + k, USE_TIMER)
-                    g = tl.load(idx_ptr + t * K + k)
-                    wk = tl.load(w_ptr + t * K + k)
-                    use = (g >= 0) & (g < E) & (missing == 0)
-                    lo = (words << 16).to(tl.float32, bitcast=True)
-                    hi = (words & -65536).to(tl.float32, bitcast=True)
-                    acc_lo = tl.where(use, acc_lo + wk * lo, acc_lo)
-                    acc_hi = tl.where(use, acc_hi + wk * hi, acc_hi)
-                    tl.store(src + cw, tl.full([BW], _K_EMPTY, tl.int32), mask=cm)  # free for call rcall + 2
+            rows = tl.multiple_of((rarea + (t * K).to(tl.int64) * (H * 2)).to(tl.pointer_type(tl.int32)), 16)
+            sent_t = hmeta_ptr + M_SENT + t * K
+            acc_lo, acc_hi, empty = _sum_rows(rows, cw, cm, sent_t, idx_ptr + t * K, w_ptr + t * K, E, K, HW, BW,
+                                              False)
+            missing = tl.sum(empty, axis=0)
+            if missing != 0:  # not all in at the first look: wait, then sum again
+                missing = _await_rows(rows, cw, cm, sent_t, missing, local_base, rflags_off, want, timeout, err_ptr,
+                                      RANK, t, R, R_P, K, HW, BW, USE_PTX, USE_TIMER)
+                if missing == 0:
+                    acc_lo, acc_hi, empty = _sum_rows(rows, cw, cm, sent_t, idx_ptr + t * K, w_ptr + t * K, E, K,
+                                                      HW, BW, False)
+                else:  # rows dropped by their receiver (or a timeout): leave them out
+                    acc_lo, acc_hi, empty = _sum_rows(rows, cw, cm, sent_t, idx_ptr + t * K, w_ptr + t * K, E, K,
+                                                      HW, BW, True)
             lo16 = f32_to_bf16_rne(acc_lo).to(tl.uint16, bitcast=True).to(tl.int32)
             hi16 = f32_to_bf16_rne(acc_hi).to(tl.uint16, bitcast=True).to(tl.int32)
             tl.store(out_w + t.to(tl.int64) * HW + cw, lo16 | (hi16 << 16), mask=cm)
+            for k in tl.static_range(K):  # free the rows for call rcall + 2
+                m = cm & (tl.load(sent_t + k) > 0)
+                tl.store(rows + k * HW + cw, tl.full([BW], _K_EMPTY, tl.int32), mask=m)
             it += nprog
 
 
