@@ -335,7 +335,7 @@ def _sample_args():
                 G4P=16, C=lay["cap"], OFF_D=9472, D_BYTES=lay["dispatch_bytes"], OFF_PAY=lay["pay"], OFF_SCL=lay["scl"],
                 OFF_META=lay["meta"], OFF_CNT=lay["cnt"], JB=1024, EB=8, ROWS=4, FB=1024)
     comb = dict(common, HWP=4096, OFF_C=9472 + 2 * lay["dispatch_bytes"], C_BYTES=lay["combine_bytes"], ROWS=2,
-                BW=1024)
+                BC=2048)
     x = torch.empty(t, h, dtype=torch.bfloat16)
     idx = torch.empty(t, k, dtype=torch.int64)
     w = torch.empty(t, k, dtype=torch.float32)
@@ -387,6 +387,6 @@ def test_kernels_compile_for_sm90():
         assert needle in ptx, f"dispatch PTX lacks {needle}"
     ptx = compile_for(K.ll_combine_kernel, c_args, dict(comb, DO_SEND=True, DO_RECV=True,
                                                         enable_fp_fusion=False)).asm["ptx"]
-    for needle in ("st.global.v4", "ld.volatile.global.v4", "st.release.sys", "ld.global.sys.acquire", "mul.rn.f32"):
+    for needle in ("st.global.v4", "ld.global.cg.v4", "ld.volatile.global.v4", "st.release.sys", "ld.global.sys.acquire", "mul.rn.f32"):
         assert needle in ptx, f"combine PTX lacks {needle}"
     assert "fma" not in ptx, "the combine's products must be rounded before the add (no FMA)"

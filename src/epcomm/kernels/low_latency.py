@@ -52,7 +52,7 @@ CTL_WORDS = CTL_INFO + 2 * INFO_RING
 
 ERR_LL_DISPATCH = 21  # a peer's dispatch rows did not arrive in time
 ERR_LL_COMBINE = 22  # a peer's combine rows did not arrive in time
-COMBINE_EMPTY = -1  # an int32 word of the combine area that no pending row occupies
+COMBINE_EMPTY = -1  # (int16) a bf16 element of the combine area that no pending row occupies (a NaN)
 
 _K_ERR_DISPATCH = tl.constexpr(ERR_LL_DISPATCH)
 _K_ERR_COMBINE = tl.constexpr(ERR_LL_COMBINE)
@@ -328,42 +328,39 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, out_x_ptr, out_s_ptr, hmeta_ptr, bases_pt
 
 
 @triton.jit
-def _sum_rows(rows, cw, cm, sent_ptr, idx_ptr, w_ptr, E: tl.constexpr, K: tl.constexpr, ROW_WORDS: tl.constexpr,
-              BW: tl.constexpr, CHECK: tl.constexpr):
-    """One token's weighted sum over its ``K`` combine rows (``rows``: int32 pointer to its first row, rows
-    ``ROW_WORDS`` apart; ``cw``/``cm``: this item's words): ``(acc_lo, acc_hi, empty)``, the float32 sums of the even
-    and odd columns and, per word, how many of its rows still hold ``EMPTY`` there. Rows the dispatch did not
-    send, or whose slot is -1 here, add nothing. The loads are volatile and independent, so all ``K`` rows
-    are in flight at once. ``CHECK``: also leave out any row with an ``EMPTY`` word (one the receiver
-    dropped), at the price of a reduction per row."""
-    acc_lo = tl.zeros([BW], tl.float32)
-    acc_hi = tl.zeros([BW], tl.float32)
-    empty = tl.zeros([BW], tl.int32)
+def _sum_rows(rows, cols, cm, sent_ptr, idx_ptr, w_ptr, E: tl.constexpr, K: tl.constexpr, H: tl.constexpr,
+              BC: tl.constexpr, CHECK: tl.constexpr):
+    """One token's weighted sum over its ``K`` combine rows (``rows``: bf16 pointer to its first row, rows ``H``
+    apart; ``cols``/``cm``: this item's columns): ``(acc, empty)``, the float32 sums and, per column, how many
+    of its rows still hold ``EMPTY`` there. Rows the dispatch did not send, or whose slot is -1 here, add
+    nothing. The ``K`` loads are independent (all rows in flight at once). ``CHECK``: also leave out any row
+    with an ``EMPTY`` element (one its receiver dropped), at the price of a reduction per row."""
+    acc = tl.zeros([BC], tl.float32)
+    empty = tl.zeros([BC], tl.int32)
     for k in tl.static_range(K):
         sent = tl.load(sent_ptr + k)
         g = tl.load(idx_ptr + k)
         wk = tl.load(w_ptr + k)
         m = cm & (sent > 0)
-        y = tl.load(rows + k * ROW_WORDS + cw, mask=m, other=0, volatile=True)
-        hole = (y == _K_EMPTY) & m
+        y = tl.load(rows + k * H + cols, mask=m, other=0.0, cache_modifier=".cg")
+        hole = (y.to(tl.int16, bitcast=True) == _K_EMPTY) & m
         empty += hole.to(tl.int32)
         use = (g >= 0) & (g < E) & (sent > 0)
         if CHECK:
             use = use & (tl.sum(hole.to(tl.int32), axis=0) == 0)
-        acc_lo = tl.where(use, acc_lo + wk * (y << 16).to(tl.float32, bitcast=True), acc_lo)
-        acc_hi = tl.where(use, acc_hi + wk * (y & -65536).to(tl.float32, bitcast=True), acc_hi)
-    return acc_lo, acc_hi, empty
+        acc = tl.where(use, acc + wk * y.to(tl.float32), acc)
+    return acc, empty
 
 
 @triton.jit
-def _await_rows(rows, cw, cm, sent_ptr, missing, flags_base, flags_off, want, timeout, err_ptr, rank, slot,
-                R: tl.constexpr, R_P: tl.constexpr, K: tl.constexpr, ROW_WORDS: tl.constexpr, BW: tl.constexpr,
+def _await_rows(rows, cols, cm, sent_ptr, missing, flags_base, flags_off, want, timeout, err_ptr, rank, slot,
+                R: tl.constexpr, R_P: tl.constexpr, K: tl.constexpr, H: tl.constexpr, BC: tl.constexpr,
                 USE_PTX: tl.constexpr, USE_TIMER: tl.constexpr):
-    """Poll one token's combine rows (as ``_sum_rows`` reads them) until no word holds ``EMPTY``, or until
-    every rank has released call ``want - 1`` (then everything sent has landed: rows still missing were
-    dropped by their receiver), or a timeout (recorded; ends early once another wait recorded one).
-    ``missing``: the first look's count. Returns the count of ``EMPTY`` words left. Uniform: the count is a
-    reduction over every thread, the flags ``min_flag``, the clock ``now``."""
+    """Poll one token's combine rows (as ``_sum_rows`` reads them, with volatile loads) until no element holds
+    ``EMPTY``, or until every rank has released call ``want - 1`` (then everything sent has landed: rows
+    still missing were dropped by their receiver), or a timeout (recorded; ends early once another wait
+    recorded one). ``missing``: the first look's count. Returns the count of ``EMPTY`` elements left.
+    Uniform: the count is a reduction over every thread, the flags ``min_flag``, the clock ``now``."""
     t0 = now(USE_TIMER)
     polls = tl.full([], 0, tl.int64)
     done = tl.full([], 0, tl.int32)
@@ -371,10 +368,10 @@ def _await_rows(rows, cw, cm, sent_ptr, missing, flags_base, flags_off, want, ti
     while (missing != 0) & (done == 0) & (late == 0):
         if polls % 16 == 15:
             done = (min_flag(flags_base, flags_off, R, R_P, USE_PTX) >= want).to(tl.int32)
-        empty = tl.zeros([BW], tl.int32)
+        empty = tl.zeros([BC], tl.int32)
         for k in tl.static_range(K):
             m = cm & (tl.load(sent_ptr + k) > 0)
-            y = tl.load(rows + k * ROW_WORDS + cw, mask=m, other=0, volatile=True)
+            y = tl.load((rows + k * H + cols).to(tl.pointer_type(tl.int16)), mask=m, other=0, volatile=True)
             empty += ((y == _K_EMPTY) & m).to(tl.int32)
         missing = tl.sum(empty, axis=0)
         polls += 1
@@ -391,22 +388,22 @@ def ll_combine_kernel(y_ptr, idx_ptr, w_ptr, out_ptr, hmeta_ptr, bases_ptr, ctl_
                       RANK: tl.constexpr, R: tl.constexpr, R_P: tl.constexpr, T: tl.constexpr, K: tl.constexpr,
                       E_L: tl.constexpr, E_LP: tl.constexpr, H: tl.constexpr, HWP: tl.constexpr,
                       OFF_FLAG: tl.constexpr, OFF_C: tl.constexpr, C_BYTES: tl.constexpr, ROWS: tl.constexpr,
-                      BW: tl.constexpr, DO_SEND: tl.constexpr, DO_RECV: tl.constexpr, USE_PTX: tl.constexpr,
+                      BC: tl.constexpr, DO_SEND: tl.constexpr, DO_RECV: tl.constexpr, USE_PTX: tl.constexpr,
                       USE_TIMER: tl.constexpr):
     """Low-latency combine, send half and/or receive half.
 
-    The combine area holds ``EMPTY`` (-1) in every int32 word that no row of a pending call occupies: the
-    receive waits for a row by polling its words, not for a flag, and writes ``EMPTY`` back once it has read
-    them (a word of a row equal to ``EMPTY``, two bf16 NaNs, travels as -2, still two NaNs).
+    The combine area holds ``EMPTY`` (bf16 bits 0xFFFF, a NaN) in every element that no row of a pending call
+    occupies: the receive waits for a row by polling its elements, not for a flag, and writes ``EMPTY`` back
+    once it has read them (a row's element equal to ``EMPTY`` travels as 0xFFFE, another NaN).
 
     Send: first wait until every rank has released call ``c - 1`` (its send of ``c - 1`` follows its receive
     of ``c - 2``, the last call that used this parity's storage). Every received row ``(e, i < recv_count[e])``
     of ``y [E_L, R * T, H]`` bf16 goes to row ``token * K + slot`` of its source's combine area (``route`` in
     ``hmeta``); then fence, arrive, and the last program releases the epoch to every rank.
-    Receive: for every row the dispatch sent (``sent`` in ``hmeta``), wait until its words are in (or the
+    Receive: for every row the dispatch sent (``sent`` in ``hmeta``), wait until its elements are in (or the
     sender's flag shows it was dropped at the receiver: it adds nothing), then ``out[t] = bf16(sum over k
     ascending with a valid id of w[t, k] * float(row))``, from +0.0, each product rounded before the add.
-    ``BW``: words (two bf16 each) per work item, at least one per thread (polled words are never replicated)."""
+    ``BC``: columns per work item, at least one per thread (polled elements are never replicated)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     err_ptr = ctl_ptr + _K_CTL_ERR
@@ -445,7 +442,9 @@ def ll_combine_kernel(y_ptr, idx_ptr, w_ptr, out_ptr, hmeta_ptr, bases_ptr, ctl_
             dst = tl.multiple_of(dst.to(tl.pointer_type(tl.int32)), 16)
             cm = ok[:, None] & (wc < HW)[None, :]
             v = tl.load(y_ptr.to(tl.pointer_type(tl.int32)) + row[:, None] * HW + wc[None, :], mask=cm)
-            tl.store(dst[:, None] + wc[None, :], tl.where(v == _K_EMPTY, _K_EMPTY - 1, v), mask=cm)
+            v = tl.where((v & 0xFFFF) == 0xFFFF, v - 1, v)  # a bf16 equal to EMPTY travels as another NaN
+            v = tl.where((v & -65536) == -65536, v - 65536, v)
+            tl.store(dst[:, None] + wc[None, :], v, mask=cm)
             q0 += nprog * ROWS
         fence_sys(USE_PTX)
         tl.debug_barrier()
@@ -466,34 +465,31 @@ def ll_combine_kernel(y_ptr, idx_ptr, w_ptr, out_ptr, hmeta_ptr, bases_ptr, ctl_
         rarea = local_base + OFF_C + rpar * C_BYTES
         rflags_off = OFF_FLAG + (2 + rpar) * (R * 8)
         want = rcall + 1
-        NCH: tl.constexpr = (HW + BW - 1) // BW
-        cw0 = tl.arange(0, BW)
-        out_w = out_ptr.to(tl.pointer_type(tl.int32))
+        NCH: tl.constexpr = (H + BC - 1) // BC
+        cols0 = tl.arange(0, BC)
         it = pid
         while it < n_tokens * NCH:
             t = it // NCH
-            cw = (it - t * NCH) * BW + cw0
-            cm = cw < HW
-            rows = tl.multiple_of((rarea + (t * K).to(tl.int64) * (H * 2)).to(tl.pointer_type(tl.int32)), 16)
+            cols = (it - t * NCH) * BC + cols0
+            cm = cols < H
+            rows = tl.multiple_of((rarea + (t * K).to(tl.int64) * (H * 2)).to(tl.pointer_type(tl.bfloat16)), 16)
             sent_t = hmeta_ptr + M_SENT + t * K
-            acc_lo, acc_hi, empty = _sum_rows(rows, cw, cm, sent_t, idx_ptr + t * K, w_ptr + t * K, E, K, HW, BW,
-                                              False)
+            idx_t = idx_ptr + t * K
+            w_t = w_ptr + t * K
+            acc, empty = _sum_rows(rows, cols, cm, sent_t, idx_t, w_t, E, K, H, BC, False)
             missing = tl.sum(empty, axis=0)
             if missing != 0:  # not all in at the first look: wait, then sum again
-                missing = _await_rows(rows, cw, cm, sent_t, missing, local_base, rflags_off, want, timeout, err_ptr,
-                                      RANK, t, R, R_P, K, HW, BW, USE_PTX, USE_TIMER)
+                missing = _await_rows(rows, cols, cm, sent_t, missing, local_base, rflags_off, want, timeout, err_ptr,
+                                      RANK, t, R, R_P, K, H, BC, USE_PTX, USE_TIMER)
                 if missing == 0:
-                    acc_lo, acc_hi, empty = _sum_rows(rows, cw, cm, sent_t, idx_ptr + t * K, w_ptr + t * K, E, K,
-                                                      HW, BW, False)
+                    acc, empty = _sum_rows(rows, cols, cm, sent_t, idx_t, w_t, E, K, H, BC, False)
                 else:  # rows dropped by their receiver (or a timeout): leave them out
-                    acc_lo, acc_hi, empty = _sum_rows(rows, cw, cm, sent_t, idx_ptr + t * K, w_ptr + t * K, E, K,
-                                                      HW, BW, True)
-            lo16 = f32_to_bf16_rne(acc_lo).to(tl.uint16, bitcast=True).to(tl.int32)
-            hi16 = f32_to_bf16_rne(acc_hi).to(tl.uint16, bitcast=True).to(tl.int32)
-            tl.store(out_w + t.to(tl.int64) * HW + cw, lo16 | (hi16 << 16), mask=cm)
+                    acc, empty = _sum_rows(rows, cols, cm, sent_t, idx_t, w_t, E, K, H, BC, True)
+            tl.store(out_ptr + t.to(tl.int64) * H + cols, f32_to_bf16_rne(acc), mask=cm)
             for k in tl.static_range(K):  # free the rows for call rcall + 2
                 m = cm & (tl.load(sent_t + k) > 0)
-                tl.store(rows + k * HW + cw, tl.full([BW], _K_EMPTY, tl.int32), mask=m)
+                tl.store((rows + k * H + cols).to(tl.pointer_type(tl.int16)), tl.full([BC], _K_EMPTY, tl.int16),
+                         mask=m)
             it += nprog
 
 

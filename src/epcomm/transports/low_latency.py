@@ -28,12 +28,12 @@ Protocol (no host synchronisation, fixed shapes, no remote atomics, single-write
     and writes ``recv_count``, ``layout_range``, ``src_info`` (-1 past the count) and a private ``route`` per
     row (source rank, token, slot) that combine uses.
   * combine call ``c`` uses parity ``c & 1``. Every int32 word of a combine area that holds no pending row
-    is ``EMPTY`` (-1; filled when the storage is made): the send half first waits until every rank has
+    is ``EMPTY`` (bf16 bits 0xFFFF; filled when the storage is made): the send half first waits until every rank has
     released call ``c - 1`` (a rank sends ``c - 1`` only after it received ``c - 2``, the last call to use
-    this parity), stores each received row into row ``token * K + slot`` of its source's combine area (a
-    word equal to ``EMPTY``, two bf16 NaNs, travels as another pair of NaNs), then fences and releases epoch
+    this parity), stores each received row into row ``token * K + slot`` of its source's combine area (an
+    element equal to ``EMPTY``, a NaN, travels as another NaN), then fences and releases epoch
     ``c + 1`` to every rank. The receive half waits for the rows themselves, not for the flags: for every
-    row its dispatch sent (recorded in the handle) it polls the row's words until none is ``EMPTY``, reduces
+    row its dispatch sent (recorded in the handle) it polls the row's elements until none is ``EMPTY``, reduces
     ``sum_k w * float(y)`` in slot order into bf16 and writes ``EMPTY`` back. A row the receiver dropped
     (repeated expert ids) never comes: once its sender's flag shows the call released, it adds nothing. So
     a token is reduced as soon as its rows are in, while the senders' fences and flags are still under way.
@@ -284,7 +284,7 @@ class OneSidedLowLatency:
             FB=1024)
         combine_consts = dict(common, HWP=hwp, OFF_C=self._off_area + 2 * d_bytes, C_BYTES=c_bytes,
                               ROWS=max(1, min(rows, 8192 // hwp)),
-                              BW=max(32 * common["num_warps"], min(512 if rows == 1 else 1024, next_pow2(hidden // 2))))
+                              BC=max(32 * common["num_warps"], min(1024 if rows == 1 else 2048, next_pow2(hidden))))
         return _Geometry(e_local=e_local,
                          scale_dtype=(torch.int32 if use_ue8m0 else torch.float32) if use_fp8 else None,
                          scale_words=scale_words, payload_dtype=FP8_DTYPE if use_fp8 else x_dtype,
