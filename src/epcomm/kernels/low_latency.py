@@ -37,8 +37,7 @@ import triton.language as tl
 from ..fp8 import FP8_AMAX_FLOOR, FP8_MAX_INV
 from .numerics import f32_to_bf16_rne, pick
 from .launch import Launcher
-from .shmem import (arrive_last, expired, fence_sys, ld_acquire, min_flag, now, record_flag_timeout, st_release,
-                    wait_all_ge)
+from .shmem import arrive_last, fence_sys, ld_acquire, st_release, wait_all_ge
 
 # control words (int64) of ``OneSidedLowLatency._ctl``
 CTL_STATE = 0  # [2] calls made: dispatch, combine
@@ -52,7 +51,6 @@ CTL_WORDS = CTL_INFO + 2 * INFO_RING
 
 ERR_LL_DISPATCH = 21  # a peer's dispatch rows did not arrive in time
 ERR_LL_COMBINE = 22  # a peer's combine rows did not arrive in time
-COMBINE_EMPTY = -1  # (int16) a bf16 element of the combine area that no pending row occupies (a NaN)
 
 _K_ERR_DISPATCH = tl.constexpr(ERR_LL_DISPATCH)
 _K_ERR_COMBINE = tl.constexpr(ERR_LL_COMBINE)
@@ -63,7 +61,6 @@ _K_CTL_ERR = tl.constexpr(CTL_ERR)
 _K_CTL_OVERFLOW = tl.constexpr(CTL_OVERFLOW)
 _K_CTL_BAD = tl.constexpr(CTL_BAD)
 _K_CTL_INFO = tl.constexpr(CTL_INFO)
-_K_EMPTY = tl.constexpr(COMBINE_EMPTY)
 _K_INFO_RING = tl.constexpr(INFO_RING)
 
 
@@ -111,9 +108,7 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, out_x_ptr, out_s_ptr, hmeta_ptr, bases_pt
     ``out_x [E_L, R * T, ...]`` at ``begin[e, s] + i``, the row and scales of each from the source's row of
     that record's token (a row is read once per expert that selected it); column-major scales; ``hmeta`` (int32) gets
     ``recv_count [E_L] | layout_range [E_L, R, 2] | src_info [E_L, R*T] (-1 past the count) | route [E_L, R*T]``
-    (``route = s * T * K + token * K + slot``: where combine returns the row) ``| sent [T*K]`` (written by the
-    send half: 1 + the rank that row ``token * K + slot`` of this rank's tokens went to, 0 if none; the rows
-    the combine waits for)."""
+    (``route = s * T * K + token * K + slot``: where combine returns the row)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     err_ptr = ctl_ptr + _K_CTL_ERR
@@ -122,7 +117,6 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, out_x_ptr, out_s_ptr, hmeta_ptr, bases_pt
     M_LR: tl.constexpr = E_L
     M_SRC: tl.constexpr = E_L + 2 * E_L * R
     M_ROUTE: tl.constexpr = M_SRC + E_L * RT
-    M_SENT: tl.constexpr = M_ROUTE + E_L * RT
     G: tl.constexpr = H // 128
     if DO_SEND:
         call = tl.load(ctl_ptr)
@@ -187,7 +181,6 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, out_x_ptr, out_s_ptr, hmeta_ptr, bases_pt
                 pos += tl.sum(hit.to(tl.int32), axis=1)
                 j0 += JB
             ok = valid & (pos < C)
-            tl.store(hmeta_ptr + M_SENT + flat, tl.where(ok, dest + 1, 0), mask=kmask)  # what combine waits for
             nover = tl.sum((valid & (pos >= C)).to(tl.int32))
             if nbad + nover > 0:
                 tl.atomic_add(ctl_ptr + _K_CTL_BAD, nbad.to(tl.int64))
@@ -327,61 +320,6 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, out_x_ptr, out_s_ptr, hmeta_ptr, bases_pt
             ee += nprog
 
 
-@triton.jit
-def _sum_rows(rows, cols, cm, sent_ptr, idx_ptr, w_ptr, E: tl.constexpr, K: tl.constexpr, H: tl.constexpr,
-              BC: tl.constexpr, CHECK: tl.constexpr):
-    """One token's weighted sum over its ``K`` combine rows (``rows``: bf16 pointer to its first row, rows ``H``
-    apart; ``cols``/``cm``: this item's columns): ``(acc, empty)``, the float32 sums and, per column, how many
-    of its rows still hold ``EMPTY`` there. Rows the dispatch did not send, or whose slot is -1 here, add
-    nothing. The ``K`` loads are independent (all rows in flight at once). ``CHECK``: also leave out any row
-    with an ``EMPTY`` element (one its receiver dropped), at the price of a reduction per row."""
-    acc = tl.zeros([BC], tl.float32)
-    empty = tl.zeros([BC], tl.int32)
-    for k in tl.static_range(K):
-        sent = tl.load(sent_ptr + k)
-        g = tl.load(idx_ptr + k)
-        wk = tl.load(w_ptr + k)
-        m = cm & (sent > 0)
-        y = tl.load(rows + k * H + cols, mask=m, other=0.0, cache_modifier=".cg")
-        hole = (y.to(tl.int16, bitcast=True) == _K_EMPTY) & m
-        empty += hole.to(tl.int32)
-        use = (g >= 0) & (g < E) & (sent > 0)
-        if CHECK:
-            use = use & (tl.sum(hole.to(tl.int32), axis=0) == 0)
-        acc = tl.where(use, acc + wk * y.to(tl.float32), acc)
-    return acc, empty
-
-
-@triton.jit
-def _await_rows(rows, cols, cm, sent_ptr, missing, flags_base, flags_off, want, timeout, err_ptr, rank, slot,
-                R: tl.constexpr, R_P: tl.constexpr, K: tl.constexpr, H: tl.constexpr, BC: tl.constexpr,
-                USE_PTX: tl.constexpr, USE_TIMER: tl.constexpr):
-    """Poll one token's combine rows (as ``_sum_rows`` reads them, with volatile loads) until no element holds
-    ``EMPTY``, or until every rank has released call ``want - 1`` (then everything sent has landed: rows
-    still missing were dropped by their receiver), or a timeout (recorded; ends early once another wait
-    recorded one). ``missing``: the first look's count. Returns the count of ``EMPTY`` elements left.
-    Uniform: the count is a reduction over every thread, the flags ``min_flag``, the clock ``now``."""
-    t0 = now(USE_TIMER)
-    polls = tl.full([], 0, tl.int64)
-    done = tl.full([], 0, tl.int32)
-    late = tl.full([], 0, tl.int32)
-    while (missing != 0) & (done == 0) & (late == 0):
-        if polls % 16 == 15:
-            done = (min_flag(flags_base, flags_off, R, R_P, USE_PTX) >= want).to(tl.int32)
-        empty = tl.zeros([BC], tl.int32)
-        for k in tl.static_range(K):
-            m = cm & (tl.load(sent_ptr + k) > 0)
-            y = tl.load((rows + k * H + cols).to(tl.pointer_type(tl.int16)), mask=m, other=0, volatile=True)
-            empty += ((y == _K_EMPTY) & m).to(tl.int32)
-        missing = tl.sum(empty, axis=0)
-        polls += 1
-        if (missing != 0) & (done == 0) & (polls % 64 == 0):
-            late = expired(t0, polls, timeout, USE_TIMER) | (ld_acquire(err_ptr) != 0).to(tl.int32)
-    if (missing != 0) & (done == 0):
-        record_flag_timeout(flags_base, flags_off, R, want, err_ptr, _K_ERR_COMBINE, rank, slot, R_P, USE_PTX)
-    return missing
-
-
 @triton.jit(do_not_specialize=["n_tokens", "info_slot", "timeout"])
 def ll_combine_kernel(y_ptr, idx_ptr, w_ptr, out_ptr, hmeta_ptr, bases_ptr, ctl_ptr,
                       n_tokens, info_slot, local_base, timeout,
@@ -392,18 +330,11 @@ def ll_combine_kernel(y_ptr, idx_ptr, w_ptr, out_ptr, hmeta_ptr, bases_ptr, ctl_
                       USE_TIMER: tl.constexpr):
     """Low-latency combine, send half and/or receive half.
 
-    The combine area holds ``EMPTY`` (bf16 bits 0xFFFF, a NaN) in every element that no row of a pending call
-    occupies: the receive waits for a row by polling its elements, not for a flag, and writes ``EMPTY`` back
-    once it has read them (a row's element equal to ``EMPTY`` travels as 0xFFFE, another NaN).
-
-    Send: first wait until every rank has released call ``c - 1`` (its send of ``c - 1`` follows its receive
-    of ``c - 2``, the last call that used this parity's storage). Every received row ``(e, i < recv_count[e])``
-    of ``y [E_L, R * T, H]`` bf16 goes to row ``token * K + slot`` of its source's combine area (``route`` in
-    ``hmeta``); then fence, arrive, and the last program releases the epoch to every rank.
-    Receive: for every row the dispatch sent (``sent`` in ``hmeta``), wait until its elements are in (or the
-    sender's flag shows it was dropped at the receiver: it adds nothing), then ``out[t] = bf16(sum over k
-    ascending with a valid id of w[t, k] * float(row))``, from +0.0, each product rounded before the add.
-    ``BC``: columns per work item, at least one per thread (polled elements are never replicated)."""
+    Send: every received row ``(e, i < recv_count[e])`` of ``y [E_L, R * T, H]`` bf16 goes to row
+    ``token * K + slot`` of its source's combine area (``route`` in ``hmeta``); then fence, arrive, and the
+    last program releases the epoch to every rank (every rank waits for every rank, rows or not).
+    Receive: wait, then ``out[t] = bf16(sum over k ascending with a valid id of w[t, k] * float(row))``,
+    from +0.0, each product rounded before the add."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     err_ptr = ctl_ptr + _K_CTL_ERR
@@ -412,14 +343,10 @@ def ll_combine_kernel(y_ptr, idx_ptr, w_ptr, out_ptr, hmeta_ptr, bases_ptr, ctl_
     TK: tl.constexpr = T * K
     HW: tl.constexpr = H // 2
     M_ROUTE: tl.constexpr = E_L + 2 * E_L * R + E_L * RT
-    M_SENT: tl.constexpr = M_ROUTE + E_L * RT
     if DO_SEND:
         call = tl.load(ctl_ptr + 1)
         parity = call & 1
         area = OFF_C + parity * C_BYTES
-        if ld_acquire(err_ptr) == 0:
-            wait_all_ge(local_base, OFF_FLAG + (3 - parity) * (R * 8), R, call, timeout, err_ptr, _K_ERR_COMBINE,
-                        RANK, R_P, USE_PTX, USE_TIMER)
         e1 = tl.arange(0, E_LP)
         rc = tl.load(hmeta_ptr + e1, mask=e1 < E_L, other=0)
         rc = tl.minimum(tl.maximum(rc, 0), RT)
@@ -442,8 +369,6 @@ def ll_combine_kernel(y_ptr, idx_ptr, w_ptr, out_ptr, hmeta_ptr, bases_ptr, ctl_
             dst = tl.multiple_of(dst.to(tl.pointer_type(tl.int32)), 16)
             cm = ok[:, None] & (wc < HW)[None, :]
             v = tl.load(y_ptr.to(tl.pointer_type(tl.int32)) + row[:, None] * HW + wc[None, :], mask=cm)
-            v = tl.where((v & 0xFFFF) == 0xFFFF, v - 1, v)  # a bf16 equal to EMPTY travels as another NaN
-            v = tl.where((v & -65536) == -65536, v - 65536, v)
             tl.store(dst[:, None] + wc[None, :], v, mask=cm)
             q0 += nprog * ROWS
         fence_sys(USE_PTX)
@@ -463,8 +388,10 @@ def ll_combine_kernel(y_ptr, idx_ptr, w_ptr, out_ptr, hmeta_ptr, bases_ptr, ctl_
             rcall = tl.load(ctl_ptr + _K_CTL_INFO + _K_INFO_RING + info_slot)
         rpar = rcall & 1
         rarea = local_base + OFF_C + rpar * C_BYTES
-        rflags_off = OFF_FLAG + (2 + rpar) * (R * 8)
-        want = rcall + 1
+        if ld_acquire(err_ptr) == 0:
+            wait_all_ge(local_base, OFF_FLAG + (2 + rpar) * (R * 8), R, rcall + 1, timeout, err_ptr,
+                        _K_ERR_COMBINE, RANK, R_P, USE_PTX, USE_TIMER)
+        tl.debug_barrier()
         NCH: tl.constexpr = (H + BC - 1) // BC
         cols0 = tl.arange(0, BC)
         it = pid
@@ -472,24 +399,15 @@ def ll_combine_kernel(y_ptr, idx_ptr, w_ptr, out_ptr, hmeta_ptr, bases_ptr, ctl_
             t = it // NCH
             cols = (it - t * NCH) * BC + cols0
             cm = cols < H
-            rows = tl.multiple_of((rarea + (t * K).to(tl.int64) * (H * 2)).to(tl.pointer_type(tl.bfloat16)), 16)
-            sent_t = hmeta_ptr + M_SENT + t * K
-            idx_t = idx_ptr + t * K
-            w_t = w_ptr + t * K
-            acc, empty = _sum_rows(rows, cols, cm, sent_t, idx_t, w_t, E, K, H, BC, False)
-            missing = tl.sum(empty, axis=0)
-            if missing != 0:  # not all in at the first look: wait, then sum again
-                missing = _await_rows(rows, cols, cm, sent_t, missing, local_base, rflags_off, want, timeout, err_ptr,
-                                      RANK, t, R, R_P, K, H, BC, USE_PTX, USE_TIMER)
-                if missing == 0:
-                    acc, empty = _sum_rows(rows, cols, cm, sent_t, idx_t, w_t, E, K, H, BC, False)
-                else:  # rows dropped by their receiver (or a timeout): leave them out
-                    acc, empty = _sum_rows(rows, cols, cm, sent_t, idx_t, w_t, E, K, H, BC, True)
+            acc = tl.zeros([BC], tl.float32)
+            for k in tl.static_range(K):
+                g = tl.load(idx_ptr + t * K + k)
+                valid = (g >= 0) & (g < E)
+                wk = tl.load(w_ptr + t * K + k)
+                src = (rarea + (t * K + k).to(tl.int64) * (H * 2)).to(tl.pointer_type(tl.bfloat16))
+                y = tl.load(tl.multiple_of(src, 16) + cols, mask=cm & valid, other=0.0, cache_modifier=".cg")
+                acc = tl.where(valid, acc + wk * y.to(tl.float32), acc)
             tl.store(out_ptr + t.to(tl.int64) * H + cols, f32_to_bf16_rne(acc), mask=cm)
-            for k in tl.static_range(K):  # free the rows for call rcall + 2
-                m = cm & (tl.load(sent_t + k) > 0)
-                tl.store((rows + k * H + cols).to(tl.pointer_type(tl.int16)), tl.full([BC], _K_EMPTY, tl.int16),
-                         mask=m)
             it += nprog
 
 

@@ -235,54 +235,35 @@ def wait_until(ptr, cmp, value, timeout, err_ptr, err_code, rank, peer, slot, US
 
 
 @triton.jit
-def _flag_lanes(base, flags_off, world, R_POW2: tl.constexpr, USE_PTX: tl.constexpr):
-    """``(lanes, live, ptrs)``: thread ``i`` reads flag ``i % R_POW2`` of the int64 ``[world]`` at ``base +
-    flags_off`` (one element per thread on GPUs: no replicated loads)."""
-    if USE_PTX:
-        lanes = tl.arange(0, _cuda_ext.num_threads()) % R_POW2
-    else:
-        lanes = tl.arange(0, R_POW2)
-    live = lanes < world
-    return lanes, live, (base + flags_off + tl.where(live, lanes, 0) * 8).to(tl.pointer_type(tl.int64))
-
-
-@triton.jit
-def min_flag(base, flags_off, world, R_POW2: tl.constexpr, USE_PTX: tl.constexpr):
-    """The smallest of the int64 flags ``[world]`` at ``base + flags_off``, every flag acquire-loaded once and
-    the minimum taken over all threads (the same value in every thread): one memory round trip."""
-    lanes, live, ptrs = _flag_lanes(base, flags_off, world, R_POW2, USE_PTX)
-    return tl.min(tl.where(live, _ld_acquire_lanes(ptrs, USE_PTX), 1 << 62), axis=0)
-
-
-@triton.jit
-def record_flag_timeout(base, flags_off, world, value, err_ptr, err_code, rank, slot, R_POW2: tl.constexpr,
-                        USE_PTX: tl.constexpr):
-    """Record a timeout waiting for the flags ``[world]`` at ``base + flags_off`` to reach ``value``: ``peer``
-    is the first flag still below it, ``seen`` its value (``record_error``)."""
-    lanes, live, ptrs = _flag_lanes(base, flags_off, world, R_POW2, USE_PTX)
-    v = tl.where(live, _ld_acquire_lanes(ptrs, USE_PTX), 1 << 62)
-    peer = tl.min(tl.where(v < value, lanes, R_POW2), axis=0)
-    record_error(err_ptr, err_code, rank, peer, slot, value, tl.min(tl.where(lanes == peer, v, 1 << 62), axis=0),
-                 _K_CMP_GE)
-
-
-@triton.jit
 def wait_all_ge(base, flags_off, world, value, timeout, err_ptr, err_code, rank, R_POW2: tl.constexpr,
                 USE_PTX: tl.constexpr, USE_TIMER: tl.constexpr):
     """Wait until the int64 flags ``[world]`` at ``base + flags_off`` (this rank's heap) are all ``>= value``,
-    every flag read in each poll (``min_flag``: a reduction across the program's warps decides, so every
-    thread leaves the loop together). Timeout and error record as ``wait_until`` (``peer``: the first flag
-    still below ``value``, ``slot`` -1). Returns 1, or 0 after the timeout."""
-    ok = (min_flag(base, flags_off, world, R_POW2, USE_PTX) >= value).to(tl.int32)
+    every flag read in each poll: each thread acquire-loads flag ``thread % R_POW2`` and the smallest value
+    over all threads (a reduction across the program's warps, so the same in every thread) decides; one
+    memory round trip per poll. Timeout and error record as ``wait_until`` (``peer``: the first flag still
+    below ``value``, ``slot`` -1). Returns 1, or 0 after the timeout."""
+    if USE_PTX:
+        lanes = tl.arange(0, _cuda_ext.num_threads()) % R_POW2  # one element per thread
+    else:
+        lanes = tl.arange(0, R_POW2)
+    live = lanes < world
+    ptrs = (base + flags_off + tl.where(live, lanes, 0) * 8).to(tl.pointer_type(tl.int64))
+    big = tl.full([], 1 << 62, tl.int64)
+    seen = tl.min(tl.where(live, _ld_acquire_lanes(ptrs, USE_PTX), big), axis=0)
+    ok = (seen >= value).to(tl.int32)
     t0 = now(USE_TIMER)
     polls = tl.full([], 0, tl.int64)
     late = tl.full([], 0, tl.int32)
     while (ok == 0) & (late == 0):
-        ok = (min_flag(base, flags_off, world, R_POW2, USE_PTX) >= value).to(tl.int32)
+        seen = tl.min(tl.where(live, _ld_acquire_lanes(ptrs, USE_PTX), big), axis=0)
+        ok = (seen >= value).to(tl.int32)
         polls += 1
         late = expired(t0, polls, timeout, USE_TIMER)
     if ok == 0:
-        record_flag_timeout(base, flags_off, world, value, err_ptr, err_code, rank, -1, R_POW2, USE_PTX)
+        v = tl.where(live, _ld_acquire_lanes(ptrs, USE_PTX), big)
+        peer = tl.min(tl.where(v < value, lanes, R_POW2), axis=0)
+        record_error(err_ptr, err_code, rank, peer, -1, value, tl.min(tl.where(lanes == peer, v, big), axis=0),
+                     _K_CMP_GE)
     return ok
 
 

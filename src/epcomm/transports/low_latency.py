@@ -27,16 +27,9 @@ Protocol (no host synchronisation, fixed shapes, no remote atomics, single-write
     then compacts each source's rows into ``recv_x [E_local, R * T, H]`` (source-major, then token, slot)
     and writes ``recv_count``, ``layout_range``, ``src_info`` (-1 past the count) and a private ``route`` per
     row (source rank, token, slot) that combine uses.
-  * combine call ``c`` uses parity ``c & 1``. Every int32 word of a combine area that holds no pending row
-    is ``EMPTY`` (bf16 bits 0xFFFF; filled when the storage is made): the send half first waits until every rank has
-    released call ``c - 1`` (a rank sends ``c - 1`` only after it received ``c - 2``, the last call to use
-    this parity), stores each received row into row ``token * K + slot`` of its source's combine area (an
-    element equal to ``EMPTY``, a NaN, travels as another NaN), then fences and releases epoch
-    ``c + 1`` to every rank. The receive half waits for the rows themselves, not for the flags: for every
-    row its dispatch sent (recorded in the handle) it polls the row's elements until none is ``EMPTY``, reduces
-    ``sum_k w * float(y)`` in slot order into bf16 and writes ``EMPTY`` back. A row the receiver dropped
-    (repeated expert ids) never comes: once its sender's flag shows the call released, it adds nothing. So
-    a token is reduced as soon as its rows are in, while the senders' fences and flags are still under way.
+  * combine call ``c`` uses parity ``c & 1``: the send half stores each received row into row
+    ``token * K + slot`` of its source's combine area and releases epoch ``c + 1`` to every rank; the receive
+    half waits for all ``R`` flags and reduces ``sum_k w * float(y)`` in slot order into bf16.
   * A plain call is one fused kernel on GPUs (the send half, then the receive half in the same programs;
     grid = SMs, so every program is resident) or two launches (``fused=False``; the interpreter). With
     ``return_recv_hook=True`` the call launches the send half and returns; ``hook()`` launches the receive
@@ -146,10 +139,6 @@ class OneSidedLowLatency:
         flags = heap.empty((2, 2, self.num_ranks), torch.int64)
         area = heap.empty((max(nbytes, 1),), torch.uint8)
         flags.zero_()
-        # a combine first waits for every rank's release of the previous combine: the calls made so far count
-        # as released here (they are, and they used the previous storage; the device counter is graph-safe)
-        flags[1].copy_(self._ctl[1].expand_as(flags[1]))
-        area.fill_(self._K.COMBINE_EMPTY & 0xFF)  # combine rows are polled for: every word starts out empty
         if self._on_gpu:
             torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)  # every flag is zero before any peer may release into it
@@ -284,11 +273,11 @@ class OneSidedLowLatency:
             FB=1024)
         combine_consts = dict(common, HWP=hwp, OFF_C=self._off_area + 2 * d_bytes, C_BYTES=c_bytes,
                               ROWS=max(1, min(rows, 8192 // hwp)),
-                              BC=max(32 * common["num_warps"], min(1024 if rows == 1 else 2048, next_pow2(hidden))))
+                              BC=min(1024 if rows == 1 else 2048, next_pow2(hidden)))
         return _Geometry(e_local=e_local,
                          scale_dtype=(torch.int32 if use_ue8m0 else torch.float32) if use_fp8 else None,
                          scale_words=scale_words, payload_dtype=FP8_DTYPE if use_fp8 else x_dtype,
-                         hmeta_words=e_local * (1 + 2 * r + 2 * r * t_max) + t_max * topk,
+                         hmeta_words=e_local * (1 + 2 * r + 2 * r * t_max),
                          dispatch=self._K.dispatch_launcher(dispatch_consts),
                          combine=self._K.combine_launcher(combine_consts))
 
