@@ -51,7 +51,7 @@ CASES = [
     # the first case again with new data: same parity area reused two calls later
     LowLatencyCase(num_tokens=(5, 0, 7), max_tokens=8, hidden=256, num_experts=6, topk=3, use_out=True, seed=55),
     LowLatencyCase(num_tokens=(0, 0, 0), max_tokens=4, hidden=128, num_experts=6, topk=2, seed=56),
-    # more tokens than the combine returns as lines: the first 8 as lines, the rest as rows and a flag
+    # more than 8 tokens per rank: hooks, -1 slots, an empty rank; then every rank with tokens
     LowLatencyCase(num_tokens=(11, 0, 9), max_tokens=12, hidden=256, num_experts=6, topk=3, routing="dropped",
                    hook=True, seed=57),
     LowLatencyCase(num_tokens=(12, 10, 3), max_tokens=12, hidden=128, num_experts=6, topk=2, seed=58),
@@ -327,7 +327,6 @@ def _sample_args():
                 G4P=16, C=lay["cap"], OFF_D=9472, D_BYTES=lay["dispatch_bytes"], OFF_PAY=lay["pay"], OFF_SCL=lay["scl"],
                 OFF_META=lay["meta"], OFF_CNT=lay["cnt"], JB=1024, EB=8, ROWS=4, FB=1024)
     comb = dict(common, HWP=4096, OFF_C=9472 + 2 * lay["dispatch_bytes"], C_BYTES=lay["combine_bytes"], ROWS=2,
-                OFF_LINES=lay["lines"], TL=lay["line_tokens"],
                 BC=2048)
     x = torch.empty(t, h, dtype=torch.bfloat16)
     idx = torch.empty(t, k, dtype=torch.int64)

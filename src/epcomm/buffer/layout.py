@@ -43,9 +43,6 @@ def low_latency_pair_capacity(num_max_dispatch_tokens_per_rank: int, num_topk: i
 LOW_LATENCY_ALIGN = 256
 
 
-LOW_LATENCY_LINE_TOKENS = 8  # a low-latency combine returns the rows of each rank's first 8 tokens as lines
-
-
 def low_latency_area(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_local_experts: int,
                      num_topk: int, payload_row_bytes: int, scale_words: int) -> dict:
     """Byte layout of the one-sided low-latency storage of one rank for one call geometry (the same on every
@@ -54,9 +51,7 @@ def low_latency_area(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ran
     * dispatch area: ``pay [R, T, payload_row_bytes]`` | ``scl [R, T, scale_words]`` int32 (a token's row
       arrives once per rank, whatever the number of its experts there) | ``meta [R, C]`` int32 records,
       one per (token, expert), ``C = T * min(K, E_local)`` per source rank | ``cnt [R, E_local]`` int32;
-    * combine area: ``rows [T * K, hidden]`` bf16, one row per (token, slot) of this rank | ``lines
-      [LOW_LATENCY_LINE_TOKENS * K, hidden / 2]`` int64: the rows of this rank's first tokens again, as
-      8-byte lines ``epoch << 32 | two bf16`` (what a small combine sends instead of rows and a flag).
+    * combine area: ``rows [T * K, hidden]`` bf16, one row per (token, slot) of this rank.
 
     Returns the offsets (relative to the start of the area) and ``total`` bytes; each part is 256-aligned."""
     t, r, k = num_max_dispatch_tokens_per_rank, num_ranks, num_topk
@@ -68,17 +63,14 @@ def low_latency_area(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ran
         out[name] = off
         off = align_up(off + nbytes, LOW_LATENCY_ALIGN)
     out["dispatch_bytes"] = off
-    out["lines"] = align_up(t * k * hidden * 2, LOW_LATENCY_ALIGN)
-    out["line_tokens"] = min(t, LOW_LATENCY_LINE_TOKENS)
-    out["combine_bytes"] = out["lines"] + align_up(out["line_tokens"] * k * hidden * 4, LOW_LATENCY_ALIGN)
+    out["combine_bytes"] = align_up(t * k * hidden * 2, LOW_LATENCY_ALIGN)
     out["total"] = 2 * (out["dispatch_bytes"] + out["combine_bytes"])
     return out
 
 
 def low_latency_flag_bytes(num_ranks: int) -> int:
-    """Bytes of the low-latency flags (int64 ``[3, 2, R]``: arrival flags of the two kinds and parities, then
-    the combine's start words), 256-aligned."""
-    return align_up(3 * 2 * num_ranks * 8, LOW_LATENCY_ALIGN)
+    """Bytes of the low-latency arrival flags (int64 ``[2 kinds, 2 parities, R]``), 256-aligned."""
+    return align_up(2 * 2 * num_ranks * 8, LOW_LATENCY_ALIGN)
 
 
 def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,

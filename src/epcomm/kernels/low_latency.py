@@ -37,8 +37,7 @@ import triton.language as tl
 from ..fp8 import FP8_AMAX_FLOOR, FP8_MAX_INV
 from .numerics import f32_to_bf16_rne, pick
 from .launch import Launcher
-from .shmem import arrive_last, expired, fence_sys, ld_acquire, now, record_error, st_release, wait_all_ge
-from .shmem_codes import CMP_GE
+from .shmem import arrive_last, fence_sys, ld_acquire, st_release, wait_all_ge
 
 # control words (int64) of ``OneSidedLowLatency._ctl``
 CTL_STATE = 0  # [2] calls made: dispatch, combine
@@ -62,7 +61,6 @@ _K_CTL_ERR = tl.constexpr(CTL_ERR)
 _K_CTL_OVERFLOW = tl.constexpr(CTL_OVERFLOW)
 _K_CTL_BAD = tl.constexpr(CTL_BAD)
 _K_CTL_INFO = tl.constexpr(CTL_INFO)
-_K_CMP_GE = tl.constexpr(CMP_GE)
 _K_INFO_RING = tl.constexpr(INFO_RING)
 
 
@@ -322,41 +320,21 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, out_x_ptr, out_s_ptr, hmeta_ptr, bases_pt
             ee += nprog
 
 
-@triton.jit
-def _line_rows(lines, cw, cm, idx_ptr, want, E: tl.constexpr, K: tl.constexpr, LW: tl.constexpr, W: tl.constexpr):
-    """How many lines of one token's rows (``lines``: int64 pointer to its first row's lines, rows ``LW`` apart;
-    ``cw``/``cm``: this item's words) do not carry the epoch ``want`` yet, over the slots with a valid id: all
-    ``K`` volatile loads in flight at once, one reduction (the same count in every thread)."""
-    stale = tl.zeros([W], tl.int32)
-    for k in tl.static_range(K):
-        g = tl.load(idx_ptr + k)
-        m = cm & (g >= 0) & (g < E)
-        line = tl.load(lines + k * LW + cw, mask=m, other=0, volatile=True)
-        stale += ((line >> 32) != want).to(tl.int32) * m.to(tl.int32)
-    return tl.sum(stale, axis=0)
-
-
 @triton.jit(do_not_specialize=["n_tokens", "info_slot", "timeout"])
 def ll_combine_kernel(y_ptr, idx_ptr, w_ptr, out_ptr, hmeta_ptr, bases_ptr, ctl_ptr,
                       n_tokens, info_slot, local_base, timeout,
                       RANK: tl.constexpr, R: tl.constexpr, R_P: tl.constexpr, T: tl.constexpr, K: tl.constexpr,
                       E_L: tl.constexpr, E_LP: tl.constexpr, H: tl.constexpr, HWP: tl.constexpr,
-                      OFF_FLAG: tl.constexpr, OFF_C: tl.constexpr, C_BYTES: tl.constexpr, OFF_LINES: tl.constexpr,
-                      TL: tl.constexpr, ROWS: tl.constexpr, BC: tl.constexpr, DO_SEND: tl.constexpr,
-                      DO_RECV: tl.constexpr, USE_PTX: tl.constexpr, USE_TIMER: tl.constexpr):
+                      OFF_FLAG: tl.constexpr, OFF_C: tl.constexpr, C_BYTES: tl.constexpr, ROWS: tl.constexpr,
+                      BC: tl.constexpr, DO_SEND: tl.constexpr, DO_RECV: tl.constexpr, USE_PTX: tl.constexpr,
+                      USE_TIMER: tl.constexpr):
     """Low-latency combine, send half and/or receive half.
 
-    Send: first announce the call (its epoch ``c + 1`` into this rank's start word at every rank) and wait
-    until every rank has started call ``c - 1``: its stream has then left call ``c - 2``, the last call that
-    used this parity's storage. Every received row ``(e, i < recv_count[e])`` of ``y [E_L, R * T, H]`` bf16
-    goes back to its source (``route`` in ``hmeta``): rows of the source's tokens ``t < TL`` as 8-byte lines
-    ``epoch << 32 | two bf16`` into ``lines [TL * K, H / 2]``, the others as rows into ``rows [T * K, H]``
-    (row ``token * K + slot``); then programs that sent rows fence, every program arrives, and the last one
-    releases the epoch to every rank (lines need no fence: each carries its epoch).
-    Receive: ``out[t] = bf16(sum over k ascending with a valid id of w[t, k] * float(row))``, from +0.0, each
-    product rounded before the add; tokens ``t < TL`` as soon as all their lines carry the epoch, the others
-    after every rank's flag (waited for once, by the programs that reach such a token). ``BC``: columns per
-    work item (``BC / 2`` words: at least one per thread, so that polled lines are never replicated)."""
+    Send: every received row ``(e, i < recv_count[e])`` of ``y [E_L, R * T, H]`` bf16 goes to row
+    ``token * K + slot`` of its source's combine area (``route`` in ``hmeta``); then fence, arrive, and the
+    last program releases the epoch to every rank (every rank waits for every rank, rows or not).
+    Receive: wait, then ``out[t] = bf16(sum over k ascending with a valid id of w[t, k] * float(row))``,
+    from +0.0, each product rounded before the add."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     err_ptr = ctl_ptr + _K_CTL_ERR
@@ -365,20 +343,10 @@ def ll_combine_kernel(y_ptr, idx_ptr, w_ptr, out_ptr, hmeta_ptr, bases_ptr, ctl_
     TK: tl.constexpr = T * K
     HW: tl.constexpr = H // 2
     M_ROUTE: tl.constexpr = E_L + 2 * E_L * R + E_L * RT
-    OFF_START: tl.constexpr = OFF_FLAG + 4 * R * 8
     if DO_SEND:
         call = tl.load(ctl_ptr + 1)
         parity = call & 1
         area = OFF_C + parity * C_BYTES
-        tag = (call + 1) << 32
-        peers = tl.arange(0, R_P)
-        safe = tl.where(peers < R, peers, RANK)  # spare lanes repeat this rank's own word
-        if pid == 0:
-            sa = tl.load(bases_ptr + safe) + OFF_START + RANK * 8
-            st_release(sa.to(tl.pointer_type(tl.int64)), tl.zeros([R_P], tl.int64) + call + 1, USE_PTX)
-        if ld_acquire(err_ptr) == 0:
-            wait_all_ge(local_base, OFF_START, R, call, timeout, err_ptr, _K_ERR_COMBINE, RANK, R_P, USE_PTX,
-                        USE_TIMER)
         e1 = tl.arange(0, E_LP)
         rc = tl.load(hmeta_ptr + e1, mask=e1 < E_L, other=0)
         rc = tl.minimum(tl.maximum(rc, 0), RT)
@@ -386,8 +354,6 @@ def ll_combine_kernel(y_ptr, idx_ptr, w_ptr, out_ptr, hmeta_ptr, bases_ptr, ctl_
         total = tl.sum(rc)
         rr = tl.arange(0, ROWS)
         wc = tl.arange(0, HWP)
-        wm = wc < HW
-        plain = tl.full([], 0, tl.int32)
         q0 = pid * ROWS
         while q0 < total:
             q = q0 + rr
@@ -399,27 +365,20 @@ def ll_combine_kernel(y_ptr, idx_ptr, w_ptr, out_ptr, hmeta_ptr, bases_ptr, ctl_
             s = route // TK
             ok = qm & (s >= 0) & (s < R)
             m = (route - s * TK).to(tl.int64)
-            as_line = ok & (m < TL * K)
-            as_row = ok & (m >= TL * K)
-            base = tl.load(bases_ptr + tl.where(ok, s, 0)) + area
-            v = tl.load(y_ptr.to(tl.pointer_type(tl.int32)) + row[:, None] * HW + wc[None, :],
-                        mask=ok[:, None] & wm[None, :])
-            n_rows = tl.sum(as_row.to(tl.int32))
-            if n_rows > 0:
-                dst = tl.multiple_of((base + m * (H * 2)).to(tl.pointer_type(tl.int32)), 16)
-                tl.store(dst[:, None] + wc[None, :], v, mask=as_row[:, None] & wm[None, :])
-                plain += n_rows
-            if n_rows < tl.sum(ok.to(tl.int32)):
-                dl = tl.multiple_of((base + OFF_LINES + m * (H * 4)).to(tl.pointer_type(tl.int64)), 16)
-                tl.store(dl[:, None] + wc[None, :], tag | (v.to(tl.int64) & 0xFFFFFFFF),
-                         mask=as_line[:, None] & wm[None, :])
+            dst = tl.load(bases_ptr + tl.where(ok, s, 0)) + area + m * (H * 2)
+            dst = tl.multiple_of(dst.to(tl.pointer_type(tl.int32)), 16)
+            cm = ok[:, None] & (wc < HW)[None, :]
+            v = tl.load(y_ptr.to(tl.pointer_type(tl.int32)) + row[:, None] * HW + wc[None, :], mask=cm)
+            tl.store(dst[:, None] + wc[None, :], v, mask=cm)
             q0 += nprog * ROWS
-        if plain > 0:  # rows, then the flag (lines carry their own epoch: no fence for them)
-            fence_sys(USE_PTX)
+        fence_sys(USE_PTX)
         tl.debug_barrier()
         if arrive_last(ctl_ptr + _K_CTL_COUNTER + 1, nprog) != 0:
+            fence_sys(USE_PTX)
             tl.store(ctl_ptr + 1, call + 1)
             tl.store(ctl_ptr + _K_CTL_INFO + _K_INFO_RING + info_slot, call)
+            peers = tl.arange(0, R_P)
+            safe = tl.where(peers < R, peers, RANK)
             fa = tl.load(bases_ptr + safe) + OFF_FLAG + ((2 + parity) * R + RANK) * 8
             st_release(fa.to(tl.pointer_type(tl.int64)), tl.zeros([R_P], tl.int64) + call + 1, USE_PTX)
     if DO_RECV:
@@ -429,82 +388,27 @@ def ll_combine_kernel(y_ptr, idx_ptr, w_ptr, out_ptr, hmeta_ptr, bases_ptr, ctl_
             rcall = tl.load(ctl_ptr + _K_CTL_INFO + _K_INFO_RING + info_slot)
         rpar = rcall & 1
         rarea = local_base + OFF_C + rpar * C_BYTES
-        want = ((rcall + 1) << 32) >> 32  # the epoch as a line carries it: its low 32 bits, sign-extended
-        W: tl.constexpr = BC // 2
+        if ld_acquire(err_ptr) == 0:
+            wait_all_ge(local_base, OFF_FLAG + (2 + rpar) * (R * 8), R, rcall + 1, timeout, err_ptr,
+                        _K_ERR_COMBINE, RANK, R_P, USE_PTX, USE_TIMER)
+        tl.debug_barrier()
         NCH: tl.constexpr = (H + BC - 1) // BC
         cols0 = tl.arange(0, BC)
-        cw0 = tl.arange(0, W)
-        waited = tl.full([], 0, tl.int32)
         it = pid
         while it < n_tokens * NCH:
             t = it // NCH
-            ch = it - t * NCH
-            if t < TL:
-                cw = ch * W + cw0
-                lm = cw < HW
-                lines = tl.multiple_of((rarea + OFF_LINES + (t * K).to(tl.int64) * (H * 4)).to(
-                    tl.pointer_type(tl.int64)), 16)
-                stale = _line_rows(lines, cw, lm, idx_ptr + t * K, want, E, K, HW, W)
-                if stale != 0:
-                    t0 = now(USE_TIMER)
-                    polls = tl.full([], 0, tl.int64)
-                    late = tl.full([], 0, tl.int32)
-                    while (stale != 0) & (late == 0):
-                        stale = _line_rows(lines, cw, lm, idx_ptr + t * K, want, E, K, HW, W)
-                        polls += 1
-                        if polls % 64 == 0:
-                            late = expired(t0, polls, timeout, USE_TIMER) | (ld_acquire(err_ptr) != 0).to(tl.int32)
-                    if stale != 0:
-                        record_error(err_ptr, _K_ERR_COMBINE, RANK, _stale_peer(lines, cw, lm, idx_ptr + t * K, want,
-                                                                                 E, E_L, K, HW, W),
-                                     t, rcall + 1, -1, _K_CMP_GE)
-                acc_lo = tl.zeros([W], tl.float32)  # even columns (the low half of each word)
-                acc_hi = tl.zeros([W], tl.float32)
-                for k in tl.static_range(K):
-                    g = tl.load(idx_ptr + t * K + k)
-                    valid = (g >= 0) & (g < E)
-                    wk = tl.load(w_ptr + t * K + k)
-                    word = tl.load(lines + k * HW + cw, mask=lm & valid, other=0, volatile=True).to(tl.int32)
-                    acc_lo = tl.where(valid, acc_lo + wk * (word << 16).to(tl.float32, bitcast=True), acc_lo)
-                    acc_hi = tl.where(valid, acc_hi + wk * (word & -65536).to(tl.float32, bitcast=True), acc_hi)
-                lo16 = f32_to_bf16_rne(acc_lo).to(tl.uint16, bitcast=True).to(tl.int32)
-                hi16 = f32_to_bf16_rne(acc_hi).to(tl.uint16, bitcast=True).to(tl.int32)
-                tl.store(out_ptr.to(tl.pointer_type(tl.int32)) + t.to(tl.int64) * HW + cw, lo16 | (hi16 << 16),
-                         mask=lm)
-            else:
-                if waited == 0:
-                    if ld_acquire(err_ptr) == 0:
-                        wait_all_ge(local_base, OFF_FLAG + (2 + rpar) * (R * 8), R, rcall + 1, timeout, err_ptr,
-                                    _K_ERR_COMBINE, RANK, R_P, USE_PTX, USE_TIMER)
-                    tl.debug_barrier()
-                    waited = 1
-                cols = ch * BC + cols0
-                cm = cols < H
-                acc = tl.zeros([BC], tl.float32)
-                for k in tl.static_range(K):
-                    g = tl.load(idx_ptr + t * K + k)
-                    valid = (g >= 0) & (g < E)
-                    wk = tl.load(w_ptr + t * K + k)
-                    src = (rarea + (t * K + k).to(tl.int64) * (H * 2)).to(tl.pointer_type(tl.bfloat16))
-                    y = tl.load(tl.multiple_of(src, 16) + cols, mask=cm & valid, other=0.0, cache_modifier=".cg")
-                    acc = tl.where(valid, acc + wk * y.to(tl.float32), acc)
-                tl.store(out_ptr + t.to(tl.int64) * H + cols, f32_to_bf16_rne(acc), mask=cm)
+            cols = (it - t * NCH) * BC + cols0
+            cm = cols < H
+            acc = tl.zeros([BC], tl.float32)
+            for k in tl.static_range(K):
+                g = tl.load(idx_ptr + t * K + k)
+                valid = (g >= 0) & (g < E)
+                wk = tl.load(w_ptr + t * K + k)
+                src = (rarea + (t * K + k).to(tl.int64) * (H * 2)).to(tl.pointer_type(tl.bfloat16))
+                y = tl.load(tl.multiple_of(src, 16) + cols, mask=cm & valid, other=0.0, cache_modifier=".cg")
+                acc = tl.where(valid, acc + wk * y.to(tl.float32), acc)
+            tl.store(out_ptr + t.to(tl.int64) * H + cols, f32_to_bf16_rne(acc), mask=cm)
             it += nprog
-
-
-@triton.jit
-def _stale_peer(lines, cw, cm, idx_ptr, want, E: tl.constexpr, E_L: tl.constexpr, K: tl.constexpr,
-                LW: tl.constexpr, W: tl.constexpr):
-    """The rank that owes the first slot (ascending) whose lines do not all carry ``want`` (for the error
-    record), or -1."""
-    peer = tl.full([], -1, tl.int32)
-    for k in tl.static_range(K):
-        g = tl.load(idx_ptr + k).to(tl.int32)
-        m = cm & (g >= 0) & (g < E)
-        line = tl.load(lines + k * LW + cw, mask=m, other=0, volatile=True)
-        bad = tl.sum(((line >> 32) != want).to(tl.int32) * m.to(tl.int32), axis=0)
-        peer = tl.where((peer < 0) & (bad > 0), g // E_L, peer)
-    return peer
 
 
 # ---------------------------------------------------------------------------------------------------------

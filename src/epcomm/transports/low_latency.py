@@ -136,12 +136,9 @@ class OneSidedLowLatency:
 
     # ------------------------------------------------------------------ storage
     def _attach(self, heap, nbytes: int) -> None:
-        flags = heap.empty((3, 2, self.num_ranks), torch.int64)
+        flags = heap.empty((2, 2, self.num_ranks), torch.int64)
         area = heap.empty((max(nbytes, 1),), torch.uint8)
         flags.zero_()
-        # start words: a combine first waits until every rank has started the previous one; the calls made so
-        # far (on other storage, all finished) count as started (the device counter: graph replays count too)
-        flags[2].copy_(self._ctl[1].expand_as(flags[2]))
         if self._on_gpu:
             torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)  # every flag is zero before any peer may release into it
@@ -275,8 +272,8 @@ class OneSidedLowLatency:
             OFF_CNT=lay["cnt"], JB=jb, EB=max(8, min(64, 8192 // jb)), ROWS=max(1, min(rows, 8192 // xwp)),
             FB=1024)
         combine_consts = dict(common, HWP=hwp, OFF_C=self._off_area + 2 * d_bytes, C_BYTES=c_bytes,
-                              OFF_LINES=lay["lines"], TL=lay["line_tokens"], ROWS=max(1, min(rows, 8192 // hwp)),
-                              BC=max(64 * common["num_warps"], min(1024 if rows == 1 else 2048, next_pow2(hidden))))
+                              ROWS=max(1, min(rows, 8192 // hwp)),
+                              BC=min(1024 if rows == 1 else 2048, next_pow2(hidden)))
         return _Geometry(e_local=e_local,
                          scale_dtype=(torch.int32 if use_ue8m0 else torch.float32) if use_fp8 else None,
                          scale_words=scale_words, payload_dtype=FP8_DTYPE if use_fp8 else x_dtype,
@@ -387,16 +384,14 @@ class OneSidedLowLatency:
         if not any(words):
             return []
         self._ctl[K.CTL_ERR:K.CTL_BAD + 1].zero_()
-        code, rank, peer, slot, expected, seen = words[:6]
+        code, rank, peer, _slot, expected, seen = words[:6]
         errors = []
         if code:
             what = {K.ERR_LL_DISPATCH: "dispatch rows", K.ERR_LL_COMBINE: "combine rows"}.get(code, f"code {code}")
-            state = (f"the rows of token {slot} had not arrived" if slot >= 0 else
-                     f"its flag holds epoch {seen}, expected >= {expected}")
             errors.append(f"rank {rank}: low-latency receive timed out after {env.timeout_s():g} s waiting for rank "
-                          f"{peer}'s {what} of call {expected - 1} ({state}); rank {peer} is stuck, died or did not "
-                          f"make the same low_latency_* call. The Buffer's low-latency state is out of step: "
-                          f"destroy it")
+                          f"{peer}'s {what} of call {expected - 1} (its flag holds epoch {seen}, expected >= "
+                          f"{expected}); rank {peer} is stuck, died or did not make the same low_latency_* call. "
+                          f"The Buffer's low-latency state is out of step: destroy it")
         overflow, bad = words[K.CTL_OVERFLOW - K.CTL_ERR], words[K.CTL_BAD - K.CTL_ERR]
         if bad:
             errors.append(f"rank {self.rank}: {bad} low-latency top-k entries were outside [-1, num_experts) and were "
