@@ -23,3 +23,31 @@ def test_time_op_and_time_host_report_the_slowest_rank():
             assert t.iters == 5 and t.min_us <= t.median_us <= t.max_us
             assert 2000 <= t.median_us < 50000, t  # rank 1's 2 ms, on every rank
     assert results[0] == results[1]  # every rank computes the same statistics
+
+
+def test_kernel_durations_pick_one_kernel_in_start_order():
+    """time_kernels' reading of profiler events: the named kernel's durations in start order, from kernel events
+    of the CUDA device type and from the kernels that CPU events list."""
+    from types import SimpleNamespace as NS
+
+    import pytest
+    import torch
+
+    from epcomm.bench.timing import kernel_durations, time_kernels
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def span(start, us):
+        return NS(start=start, elapsed_us=lambda: us)
+
+    events = [NS(device_type=cuda, name="ll_combine_kernel", time_range=span(30, 9.0)),
+              NS(device_type=cuda, name="ll_dispatch_kernel", time_range=span(20, 7.5)),
+              NS(device_type=cuda, name="other", time_range=span(5, 1.0)),
+              NS(device_type=cpu, name="launch", time_range=NS(start=10), kernels=[NS(name="ll_dispatch_kernel",
+                                                                                         duration=6.0)]),
+              NS(device_type=cpu, name="op", time_range=NS(start=1), kernels=[])]
+    assert kernel_durations(events, "ll_dispatch_kernel") == [6.0, 7.5]
+    assert kernel_durations(events, "ll_combine_kernel") == [9.0]
+    assert kernel_durations(events, "missing") == []
+    with pytest.raises(ValueError, match="^time_kernels: needs a CUDA device"):
+        time_kernels(lambda: None, "k", None, torch.device("cpu"))

@@ -2,7 +2,8 @@
 
 For each token count (default 1, 8, 32, 128, 256 per rank) at hidden 7168, top-8, 288 experts, FP8
 dispatch and BF16 combine, for every requested transport: plain calls, the hook halves (send returns,
-``hook()`` receives), a CUDA-graph replay of dispatch + combine, and graph replays of each alone (GPUs).
+``hook()`` receives), a stream of calls timed by events and (one-sided transports) by the duration of each
+call's kernel, a CUDA-graph replay of dispatch + combine, and graph replays of each alone (GPUs).
 Per-call time is the median of the per-iteration max across ranks. GB/s counts per selected (token,
 expert): dispatch H + 4H/128 + 16 bytes, combine 2H."""
 
@@ -14,7 +15,7 @@ import torch
 
 from ..testing import run
 from .report import bench_parser, finish
-from .timing import time_graph, time_op, time_stream
+from .timing import time_graph, time_kernels, time_op, time_stream
 from .traffic import low_latency_bytes, low_latency_pairs
 
 
@@ -82,6 +83,13 @@ def bench_worker(ctx, opts: LowLatencyBenchOptions) -> list:
 
                 measured.append(("dispatch (stream)", st(dispatch), pairs * disp_b))
                 measured.append(("combine (stream)", st(combine), pairs * comb_b))
+                if buf.runtime.capabilities().one_sided:  # one kernel per call: its duration, as DeepEP reports
+                    measured.append(("dispatch (kernel)", time_kernels(dispatch, "ll_dispatch_kernel", ctx.group,
+                                                                       ctx.device, iters=opts.iters, flush_l2=False),
+                                     pairs * disp_b))
+                    measured.append(("combine (kernel)", time_kernels(combine, "ll_combine_kernel", ctx.group,
+                                                                      ctx.device, iters=opts.iters, flush_l2=False),
+                                     pairs * comb_b))
                 d_send, d_recv = st((send_dispatch, recv))
                 c_send, c_recv = st((send_combine, recv))
                 measured += [("dispatch send (hook, stream)", d_send, None),
@@ -148,5 +156,7 @@ def main(argv: list[str] | None = None) -> int:
              "the device is busy, as DeepEP's benchmark does (device time per call, waits for peers included; see "
              "epcomm.bench.timing). Hook rows time the send call and the hook() call separately. '(graph)' replays a "
              "captured dispatch + combine as an isolated call; '(graph, stream)' rows replay a captured dispatch, "
-             "or a captured combine, in a stream of replays.")
+             "or a captured combine, in a stream of replays. '(kernel)' rows: the '(stream)' calls timed by the "
+             "duration of each call's one GPU kernel, read from the profiler as DeepEP's benchmarks do (waits for "
+             "peers inside the kernel included; launch gaps, events and host work not).")
     return finish(rows, name, args.out, "bench low-latency", notes, _plot, ["impl", "tokens", "op", "time_us", "GB/s", "note"])

@@ -16,11 +16,14 @@ iterations:
   launches, not the host work. It needs calls without host synchronisation (cached handles,
   ``num_worst_tokens``, low-latency calls).
 
+``time_kernels`` times the same stream by the duration of each call's GPU kernel, read from the profiler (what
+DeepEP's benchmarks report): the waits for peers inside the kernel count, the gaps between launches do not.
 ``time_host`` measures the other side: how long the host takes to issue one call.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass
@@ -118,19 +121,13 @@ def _head_start(device: torch.device, host_us: float, iters: int):
     return a, c
 
 
-def time_stream(fn: Union[Callable[[], object], Sequence[Callable[[], object]]], group, device: torch.device,
-                iters: int = 20, warmup: int = 3, flush_l2: bool = True):
-    """Time ``fn()`` as one call of a steady stream (see the module docstring); CUDA only, and ``fn`` must
-    not synchronise with the host. ``fn`` may be a sequence of phases (a hook's send and receive): each
-    iteration runs them in turn, each bracketed by its own events, and a tuple of Timings is returned."""
+def _in_stream(one: Callable[[], None], group, device: torch.device, iters: int, warmup: int, flush_l2: bool,
+               each: Callable[[int], None], around=None, caller: str = "time_stream") -> None:
+    """Warm ``one`` up, give the host a head start, line the ranks up, then run ``each(i)`` (which calls ``one``)
+    for ``i < iters`` back to back, flushing L2 before each when asked; ``around``: a context manager entered
+    for those iterations (until the device has finished them)."""
     if device.type != "cuda":
-        raise ValueError("time_stream: needs a CUDA device (use time_op on CPUs)")
-    phases = tuple(fn) if isinstance(fn, (tuple, list)) else (fn,)
-
-    def one():
-        for f in phases:
-            f()
-
+        raise ValueError(f"{caller}: needs a CUDA device (use time_op on CPUs)")
     for _ in range(warmup):
         one()
     torch.cuda.synchronize(device)
@@ -140,22 +137,74 @@ def time_stream(fn: Union[Callable[[], object], Sequence[Callable[[], object]]],
     host_us = (time.perf_counter() - t0) * 1e6 / max(warmup, 1)
     torch.cuda.synchronize(device)
     scratch = torch.empty(256 << 20, dtype=torch.uint8, device=device) if flush_l2 else None
-    events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in phases]
-              for _ in range(iters)]
     head = _head_start(device, host_us + (60.0 if flush_l2 else 0.0), iters)
     _barrier(group, device)
-    for per_phase in events:
-        if scratch is not None:
-            scratch.zero_()
-        for f, (start, end) in zip(phases, per_phase):
+    with around if around is not None else contextlib.nullcontext():
+        for i in range(iters):
+            if scratch is not None:
+                scratch.zero_()
+            each(i)
+        torch.cuda.synchronize(device)
+    del head
+
+
+def time_stream(fn: Union[Callable[[], object], Sequence[Callable[[], object]]], group, device: torch.device,
+                iters: int = 20, warmup: int = 3, flush_l2: bool = True):
+    """Time ``fn()`` as one call of a steady stream (see the module docstring); CUDA only, and ``fn`` must
+    not synchronise with the host. ``fn`` may be a sequence of phases (a hook's send and receive): each
+    iteration runs them in turn, each bracketed by its own events, and a tuple of Timings is returned."""
+    phases = tuple(fn) if isinstance(fn, (tuple, list)) else (fn,)
+
+    def one():
+        for f in phases:
+            f()
+
+    events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in phases]
+              for _ in range(iters)] if device.type == "cuda" else []
+
+    def each(i):
+        for f, (start, end) in zip(phases, events[i]):
             start.record()
             f()
             end.record()
-    torch.cuda.synchronize(device)
-    del head
+
+    _in_stream(one, group, device, iters, warmup, flush_l2, each)
     timings = tuple(_gather([it[i][0].elapsed_time(it[i][1]) * 1e3 for it in events], group, device)
                     for i in range(len(phases)))
     return timings if isinstance(fn, (tuple, list)) else timings[0]
+
+
+def kernel_durations(events, name: str) -> list:
+    """Durations in microseconds, in start order, of the GPU kernels called ``name`` among ``torch.profiler``
+    events (kernel events of the CUDA device type, or the ``kernels`` that CPU events list)."""
+    found = []
+    for e in events:
+        if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA:
+            if e.name == name:
+                found.append((e.time_range.start, e.time_range.elapsed_us()))
+        else:
+            found.extend((getattr(e.time_range, "start", 0), k.duration) for k in getattr(e, "kernels", ()) or ()
+                         if k.name == name)
+    return [d for _, d in sorted(found, key=lambda sd: sd[0])]
+
+
+def time_kernels(fn: Callable[[], object], kernel: str, group, device: torch.device, iters: int = 20,
+                 warmup: int = 3, flush_l2: bool = True) -> Timing:
+    """Kernel time of one call, the measure DeepEP's benchmarks read from the profiler: the calls run as in
+    ``time_stream`` (host ahead, back to back) under ``torch.profiler``, and each call's time is the duration
+    of its GPU kernel ``kernel`` (waits for peers inside the kernel included; launch gaps, events and host work
+    not); per-iteration max across ranks, median. ``fn`` must launch exactly one such kernel per call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CUDA])
+    _in_stream(fn, group, device, iters, warmup, flush_l2, lambda i: fn(), around=prof, caller="time_kernels")
+    durations = kernel_durations(prof.events(), kernel)
+    if len(durations) != iters:
+        names = sorted({e.name for e in prof.events() if getattr(e, "device_type", None) ==
+                        torch.autograd.DeviceType.CUDA})[:20]
+        raise ValueError(f"time_kernels: found {len(durations)} launches of kernel {kernel!r} in {iters} calls; "
+                         f"pass the name of the one kernel each call launches (kernels seen: {names})")
+    return _gather(durations, group, device)
 
 
 def time_host(fn: Callable[[], object], group, device: torch.device, iters: int = 20, warmup: int = 3) -> Timing:
