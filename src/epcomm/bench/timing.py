@@ -196,9 +196,12 @@ def time_kernels(fn: Callable[[], object], kernel: str, group, device: torch.dev
     not); per-iteration max across ranks, median. ``fn`` must launch exactly one such kernel per call."""
     from torch.profiler import ProfilerActivity, profile
 
-    prof = profile(activities=[ProfilerActivity.CUDA])
-    _in_stream(fn, group, device, iters, warmup, flush_l2, lambda i: fn(), around=prof, caller="time_kernels")
-    durations = kernel_durations(prof.events(), kernel)
+    if device.type != "cuda":
+        raise ValueError("time_kernels: needs a CUDA device (use time_op on CPUs)")
+    # the warm-up runs under the profiler too: the head start must cover the host's time per call as profiled
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _in_stream(fn, group, device, iters, warmup, flush_l2, lambda i: fn(), caller="time_kernels")
+    durations = kernel_durations(prof.events(), kernel)[2 * warmup:]
     if len(durations) != iters:
         names = sorted({e.name for e in prof.events() if getattr(e, "device_type", None) ==
                         torch.autograd.DeviceType.CUDA})[:20]
