@@ -23,7 +23,6 @@ DeepEP's benchmarks report): the waits for peers inside the kernel count, the ga
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 from dataclasses import dataclass
@@ -122,10 +121,9 @@ def _head_start(device: torch.device, host_us: float, iters: int):
 
 
 def _in_stream(one: Callable[[], None], group, device: torch.device, iters: int, warmup: int, flush_l2: bool,
-               each: Callable[[int], None], around=None, caller: str = "time_stream") -> None:
+               each: Callable[[int], None], caller: str = "time_stream") -> None:
     """Warm ``one`` up, give the host a head start, line the ranks up, then run ``each(i)`` (which calls ``one``)
-    for ``i < iters`` back to back, flushing L2 before each when asked; ``around``: a context manager entered
-    for those iterations (until the device has finished them)."""
+    for ``i < iters`` back to back, flushing L2 before each when asked, and wait for the device."""
     if device.type != "cuda":
         raise ValueError(f"{caller}: needs a CUDA device (use time_op on CPUs)")
     for _ in range(warmup):
@@ -139,12 +137,11 @@ def _in_stream(one: Callable[[], None], group, device: torch.device, iters: int,
     scratch = torch.empty(256 << 20, dtype=torch.uint8, device=device) if flush_l2 else None
     head = _head_start(device, host_us + (60.0 if flush_l2 else 0.0), iters)
     _barrier(group, device)
-    with around if around is not None else contextlib.nullcontext():
-        for i in range(iters):
-            if scratch is not None:
-                scratch.zero_()
-            each(i)
-        torch.cuda.synchronize(device)
+    for i in range(iters):
+        if scratch is not None:
+            scratch.zero_()
+        each(i)
+    torch.cuda.synchronize(device)
     del head
 
 
