@@ -26,8 +26,8 @@ def test_time_op_and_time_host_report_the_slowest_rank():
 
 
 def test_kernel_durations_pick_one_kernel_in_start_order():
-    """time_kernels' reading of profiler events: the named kernel's durations in start order, from kernel events
-    of the CUDA device type and from the kernels that CPU events list."""
+    """time_kernels' reading of profiler events: the named kernel's durations in start order, from the kernel
+    events, or from the kernels that CPU events carry where there are no kernel events (never both)."""
     from types import SimpleNamespace as NS
 
     import pytest
@@ -43,10 +43,13 @@ def test_kernel_durations_pick_one_kernel_in_start_order():
     events = [NS(device_type=cuda, name="ll_combine_kernel", time_range=span(30, 9.0)),
               NS(device_type=cuda, name="ll_dispatch_kernel", time_range=span(20, 7.5)),
               NS(device_type=cuda, name="other", time_range=span(5, 1.0)),
-              NS(device_type=cpu, name="launch", time_range=NS(start=10), kernels=[NS(name="ll_dispatch_kernel",
-                                                                                         duration=6.0)]),
-              NS(device_type=cpu, name="op", time_range=NS(start=1), kernels=[])]
+              NS(device_type=cuda, name="ll_dispatch_kernel", time_range=span(10, 6.0)),
+              NS(device_type=cpu, name="ll_dispatch_kernel", time_range=span(1, 99.0),
+                 kernels=[NS(name="ll_dispatch_kernel", duration=6.0)])]
     assert kernel_durations(events, "ll_dispatch_kernel") == [6.0, 7.5]
+    launches = [NS(device_type=cpu, name="cuLaunchKernelEx", time_range=span(t, 3.0),
+                   kernels=[NS(name="ll_dispatch_kernel", duration=d)]) for t, d in ((20, 7.0), (10, 5.0))]
+    assert kernel_durations(launches + events[2:3], "ll_dispatch_kernel") == [5.0, 7.0]
     assert kernel_durations(events, "ll_combine_kernel") == [9.0]
     assert kernel_durations(events, "missing") == []
     with pytest.raises(ValueError, match="^time_kernels: needs a CUDA device"):

@@ -121,11 +121,11 @@ def _head_start(device: torch.device, host_us: float, iters: int):
 
 
 def _in_stream(one: Callable[[], None], group, device: torch.device, iters: int, warmup: int, flush_l2: bool,
-               each: Callable[[int], None], caller: str = "time_stream") -> None:
+               each: Callable[[int], None]) -> None:
     """Warm ``one`` up, give the host a head start, line the ranks up, then run ``each(i)`` (which calls ``one``)
     for ``i < iters`` back to back, flushing L2 before each when asked, and wait for the device."""
     if device.type != "cuda":
-        raise ValueError(f"{caller}: needs a CUDA device (use time_op on CPUs)")
+        raise ValueError("time_stream: needs a CUDA device (use time_op on CPUs)")
     for _ in range(warmup):
         one()
     torch.cuda.synchronize(device)
@@ -173,16 +173,14 @@ def time_stream(fn: Union[Callable[[], object], Sequence[Callable[[], object]]],
 
 def kernel_durations(events, name: str) -> list:
     """Durations in microseconds, in start order, of the GPU kernels called ``name`` among ``torch.profiler``
-    events (kernel events of the CUDA device type, or the ``kernels`` that CPU events list)."""
-    found = []
-    for e in events:
-        if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA:
-            if e.name == name:
-                found.append((e.time_range.start, e.time_range.elapsed_us()))
-        else:
-            found.extend((getattr(e.time_range, "start", 0), k.duration) for k in getattr(e, "kernels", ()) or ()
-                         if k.name == name)
-    return [d for _, d in sorted(found, key=lambda sd: sd[0])]
+    events: the kernel events (CUDA device type), or where the profiler lists none, the kernels that its CPU
+    events carry (each kernel is counted once either way)."""
+    found = [(e.time_range.start, e.time_range.elapsed_us()) for e in events
+             if e.device_type == torch.autograd.DeviceType.CUDA and e.name == name]
+    if not found:
+        found = [(e.time_range.start, k.duration) for e in events for k in (getattr(e, "kernels", None) or ())
+                 if k.name == name]
+    return [d for _, d in sorted(found)]
 
 
 def time_kernels(fn: Callable[[], object], kernel: str, group, device: torch.device, iters: int = 20,
@@ -197,11 +195,10 @@ def time_kernels(fn: Callable[[], object], kernel: str, group, device: torch.dev
         raise ValueError("time_kernels: needs a CUDA device (use time_op on CPUs)")
     # the warm-up runs under the profiler too: the head start must cover the host's time per call as profiled
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        _in_stream(fn, group, device, iters, warmup, flush_l2, lambda i: fn(), caller="time_kernels")
+        _in_stream(fn, group, device, iters, warmup, flush_l2, lambda i: fn())
     durations = kernel_durations(prof.events(), kernel)[2 * warmup:]
     if len(durations) != iters:
-        names = sorted({e.name for e in prof.events() if getattr(e, "device_type", None) ==
-                        torch.autograd.DeviceType.CUDA})[:20]
+        names = sorted({e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA})[:20]
         raise ValueError(f"time_kernels: found {len(durations)} launches of kernel {kernel!r} in {iters} calls; "
                          f"pass the name of the one kernel each call launches (kernels seen: {names})")
     return _gather(durations, group, device)
