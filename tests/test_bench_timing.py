@@ -33,7 +33,7 @@ def test_kernel_durations_pick_one_kernel_in_start_order():
     import pytest
     import torch
 
-    from epcomm.bench.timing import kernel_durations, time_kernels
+    from epcomm.bench.timing import kernel_durations, time_kernels, time_stream
 
     cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
 
@@ -54,3 +54,5 @@ def test_kernel_durations_pick_one_kernel_in_start_order():
     assert kernel_durations(events, "missing") == []
     with pytest.raises(ValueError, match="^time_kernels: needs a CUDA device"):
         time_kernels(lambda: None, "k", None, torch.device("cpu"))
+    with pytest.raises(ValueError, match="^time_stream: needs a CUDA device"):
+        time_stream(lambda: None, None, torch.device("cpu"))

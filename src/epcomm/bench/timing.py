@@ -123,9 +123,7 @@ def _head_start(device: torch.device, host_us: float, iters: int):
 def _in_stream(one: Callable[[], None], group, device: torch.device, iters: int, warmup: int, flush_l2: bool,
                each: Callable[[int], None]) -> None:
     """Warm ``one`` up, give the host a head start, line the ranks up, then run ``each(i)`` (which calls ``one``)
-    for ``i < iters`` back to back, flushing L2 before each when asked, and wait for the device."""
-    if device.type != "cuda":
-        raise ValueError("time_stream: needs a CUDA device (use time_op on CPUs)")
+    for ``i < iters`` back to back, flushing L2 before each when asked, and wait for the device (CUDA only)."""
     for _ in range(warmup):
         one()
     torch.cuda.synchronize(device)
@@ -150,6 +148,8 @@ def time_stream(fn: Union[Callable[[], object], Sequence[Callable[[], object]]],
     """Time ``fn()`` as one call of a steady stream (see the module docstring); CUDA only, and ``fn`` must
     not synchronise with the host. ``fn`` may be a sequence of phases (a hook's send and receive): each
     iteration runs them in turn, each bracketed by its own events, and a tuple of Timings is returned."""
+    if device.type != "cuda":
+        raise ValueError("time_stream: needs a CUDA device (use time_op on CPUs)")
     phases = tuple(fn) if isinstance(fn, (tuple, list)) else (fn,)
 
     def one():
@@ -157,7 +157,7 @@ def time_stream(fn: Union[Callable[[], object], Sequence[Callable[[], object]]],
             f()
 
     events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in phases]
-              for _ in range(iters)] if device.type == "cuda" else []
+              for _ in range(iters)]
 
     def each(i):
         for f, (start, end) in zip(phases, events[i]):
