@@ -56,3 +56,31 @@ def test_kernel_durations_pick_one_kernel_in_start_order():
         time_kernels(lambda: None, "k", None, torch.device("cpu"))
     with pytest.raises(ValueError, match="^time_stream: needs a CUDA device"):
         time_stream(lambda: None, None, torch.device("cpu"))
+
+
+def test_per_call_kernel_time_sums_each_calls_kernels():
+    """time_kernels with several kernels per call: a call's time is the sum of its kernels' durations, in start
+    order; a kernel launched a different number of times than the calls need is an error naming what was seen."""
+    from types import SimpleNamespace as NS
+
+    import pytest
+    import torch
+
+    from epcomm.bench.timing import kernel_names, per_call_kernel_us
+
+    cuda = torch.autograd.DeviceType.CUDA
+
+    def k(name, start, us):
+        return NS(device_type=cuda, name=name, time_range=NS(start=start, elapsed_us=lambda: us))
+
+    # two calls: barrier, push, reduce, reduce (the reduce launched twice per call); a flush kernel between them
+    events = [k("flush", 0, 50.0), k("barrier", 1, 2.0), k("push", 2, 100.0), k("reduce", 3, 10.0),
+              k("reduce", 4, 11.0), k("flush", 5, 50.0), k("barrier", 6, 3.0), k("push", 7, 90.0),
+              k("reduce", 8, 12.0), k("reduce", 9, 13.0)]
+    assert kernel_names(events) == {"barrier": 2, "flush": 2, "push": 2, "reduce": 4}
+    launches = {"barrier": 1, "push": 1, "reduce": 2}
+    assert per_call_kernel_us(events, launches, 2) == [123.0, 118.0]
+    with pytest.raises(ValueError, match=r"^time_kernels: found 4 launches of kernel 'reduce' in 2 calls, expected 1"):
+        per_call_kernel_us(events, {"reduce": 1}, 2)
+    with pytest.raises(ValueError, match=r"found 0 launches of kernel 'gone'.*kernels seen: \{'barrier': 2"):
+        per_call_kernel_us(events, {"gone": 1}, 2)

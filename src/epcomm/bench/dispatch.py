@@ -4,7 +4,8 @@ For each routing (uniform, skewed) it measures, at the given shape (default 4096
 7168, top-8, 256 experts):
   * every requested epcomm transport: dispatch FP8, dispatch BF16, combine BF16 (whole calls, with the
     layout given as DeepEP's benchmarks do), the cached dispatch (handle reuse: no layout exchange), and
-    ``get_dispatch_layout``;
+    ``get_dispatch_layout``; on GPUs also the cached dispatches and the combine in a stream of calls (device
+    time per call) and by the summed durations of their kernels (kernel-only), and graph replays;
   * the plain NCCL pipeline a user would write (``epcomm.bench.baseline``), layout included;
   * the copy-engine ceiling: every rank copies its rows for every peer straight into the peer's memory
     with ``copy_`` (one stream per peer), the same bytes as the dispatch.
@@ -20,7 +21,7 @@ import torch
 
 from ..testing import run
 from .report import bench_parser, finish
-from .timing import time_graph, time_op, time_stream
+from .timing import time_graph, time_kernels, time_op, time_stream
 from .traffic import normal_traffic, row_bytes
 
 
@@ -101,11 +102,19 @@ def bench_worker(ctx, opts: DispatchBenchOptions) -> list:
                 "NVLink GB/s": timing.gbps(traffic.mean_remote_bytes(opts.hidden, kind)) if kind else float("nan"),
             })
 
+        def failed(impl, what, exc):  # a measurement a transport cannot give is reported, not skipped
+            rows.append({"routing": routing, "impl": impl, "op": f"{what} failed: {exc}"[:160], "shape": shape,
+                         "ranks": ctx.world_size, "time_us": float("nan"), "min_us": float("nan"),
+                         "GB/s (DeepEP)": float("nan"), "NVLink GB/s": float("nan")})
+
         def t(fn):
             return time_op(fn, ctx.group, ctx.device, iters=opts.iters, warmup=3)
 
         def s(fn):
             return time_stream(fn, ctx.group, ctx.device, iters=opts.iters, warmup=3)
+
+        def k(fn):  # every kernel the call launches, as in s(): their summed durations
+            return time_kernels(fn, None, ctx.group, ctx.device, iters=opts.iters, warmup=3)
 
         for transport in opts.transports:
             buf = Buffer(ctx.group, transport=transport)
@@ -142,6 +151,15 @@ def bench_worker(ctx, opts: DispatchBenchOptions) -> list:
                     add(name, "dispatch BF16 cached (stream)", s(lambda: buf.dispatch(x, handle=handle, config=cfg)),
                         "bf16")
                     add(name, "combine BF16 (stream)", s(lambda: buf.combine(recv_x, handle, config=ccfg)), "bf16")
+                    kernel_rows = (
+                        ("dispatch FP8 cached (kernel)", lambda: buf.dispatch(x_fp8, handle=handle, config=cfg), "fp8"),
+                        ("dispatch BF16 cached (kernel)", lambda: buf.dispatch(x, handle=handle, config=cfg), "bf16"),
+                        ("combine BF16 (kernel)", lambda: buf.combine(recv_x, handle, config=ccfg), "bf16"))
+                    for op, fn, kind in kernel_rows:
+                        try:
+                            add(name, op, k(fn), kind)
+                        except Exception as exc:  # noqa: BLE001 - e.g. a profiler that lists no kernels
+                            failed(name, op, exc)
 
                 def layout_and_dispatch():
                     pr, _, pe, ir, _ = buf.get_dispatch_layout(idx, opts.experts)
@@ -165,10 +183,7 @@ def bench_worker(ctx, opts: DispatchBenchOptions) -> list:
                                        iters=opts.iters), "bf16")
                         del g_recv, g_handle
                     except Exception as exc:  # noqa: BLE001 - a transport that cannot be captured is reported
-                        rows.append({"routing": routing, "impl": name, "op": f"graph capture failed: {exc}"[:120],
-                                     "shape": shape, "ranks": ctx.world_size, "time_us": float("nan"),
-                                     "min_us": float("nan"), "GB/s (DeepEP)": float("nan"),
-                                     "NVLink GB/s": float("nan")})
+                        failed(name, "graph capture", exc)
                 del recv_x, handle
             if gbuf is not buf:
                 gbuf.destroy()
@@ -228,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
              "BF16 2H, FP8 H + 4H/128. Plain rows time an isolated call (a barrier before each: host work "
              "included); '(stream)' rows time a call in a steady stream of cached calls with the L2 flushed "
              "between them, as DeepEP's own benchmark does (device time per call; see epcomm.bench.timing); "
+             "'(kernel)' rows time the same stream by the summed durations of the GPU kernels each call launches, "
+             "read from the profiler (kernel-only: waits for peers inside the kernels included, launch gaps "
+             "and host work not); "
              "'(graph)' rows replay a captured call. epcomm dispatch rows exclude the layout call (DeepEP's convention); "
              "'layout + dispatch' and the NCCL baseline include it. Copy-engine: each rank copy_()s its rows "
              "for every peer into that peer's memory, one stream per peer.")

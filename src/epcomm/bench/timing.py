@@ -16,8 +16,8 @@ iterations:
   launches, not the host work. It needs calls without host synchronisation (cached handles,
   ``num_worst_tokens``, low-latency calls).
 
-``time_kernels`` times the same stream by the duration of each call's GPU kernel, read from the profiler (what
-DeepEP's benchmarks report): the waits for peers inside the kernel count, the gaps between launches do not.
+``time_kernels`` times the same stream by the summed duration of each call's GPU kernels, read from the profiler
+(what DeepEP's benchmarks report): the waits for peers inside the kernels count, the gaps between launches do not.
 ``time_host`` measures the other side: how long the host takes to issue one call.
 """
 
@@ -183,25 +183,55 @@ def kernel_durations(events, name: str) -> list:
     return [d for _, d in sorted(found)]
 
 
-def time_kernels(fn: Callable[[], object], kernel: str, group, device: torch.device, iters: int = 20,
-                 warmup: int = 3, flush_l2: bool = True) -> Timing:
+def kernel_names(events) -> dict:
+    """``{name: launches}`` of the GPU kernels among ``torch.profiler`` events (read as ``kernel_durations``)."""
+    names = [e.name for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    if not names:
+        names = [k.name for e in events for k in (getattr(e, "kernels", None) or ())]
+    return {n: names.count(n) for n in sorted(set(names))}
+
+
+def per_call_kernel_us(events, launches: dict, calls: int) -> list:
+    """Each of ``calls`` consecutive calls' kernel time: the summed durations of its kernels, where every call
+    launched ``launches[name]`` kernels called ``name`` (and the events hold exactly those of the ``calls``)."""
+    total = [0.0] * calls
+    for name, per in launches.items():
+        durations = kernel_durations(events, name)
+        if len(durations) != per * calls:
+            raise ValueError(f"time_kernels: found {len(durations)} launches of kernel {name!r} in {calls} calls, "
+                             f"expected {per} per call; the call must launch the same kernels every time "
+                             f"(kernels seen: {kernel_names(events)})")
+        for i in range(calls):
+            total[i] += sum(durations[i * per:(i + 1) * per])
+    return total
+
+
+def time_kernels(fn: Callable[[], object], kernels: Union[None, str, Sequence[str]], group, device: torch.device,
+                 iters: int = 20, warmup: int = 3, flush_l2: bool = True) -> Timing:
     """Kernel time of one call, the measure DeepEP's benchmarks read from the profiler: the calls run as in
-    ``time_stream`` (host ahead, back to back) under ``torch.profiler``, and each call's time is the duration
-    of its GPU kernel ``kernel`` (waits for peers inside the kernel included; launch gaps, events and host work
-    not); per-iteration max across ranks, median. ``fn`` must launch exactly one such kernel per call."""
+    ``time_stream`` (host ahead, back to back) under ``torch.profiler``, and each call's time is the summed
+    duration of its GPU kernels (waits for peers inside them included; launch gaps, events and host work not);
+    per-iteration max across ranks, median. ``kernels``: the names of the kernels a call launches, or None for
+    all of them (found by profiling one call alone after warm-up); every call must launch the same ones."""
     from torch.profiler import ProfilerActivity, profile
 
     if device.type != "cuda":
         raise ValueError("time_kernels: needs a CUDA device (use time_op on CPUs)")
+    if kernels is None:
+        fn()
+        torch.cuda.synchronize(device)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize(device)
+        launches = kernel_names(prof.events())
+        if not launches:
+            raise ValueError("time_kernels: the call launched no GPU kernel")
+    else:
+        launches = {k: 1 for k in ((kernels,) if isinstance(kernels, str) else kernels)}
     # the warm-up runs under the profiler too: the head start must cover the host's time per call as profiled
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         _in_stream(fn, group, device, iters, warmup, flush_l2, lambda i: fn())
-    durations = kernel_durations(prof.events(), kernel)[2 * warmup:]
-    if len(durations) != iters:
-        names = sorted({e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA})[:20]
-        raise ValueError(f"time_kernels: found {len(durations)} launches of kernel {kernel!r} in {iters} calls; "
-                         f"pass the name of the one kernel each call launches (kernels seen: {names})")
-    return _gather(durations, group, device)
+    return _gather(per_call_kernel_us(prof.events(), launches, iters + 2 * warmup)[2 * warmup:], group, device)
 
 
 def time_host(fn: Callable[[], object], group, device: torch.device, iters: int = 20, warmup: int = 3) -> Timing:
