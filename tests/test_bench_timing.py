@@ -56,6 +56,10 @@ def test_kernel_durations_pick_one_kernel_in_start_order():
         time_kernels(lambda: None, "k", None, torch.device("cpu"))
     with pytest.raises(ValueError, match="^time_stream: needs a CUDA device"):
         time_stream(lambda: None, None, torch.device("cpu"))
+    from epcomm.bench.timing import time_graph
+
+    with pytest.raises(ValueError, match="^time_graph: calls must be at least 1, got 0"):
+        time_graph(lambda: None, None, torch.device("cpu"), calls=0)
 
 
 def test_per_call_kernel_time_sums_each_calls_kernels():

@@ -3,7 +3,8 @@
 For each token count (default 1, 8, 32, 128, 256 per rank) at hidden 7168, top-8, 288 experts, FP8
 dispatch and BF16 combine, for every requested transport: plain calls, the hook halves (send returns,
 ``hook()`` receives), a stream of calls timed by events and (one-sided transports) by the duration of each
-call's kernel, a CUDA-graph replay of dispatch + combine, and graph replays of each alone (GPUs).
+call's kernel, a CUDA-graph replay of dispatch + combine, graph replays of each alone, and graphs of 8
+calls (or steps) timed per call (GPUs).
 Per-call time is the median of the per-iteration max across ranks. GB/s counts per selected (token,
 expert): dispatch H + 4H/128 + 16 bytes, combine 2H."""
 
@@ -17,6 +18,9 @@ from ..testing import run
 from .report import bench_parser, finish
 from .timing import time_graph, time_kernels, time_op, time_stream
 from .traffic import low_latency_bytes, low_latency_pairs
+
+
+GRAPH_CALLS = 8  # calls captured in one graph for the per-call graph rows (a decode step's graph has many layers)
 
 
 @dataclass(frozen=True)
@@ -102,16 +106,26 @@ def bench_worker(ctx, opts: LowLatencyBenchOptions) -> list:
                     buf.low_latency_combine(y, idx, w, h)
 
                 g_handle = buf.low_latency_dispatch(x, idx, max_tokens, opts.experts, use_fp8=True)[2]
-                graphs = [("dispatch + combine (graph)", step, False, pairs * (disp_b + comb_b)),
-                          ("dispatch (graph, stream)",
-                           lambda: buf.low_latency_dispatch(x, idx, max_tokens, opts.experts, use_fp8=True), True,
+                def g_dispatch():
+                    return buf.low_latency_dispatch(x, idx, max_tokens, opts.experts, use_fp8=True)
+
+                def g_combine():
+                    return buf.low_latency_combine(y, idx, w, g_handle)
+
+                # (row, function, in a stream, calls per graph, bytes per call)
+                graphs = [("dispatch + combine (graph)", step, False, 1, pairs * (disp_b + comb_b)),
+                          ("dispatch (graph, stream)", g_dispatch, True, 1, pairs * disp_b),
+                          ("combine (graph, stream)", g_combine, True, 1, pairs * comb_b),
+                          (f"dispatch + combine (graph of {GRAPH_CALLS}, per step)", step, True, GRAPH_CALLS,
+                           pairs * (disp_b + comb_b)),
+                          (f"dispatch (graph of {GRAPH_CALLS}, per call)", g_dispatch, True, GRAPH_CALLS,
                            pairs * disp_b),
-                          ("combine (graph, stream)", lambda: buf.low_latency_combine(y, idx, w, g_handle), True,
+                          (f"combine (graph of {GRAPH_CALLS}, per call)", g_combine, True, GRAPH_CALLS,
                            pairs * comb_b)]
-                for op, fn, in_stream, nbytes in graphs:
+                for op, fn, in_stream, calls, nbytes in graphs:
                     try:
                         measured.append((op, time_graph(fn, ctx.group, ctx.device, iters=opts.iters * 2,
-                                                        stream=in_stream), nbytes))
+                                                        stream=in_stream, calls=calls), nbytes))
                     except Exception as exc:  # noqa: BLE001 - record that the transport cannot be captured
                         rows.append({"impl": impl, "tokens": n, "op": op, "time_us": float("nan"),
                                      "GB/s": float("nan"), "note": f"capture failed: {exc}"})
@@ -156,7 +170,9 @@ def main(argv: list[str] | None = None) -> int:
              "the device is busy, as DeepEP's benchmark does (device time per call, waits for peers included; see "
              "epcomm.bench.timing). Hook rows time the send call and the hook() call separately. '(graph)' replays a "
              "captured dispatch + combine as an isolated call; '(graph, stream)' rows replay a captured dispatch, "
-             "or a captured combine, in a stream of replays. '(kernel)' rows: the '(stream)' calls timed by the "
-             "duration of each call's one GPU kernel, read from the profiler as DeepEP's benchmarks do (waits for "
+             "or a captured combine, in a stream of replays; '(graph of 8, per call)' rows capture 8 calls (or "
+             "dispatch + combine steps) in one graph and divide a replay's time by 8 (the replay's fixed cost "
+             "shared, as in a decode step's graph with many layers). '(kernel)' rows: the '(stream)' calls timed by "
+             "the duration of each call's one GPU kernel, read from the profiler as DeepEP's benchmarks do (waits for "
              "peers inside the kernel included; launch gaps, events and host work not).")
     return finish(rows, name, args.out, "bench low-latency", notes, _plot, ["impl", "tokens", "op", "time_us", "GB/s", "note"])

@@ -281,10 +281,20 @@ def capture_graph(fn: Callable[[], object], warmup: int = 1) -> tuple:
 
 
 def time_graph(fn: Callable[[], object], group, device: torch.device, iters: int = 50, warmup: int = 3,
-               stream: bool = False) -> Timing:
-    """Capture ``fn()`` in a CUDA graph once and time its replays like ``time_op`` (``stream``: like
-    ``time_stream``)."""
-    graph, _ = capture_graph(fn, warmup)
-    if stream:
-        return time_stream(graph.replay, group, device, iters=iters, warmup=warmup)
-    return time_op(graph.replay, group, device, iters=iters, warmup=warmup)
+               stream: bool = False, calls: int = 1) -> Timing:
+    """Capture ``calls`` calls of ``fn()`` in one CUDA graph and time its replays like ``time_op`` (``stream``:
+    like ``time_stream``); the times are per call (a replay's over ``calls``): with several calls per graph the
+    fixed cost of a replay and of its timing is shared, as in a decode step's graph with many layers."""
+    if calls < 1:
+        raise ValueError(f"time_graph: calls must be at least 1, got {calls}")
+
+    def many():
+        for _ in range(calls - 1):
+            fn()
+        return fn()
+
+    graph, _ = capture_graph(many, warmup)
+    timing = (time_stream if stream else time_op)(graph.replay, group, device, iters=iters, warmup=warmup)
+    if calls == 1:
+        return timing
+    return Timing(timing.median_us / calls, timing.min_us / calls, timing.max_us / calls, timing.iters)
