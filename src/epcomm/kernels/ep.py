@@ -295,6 +295,8 @@ def _push_tokens(pid, nprog, x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr
             for r in tl.static_range(R):
                 go, a = _dest_row(itr_ptr, pos_ptr, first_ptr, t, live, r, rank, cap, R, SINGLE_ROUND)
                 dst = (tl.load(bases_ptr + r) + area_off + a * (XW * 4)).to(tl.pointer_type(tl.int32))
+                if VEC:  # heap bases and areas are 256-byte aligned, rows 16: 16-byte stores of the loaded layout
+                    dst = tl.multiple_of(dst, 16)  # (measured 1-3% faster here; not in _push_rows, see there)
                 tl.store(dst[:, None] + cols[None, :], v, mask=go[:, None] & cm[None, :])
         if HAS_SCALES:
             sm = live[:, None] & (scols < NS)[None, :]
@@ -526,6 +528,8 @@ def _push_rows(x_ptr, w_ptr, base, area_off, w_off, m, a, ok, kcols, XW: tl.cons
     """Store rows ``m`` of ``x [M, XW]`` (int32 words; and of ``w [M, K]`` with ``HAS_W``) where ``ok``, into
     rows ``a`` of the area at ``base + area_off`` (weights at ``base + w_off``) of one peer (``base``: a
     scalar heap base, or one per row)."""
+    # no alignment hint on dst: the compiler then stores 4-byte words after a shared-memory layout change, which
+    # this push does ~25% faster than 16-byte stores of the loaded layout (benchmarks/NOTES.md, row 43)
     dst = (base + area_off + a * (XW * 4)).to(tl.pointer_type(tl.int32))
     for c0 in tl.static_range(0, XW, BLOCK):
         cols = c0 + tl.arange(0, BLOCK)
