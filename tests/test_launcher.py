@@ -47,3 +47,29 @@ def test_bad_arguments():
         spawn(_rank_info, 0, 1)
     with pytest.raises(ValueError, match="device='cuda' needs"):
         spawn(_rank_info, 64, 1, device="cuda")
+
+
+def test_taken_rendezvous_port_is_retried(monkeypatch):
+    """The port free_port found can be taken before rank 0's rendezvous server binds it: spawn starts again on
+    another port instead of failing (seen on GPU hosts, where NCCL's connections use ephemeral ports)."""
+    import socket
+
+    from epcomm.testing import launcher
+
+    busy = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    ports = [busy.getsockname()[1]]
+    real = launcher.free_port
+
+    def first_busy():
+        ports.append(real())
+        return ports[0] if len(ports) == 2 else ports[-1]
+
+    monkeypatch.setattr(launcher, "free_port", first_busy)
+    try:
+        assert spawn(_rank_info, 2, 1, device="cpu", timeout_s=120) == [(0, 2, 2, "cpu"), (1, 2, 2, "cpu")]
+    finally:
+        busy.close()
+    assert len(ports) == 3  # the busy port, then a free one
+    assert 20000 <= real() < 32000

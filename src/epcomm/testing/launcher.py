@@ -18,6 +18,7 @@ import logging
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import random
 import socket
 import time
 import traceback
@@ -52,7 +53,16 @@ class WorkerContext:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    """A TCP port on 127.0.0.1 that was free a moment ago, chosen below Linux's ephemeral range (32768-60999):
+    a port the kernel hands out for outgoing connections (NCCL's and gloo's own, many per job) can be taken
+    between this check and the rendezvous server's bind (seen: EADDRINUSE)."""
+    for port in random.Random().sample(range(20000, 32000), 64):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -103,7 +113,13 @@ def _worker_main(rank: int, world_size: int, port: int, device_kind: str, timeou
     env.set_distributed_env(rank, world_size, port)
     _setup_logging(rank)
     try:
-        ctx = init_worker(rank, world_size, device_kind, timeout_s)
+        try:
+            ctx = init_worker(rank, world_size, device_kind, timeout_s)
+        except BaseException as exc:  # noqa: BLE001
+            if "EADDRINUSE" in str(exc) or "address already in use" in str(exc).lower():
+                results.put((rank, "port_taken", traceback.format_exc()))
+                return
+            raise
         out = fn(ctx, *args, **kwargs)
         results.put((rank, "ok", out))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
@@ -127,6 +143,21 @@ def spawn(fn: Callable, world_size: int, *args: Any, device: str = "auto", timeo
         raise ValueError(f"spawn: world_size={world_size} must be >= 1")
     device_kind = resolve_device(device, world_size)
     timeout_s = float(timeout_s if timeout_s is not None else 4 * env.timeout_s())
+    for attempt in range(3):  # the rendezvous port taken before the server bound it: again on another port
+        try:
+            return _spawn_once(fn, world_size, args, kwargs, device_kind, timeout_s)
+        except _PortTaken as exc:
+            if attempt == 2:
+                raise WorkerError(f"spawn: the rendezvous port was taken three times:\n{exc}") from None
+            log.warning("spawn: rendezvous port taken, retrying on another one")
+    raise AssertionError("unreachable")
+
+
+class _PortTaken(Exception):
+    """Rank 0 could not bind the rendezvous port (another process took it after ``free_port``)."""
+
+
+def _spawn_once(fn: Callable, world_size: int, args: tuple, kwargs: dict, device_kind: str, timeout_s: float) -> list:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -137,6 +168,7 @@ def spawn(fn: Callable, world_size: int, *args: Any, device: str = "auto", timeo
         p.start()
     out: dict[int, Any] = {}
     errors: dict[int, str] = {}
+    taken = None
     deadline = time.monotonic() + timeout_s
     try:
         while len(out) + len(errors) < world_size:
@@ -154,6 +186,10 @@ def spawn(fn: Callable, world_size: int, *args: Any, device: str = "auto", timeo
                     raise EpcommTimeoutError(f"spawn: ranks {pending} of {world_size} did not finish "
                                              f"{getattr(fn, '__name__', fn)} within {timeout_s:.0f} s")
                 continue
+            if status == "port_taken":
+                taken = payload
+                errors[rank] = payload
+                break
             (out if status == "ok" else errors)[rank] = payload
             if errors:
                 break
@@ -166,6 +202,8 @@ def spawn(fn: Callable, world_size: int, *args: Any, device: str = "auto", timeo
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+    if taken is not None:
+        raise _PortTaken(taken)
     if errors:
         first = min(errors)
         others = sorted(set(errors) - {first})
