@@ -106,6 +106,7 @@ def bench_worker(ctx, opts: LowLatencyBenchOptions) -> list:
                     buf.low_latency_combine(y, idx, w, h)
 
                 g_handle = buf.low_latency_dispatch(x, idx, max_tokens, opts.experts, use_fp8=True)[2]
+
                 def g_dispatch():
                     return buf.low_latency_dispatch(x, idx, max_tokens, opts.experts, use_fp8=True)
 
@@ -170,8 +171,9 @@ def main(argv: list[str] | None = None) -> int:
              "the device is busy, as DeepEP's benchmark does (device time per call, waits for peers included; see "
              "epcomm.bench.timing). Hook rows time the send call and the hook() call separately. '(graph)' replays a "
              "captured dispatch + combine as an isolated call; '(graph, stream)' rows replay a captured dispatch, "
-             "or a captured combine, in a stream of replays; '(graph of 8, per call)' rows capture 8 calls (or "
-             "dispatch + combine steps) in one graph and divide a replay's time by 8 (the replay's fixed cost "
+             f"or a captured combine, in a stream of replays; '(graph of {GRAPH_CALLS}, per call)' rows capture "
+             f"{GRAPH_CALLS} calls (or dispatch + combine steps) in one graph and divide a replay's time by "
+             f"{GRAPH_CALLS} (the replay's fixed cost "
              "shared, as in a decode step's graph with many layers). '(kernel)' rows: the '(stream)' calls timed by "
              "the duration of each call's one GPU kernel, read from the profiler as DeepEP's benchmarks do (waits for "
              "peers inside the kernel included; launch gaps, events and host work not).")
