@@ -131,7 +131,8 @@ def test_config_and_num_sms_validation():
 
 @pytest.mark.parametrize("send_bytes, link_gbps, max_sms, num_ranks, expected", [
     (235 << 20, 400.0, 132, 4, 24),  # a DeepSeek-sized call over NVLink4: 24 SMs, DeepEP's tuned choice
-    (235 << 20, 400.0, 132, 2, 24),
+    (235 << 20, 400.0, 132, 2, 36),  # 2 ranks: half of the work is the rank's own rows, 1.5x the SMs of 4 ranks
+    (235 << 20, 400.0, 132, 3, 28),
     (235 << 20, 400.0, 132, 8, 40),  # stores fanned out to 8 ranks: each SM's rate falls, more SMs
     (235 << 20, 400.0, 132, 5, 40),
     (235 << 20, 400.0, 16, 4, 16),  # never more than the device has
@@ -139,6 +140,7 @@ def test_config_and_num_sms_validation():
     (3 << 20, 400.0, 132, 8, 4),
     (0, 400.0, 132, 4, 2),  # at least two
     (235 << 20, 25.0, 132, 4, 2),  # PCIe: two SMs already saturate the link
+    (235 << 20, 25.0, 132, 2, 4),
     (235 << 20, 25.0, 132, 8, 4),
 ])
 def test_num_sms_traffic_model(send_bytes, link_gbps, max_sms, num_ranks, expected):

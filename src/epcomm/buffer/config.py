@@ -58,12 +58,15 @@ class Config:
 
 
 # The traffic model behind the default ``num_sms`` of the one-sided normal kernels. A push program stores
-# what it loads into peers' memory; one SM sustains about PER_SM_GBPS of such stores when they go to at most
-# NARROW_RANKS ranks (measured on 4xH200 over NVLink: 24 programs pushed ~400 GB/s) and about PER_SM_GBPS_WIDE
-# when they fan out to more (6 and 8 ranks of 8xH200: ~10 GB/s per program at 24 programs, for the dispatch
-# and the combine alike, and both kept speeding up to ~40 programs); a program needs about MIN_BYTES_PER_SM
-# of work before its fixed cost (fence, arrival, publishing) stops mattering.
-PER_SM_GBPS = 17.0
+# what it loads into peers' memory (and its own rank's share locally); one SM sustains about PER_SM_GBPS of
+# stores into peers when they go to at most NARROW_RANKS ranks, and about PER_SM_GBPS_WIDE when they fan out
+# to more. At R <= NARROW_RANKS ranks a push spends (R - 1) / R of its programs' work on peers (the combine's
+# slices: one in R programs holds the rank's own rows), so it takes R / (R - 1) times the SMs that the link
+# needs. Measured over NVLink: 24 programs at 4 ranks (18 of them writing to peers, ~400 GB/s; 32 were
+# slower); at 2 ranks 32 / 40 programs beat 24 by 10-26% (NOTES row 45); at 6 and 8 ranks of 8xH200 ~10 GB/s
+# per program at 24 programs, for the dispatch and the combine alike, speeding up to ~40 programs. A program
+# needs about MIN_BYTES_PER_SM of work before its fixed cost (fence, arrival, publishing) stops mattering.
+PER_SM_GBPS = 22.5
 PER_SM_GBPS_WIDE = 10.0
 NARROW_RANKS = 4
 MIN_BYTES_PER_SM = 1 << 20
@@ -71,14 +74,17 @@ MIN_BYTES_PER_SM = 1 << 20
 
 def model_num_sms(send_bytes: int, link_gbps: float, max_sms: int, num_ranks: int) -> int:
     """The even number of SMs a push of ``send_bytes`` (this rank's bytes leaving for all destinations) among
-    ``num_ranks`` ranks should occupy: enough that their store rate reaches the interconnect's ``link_gbps``
-    (GB/s leaving one GPU), no more than ``send_bytes / MIN_BYTES_PER_SM`` (small calls are latency-bound:
-    more programs only add fixed costs), within ``[2, max_sms]``. NVLink4 (H100/H200, 18 links) -> 24 SMs for
-    large calls at up to 4 ranks, as DeepEP's tuned configurations use, 40 at 5-8 ranks; PCIe -> 2."""
+    ``num_ranks`` ranks should occupy: enough that their stores into peers reach the interconnect's
+    ``link_gbps`` (GB/s leaving one GPU), no more than ``send_bytes / MIN_BYTES_PER_SM`` (small calls are
+    latency-bound: more programs only add fixed costs), within ``[2, max_sms]``. NVLink4 (H100/H200, 18 links)
+    -> large calls take 24 SMs at 4 ranks (DeepEP's tuned choice), 28 at 3, 36 at 2, 40 at 5-8; PCIe -> 2-4."""
     if link_gbps <= 0 or max_sms < 2 or num_ranks < 1:
         raise ValueError(f"model_num_sms: link_gbps={link_gbps} must be > 0, max_sms={max_sms} >= 2 and "
                          f"num_ranks={num_ranks} >= 1")
-    per_sm = PER_SM_GBPS if num_ranks <= NARROW_RANKS else PER_SM_GBPS_WIDE
-    want = min(math.ceil(link_gbps / per_sm), math.ceil(max(send_bytes, 0) / MIN_BYTES_PER_SM))
+    if num_ranks <= NARROW_RANKS:  # a share 1 / R of the work is the rank's own rows
+        link_sms = link_gbps / PER_SM_GBPS * num_ranks / max(num_ranks - 1, 1)
+    else:
+        link_sms = link_gbps / PER_SM_GBPS_WIDE
+    want = min(math.ceil(link_sms), math.ceil(max(send_bytes, 0) / MIN_BYTES_PER_SM))
     want = max(2, want + want % 2)
     return min(want, max_sms - max_sms % 2)
