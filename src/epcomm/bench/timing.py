@@ -171,23 +171,27 @@ def time_stream(fn: Union[Callable[[], object], Sequence[Callable[[], object]]],
     return timings if isinstance(fn, (tuple, list)) else timings[0]
 
 
-def kernel_durations(events, name: str) -> list:
-    """Durations in microseconds, in start order, of the GPU kernels called ``name`` among ``torch.profiler``
+def _kernels(events, name=None) -> list:
+    """``(start, name, duration us)`` of the GPU kernels (called ``name``, if given) among ``torch.profiler``
     events: the kernel events (CUDA device type), or where the profiler lists none, the kernels that its CPU
     events carry (each kernel is counted once either way)."""
-    found = [(e.time_range.start, e.time_range.elapsed_us()) for e in events
-             if e.device_type == torch.autograd.DeviceType.CUDA and e.name == name]
+    found = [(e.time_range.start, e.name, e.time_range.elapsed_us()) for e in events
+             if e.device_type == torch.autograd.DeviceType.CUDA and name in (None, e.name)]
     if not found:
-        found = [(e.time_range.start, k.duration) for e in events for k in (getattr(e, "kernels", None) or ())
-                 if k.name == name]
-    return [d for _, d in sorted(found)]
+        found = [(e.time_range.start, k.name, k.duration) for e in events
+                 for k in (getattr(e, "kernels", None) or ()) if name in (None, k.name)]
+    return found
+
+
+def kernel_durations(events, name: str) -> list:
+    """Durations in microseconds, in start order, of the GPU kernels called ``name`` among ``torch.profiler``
+    events (read as ``_kernels`` does)."""
+    return [d for _, _, d in sorted(_kernels(events, name))]
 
 
 def kernel_names(events) -> dict:
-    """``{name: launches}`` of the GPU kernels among ``torch.profiler`` events (read as ``kernel_durations``)."""
-    names = [e.name for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-    if not names:
-        names = [k.name for e in events for k in (getattr(e, "kernels", None) or ())]
+    """``{name: launches}`` of the GPU kernels among ``torch.profiler`` events (read as ``_kernels`` does)."""
+    names = [n for _, n, _ in _kernels(events)]
     return {n: names.count(n) for n in sorted(set(names))}
 
 
@@ -295,6 +299,4 @@ def time_graph(fn: Callable[[], object], group, device: torch.device, iters: int
 
     graph, _ = capture_graph(many, warmup)
     timing = (time_stream if stream else time_op)(graph.replay, group, device, iters=iters, warmup=warmup)
-    if calls == 1:
-        return timing
     return Timing(timing.median_us / calls, timing.min_us / calls, timing.max_us / calls, timing.iters)
