@@ -80,9 +80,9 @@ class _NoLaunch:
 
 
 def _peer_skips_push(ctx, op):
-    """Rank 1 takes part in the barriers and count exchanges of ``op`` ("dispatch" or "combine") but never
-    pushes its rows: rank 0's receiving programs must time out, record the error and report it (naming
-    both ranks), not hang."""
+    """Rank 1 takes part in the count exchange of ``op`` ("dispatch" or "combine") but never launches its
+    push (for the combine, that launch also holds the barrier that opens it): rank 0's programs must time
+    out, record the error and report it (naming both ranks), not hang."""
     import torch
 
     import epcomm.kernels.ep as ep
@@ -112,12 +112,12 @@ def _peer_skips_push(ctx, op):
     return message
 
 
-@pytest.mark.parametrize("op", ["dispatch", "combine"])
-def test_missing_push_times_out(monkeypatch, op):
+@pytest.mark.parametrize("op,what", [("dispatch", "data arrival"), ("combine", "barrier")])
+def test_missing_push_times_out(monkeypatch, op, what):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("EPCOMM_TIMEOUT_S", "0.2")
     message = spawn(_peer_skips_push, 2, op, device="cpu", timeout_s=300)[0]
-    assert message.startswith("Buffer.check_errors: rank 0: data arrival timeout waiting for rank 1"), message
+    assert message.startswith(f"Buffer.check_errors: rank 0: {what} timeout waiting for rank 1"), message
 
 
 def _combine_with_uneven_programs(ctx):

@@ -39,7 +39,7 @@ import triton.language as tl
 
 from .launch import cdiv, launch, next_pow2
 from .numerics import pick
-from .shmem import arrive_last, block_barrier, fence_sys, ld_acquire, st_release, wait_all_ge, wait_until
+from .shmem import arrive_last, barrier_enter, block_barrier, fence_sys, ld_acquire, st_release, wait_all_ge, wait_until
 from .shmem_codes import CMP_GE, ERR_BARRIER_TIMEOUT, ERR_DONE_TIMEOUT
 
 _K_ERR_BARRIER = tl.constexpr(ERR_BARRIER_TIMEOUT)
@@ -544,16 +544,25 @@ def _push_rows(x_ptr, w_ptr, base, area_off, w_off, m, a, ok, kcols, XW: tl.cons
 
 
 @triton.jit
-def combine_push_kernel(x_ptr, w_ptr, src_ptr, prefix_ptr, dst_row_ptr, bases_ptr, area_off, w_off, arrive_off,
-                        epoch_ptr, counter_ptr, num_rows, cap, rank, world, XW: tl.constexpr, K: tl.constexpr,
-                        R_POW2: tl.constexpr, TOK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
-                        HAS_W: tl.constexpr, SINGLE_ROUND: tl.constexpr, VEC: tl.constexpr,
-                        INTERLEAVE: tl.constexpr, USE_PTX: tl.constexpr):
-    """Send every received row back to its source rank (``src_ptr``: int32 ``[M, 2]`` source token, source
-    rank; ``prefix_ptr``: int32 ``[2R]``, the first row and the row count of each source): single round, to
-    row ``rank * cap + m - prefix[source]`` of the source's area; otherwise to ``dst_row[m]`` (-1: not in this
-    round). With weights, its ``K`` top-k weights too. Rows from this rank itself stay where they are: the
-    reduce reads them from ``x`` (``epcomm.kernels.reduce.OwnRows``).
+def combine_push_kernel(x_ptr, w_ptr, src_ptr, prefix_ptr, dst_row_ptr, bases_ptr, area_off, w_off, flags_off,
+                        arrive_off, epoch_ptr, counter_ptr, err_ptr, num_rows, cap, rank, world, timeout,
+                        XW: tl.constexpr, K: tl.constexpr, R_POW2: tl.constexpr, TOK: tl.constexpr,
+                        BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, HAS_W: tl.constexpr, SINGLE_ROUND: tl.constexpr,
+                        VEC: tl.constexpr, INTERLEAVE: tl.constexpr, USE_PTX: tl.constexpr,
+                        USE_TIMER: tl.constexpr):
+    """One round of the combine, between two barriers: send every received row back to its source rank
+    (``src_ptr``: int32 ``[M, 2]`` source token, source rank; ``prefix_ptr``: int32 ``[2R]``, the first row
+    and the row count of each source): single round, to row ``rank * cap + m - prefix[source]`` of the
+    source's area; otherwise to ``dst_row[m]`` (-1: not in this round). With weights, its ``K`` top-k weights
+    too. Rows from this rank itself stay where they are: the reduce reads them from ``x``
+    (``epcomm.kernels.reduce.OwnRows``).
+
+    Entry: every program passes the barrier of epoch ``*epoch_ptr + 1`` (``barrier_enter`` on the flags at
+    ``flags_off``) before its first store, so no rank writes into an area whose owner may still read it (the
+    previous reduce or dispatch). Exit: the last program to finish stores the epoch, releases it into every
+    rank's ``arrive`` slot and waits until every rank released it here: when the kernel ends, every row of
+    this round is in this rank's area (one launch instead of a barrier, the push and a wait). After a
+    timeout a program stores nothing (the error record names the missing rank).
 
     Work split: ``INTERLEAVE=False``, program ``p`` pushes the ``p``-th contiguous slice of all rows (sorted by
     source, so each program writes to one or two peers); ``INTERLEAVE=True``, program ``p`` takes the
@@ -564,6 +573,9 @@ def combine_push_kernel(x_ptr, w_ptr, src_ptr, prefix_ptr, dst_row_ptr, bases_pt
     nprog = tl.num_programs(0)
     kcols = tl.arange(0, BLOCK_K)
     toks = tl.arange(0, TOK)
+    epoch = tl.load(epoch_ptr) + 1
+    entered = barrier_enter(bases_ptr, flags_off, epoch, err_ptr, rank, world, timeout, _K_ERR_BARRIER, R_POW2,
+                            USE_PTX, USE_TIMER) != 0
     if INTERLEAVE:
         rs = tl.arange(0, R_POW2)
         first = tl.load(prefix_ptr + rs, mask=rs < world, other=0)
@@ -571,7 +583,7 @@ def combine_push_kernel(x_ptr, w_ptr, src_ptr, prefix_ptr, dst_row_ptr, bases_pt
         per_s = tl.cdiv(tl.cdiv(count, nprog), TOK) * TOK
         lo_s = first + pid * per_s
         hi_s = tl.minimum(lo_s + per_s, first + count)
-        steps = tl.max(tl.where(hi_s > lo_s, tl.cdiv(hi_s - lo_s, TOK), 0))
+        steps = tl.where(entered, tl.max(tl.where(hi_s > lo_s, tl.cdiv(hi_s - lo_s, TOK), 0)), 0)
         j = 0
         while j < steps:
             d = 0
@@ -591,7 +603,7 @@ def combine_push_kernel(x_ptr, w_ptr, src_ptr, prefix_ptr, dst_row_ptr, bases_pt
     else:
         per = tl.cdiv(tl.cdiv(num_rows, nprog), TOK) * TOK
         lo = pid * per
-        hi = tl.minimum(lo + per, num_rows)
+        hi = tl.where(entered, tl.minimum(lo + per, num_rows), lo)
         m0 = lo
         while m0 < hi:
             m = (m0 + toks).to(tl.int64)
@@ -609,17 +621,12 @@ def combine_push_kernel(x_ptr, w_ptr, src_ptr, prefix_ptr, dst_row_ptr, bases_pt
             m0 += TOK
     fence_sys(USE_PTX)
     tl.debug_barrier()
-    if arrive_last(counter_ptr, nprog) != 0:
+    if arrive_last(counter_ptr, nprog) != 0:  # every program has read the old epoch: store the new one
+        tl.store(epoch_ptr, epoch)
         _publish(bases_ptr, bases_ptr, bases_ptr, 0, arrive_off, epoch_ptr, rank, world, R_POW2, False, False,
                  USE_PTX)
-
-
-@triton.jit
-def wait_arrivals_kernel(bases_ptr, arrive_off, epoch_ptr, err_ptr, rank, world, timeout, R_POW2: tl.constexpr,
-                         USE_PTX: tl.constexpr, USE_TIMER: tl.constexpr):
-    """Wait until every rank released this round's epoch into ``arrive`` (one program)."""
-    wait_all_ge(tl.load(bases_ptr + rank), arrive_off, world, tl.load(epoch_ptr), timeout, err_ptr, _K_ERR_DONE,
-                rank, R_POW2, USE_PTX, USE_TIMER)
+        wait_all_ge(tl.load(bases_ptr + rank), arrive_off, world, epoch, timeout, err_ptr, _K_ERR_DONE, rank, R_POW2,
+                    USE_PTX, USE_TIMER)
 
 
 # ---------------------------------------------------------------------------------------------------------

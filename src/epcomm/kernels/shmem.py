@@ -293,6 +293,25 @@ def arrive_last(counter_ptr, total):
 
 
 @triton.jit
+def barrier_enter(bases_ptr, flags_off, epoch, err_ptr, rank, world, timeout, err_code,
+                  R_POW2: tl.constexpr, USE_PTX: tl.constexpr, USE_TIMER: tl.constexpr):
+    """The two steps of ``block_barrier`` for a caller that keeps the epoch itself: release ``epoch`` into slot
+    ``rank`` of every peer's flags, then acquire-poll the local flags until all are ``>= epoch``. Any number
+    of programs of one launch may call it with the same ``epoch`` (they store the same value, so every slot
+    still has one writing rank); the caller stores the new epoch once all of them have passed (e.g. in the
+    last program of ``arrive_last``). Returns 1, or 0 after a timeout."""
+    fence_sys(USE_PTX)
+    tl.debug_barrier()
+    peers = tl.arange(0, R_POW2)
+    live = peers < world
+    safe_peers = tl.where(live, peers, rank)  # spare lanes repeat this rank's own slot (same value)
+    remote = peer_ptr(bases_ptr, safe_peers, flags_off + rank * 8, tl.int64)
+    st_release(remote, tl.zeros([R_POW2], tl.int64) + epoch, USE_PTX)
+    return wait_all_ge(tl.load(bases_ptr + rank), flags_off, world, epoch, timeout, err_ptr, err_code, rank, R_POW2,
+                       USE_PTX, USE_TIMER)
+
+
+@triton.jit
 def block_barrier(bases_ptr, flags_off, epoch_ptr, err_ptr, rank, world, timeout, err_code,
                   R_POW2: tl.constexpr, USE_PTX: tl.constexpr, USE_TIMER: tl.constexpr):
     """Barrier of one program per rank across all ``world`` ranks; returns 1, or 0 after a timeout.
@@ -300,20 +319,13 @@ def block_barrier(bases_ptr, flags_off, epoch_ptr, err_ptr, rank, world, timeout
     ``flags_off``: byte offset in every heap of ``int64[world]`` arrival flags; slot ``r`` is written only by
     rank ``r`` (single writer, no atomics). ``epoch_ptr``: this rank's int64 barrier counter (local device
     memory, starts at 0). Each call: epoch += 1, release-store the epoch into slot ``rank`` of every peer's
-    flags, then acquire-poll the local flags until all are >= epoch. Epochs only grow, so no flag is ever
-    reset and replays of a captured CUDA graph keep working. Orders this program's earlier writes (and
-    those of earlier kernels on the stream) before every peer's later reads. Only one program of a launch
-    may call it with a given (flags_off, epoch_ptr)."""
-    fence_sys(USE_PTX)
-    tl.debug_barrier()
+    flags, then acquire-poll the local flags until all are >= epoch (``barrier_enter``). Epochs only grow, so
+    no flag is ever reset and replays of a captured CUDA graph keep working. Orders this program's earlier
+    writes (and those of earlier kernels on the stream) before every peer's later reads. Only one program of
+    a launch may call it with a given (flags_off, epoch_ptr)."""
     epoch = tl.load(epoch_ptr) + 1
-    peers = tl.arange(0, R_POW2)
-    live = peers < world
-    safe_peers = tl.where(live, peers, rank)  # spare lanes repeat this rank's own slot (same value)
-    remote = peer_ptr(bases_ptr, safe_peers, flags_off + rank * 8, tl.int64)
-    st_release(remote, tl.zeros([R_POW2], tl.int64) + epoch, USE_PTX)
-    ok = wait_all_ge(tl.load(bases_ptr + rank), flags_off, world, epoch, timeout, err_ptr, err_code, rank, R_POW2,
-                     USE_PTX, USE_TIMER)
+    ok = barrier_enter(bases_ptr, flags_off, epoch, err_ptr, rank, world, timeout, err_code, R_POW2, USE_PTX,
+                       USE_TIMER)
     tl.store(epoch_ptr, epoch)
     return ok
 

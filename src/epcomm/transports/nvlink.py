@@ -17,11 +17,11 @@ Normal dispatch (``epcomm.kernels.ep``):
      (``Config.strict_sms``) the push publishes at its end and ``dispatch_copyout`` copies afterwards on
      ``num_sms`` programs. Traffic larger than the buffer is split into rounds over token ranges; each
      round begins with a barrier.
-Combine: a barrier, then per round ``combine_push`` returns every row to its source rank's area (rows a
-rank sends itself stay where they are; up to ``NARROW_RANKS`` ranks each program pushes one contiguous slice
-of the rows, so it writes to one or two peers, and above that each program takes a slice of every peer's
-rows and writes to all of them in turn, which measured faster at 6 and 8 ranks and slower at 4), and the
-source waits and reduces with the ordered FP32 kernel
+Combine: per round one launch of ``combine_push``, which passes a barrier, returns every row to its source
+rank's area (rows a rank sends itself stay where they are; up to ``NARROW_RANKS`` ranks each program pushes
+one contiguous slice of the rows, so it writes to one or two peers, and above that each program takes a slice
+of every peer's rows and writes to all of them in turn, which measured faster at 6 and 8 ranks and slower at
+4) and ends once every rank's rows have arrived; then the source reduces with the ordered FP32 kernel
 (``epcomm.kernels.reduce``, reading its own rows from the combine input), bit-identical to the reference.
 A round covers a range of source tokens, so every contribution to a token arrives in one round.
 
@@ -362,7 +362,7 @@ class NVLinkTransport(Transport):
         return DispatchResult(outs[0], outs[1], None, None, None, h)
 
     def combine(self, req: CombineRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        from ..kernels.ep import PUSH_WARPS, chunk_block, combine_push_kernel, pow2_block, wait_arrivals_kernel
+        from ..kernels.ep import PUSH_WARPS, chunk_block, combine_push_kernel, pow2_block
         from ..kernels.reduce import OwnRows, reduce_from_layout
 
         h: DispatchHandle = req.handle
@@ -396,10 +396,7 @@ class NVLinkTransport(Transport):
             src_safe = src_rank.clamp(min=0)
             k_in_src = torch.arange(m, device=dev) - st.recv_prefix.long()[src_safe]
         own = OwnRows(x if m else buf, w_in if k else None, st.recv_prefix[rank:rank + 1], rank)
-        self._barrier()
         for j in range(num_rounds):
-            if j:
-                self._barrier()
             lo, hi = (0, n) if single else (min(j * cap, n), min((j + 1) * cap, n))
             dst_row = self.counters
             if not single:
@@ -408,14 +405,14 @@ class NVLinkTransport(Transport):
                 before = torch.zeros(num_ranks, dtype=torch.int64, device=dev)
                 before.index_add_(0, src_safe, (valid & (src_tok < lo_t)).long())
                 dst_row = torch.where(in_rng, rank * cap + k_in_src - before[src_safe], -1)
+            # one launch: barrier, push, wait for every rank's rows (combine_push_kernel)
             launch(combine_push_kernel, (grid,),
                 x_words, w_in, recv_src, st.recv_prefix, dst_row, self.heap.peer_bases, area_off, area_off + w_rel,
-                self._off(self.arrive), self.epoch, self.counters[1:], m, cap, rank, num_ranks, XW=xw, K=max(k, 1),
-                R_POW2=self.r_pow2, TOK=tok, BLOCK=chunk_block(xw, tok), BLOCK_K=pow2_block(k), HAS_W=k > 0,
-                SINGLE_ROUND=single, VEC=xw % 4 == 0, INTERLEAVE=num_ranks > NARROW_RANKS, num_warps=PUSH_WARPS,
-                **self.flags_kw)
-            launch(wait_arrivals_kernel, (1,), self.heap.peer_bases, self._off(self.arrive), self.epoch, self.err, rank,
-                   num_ranks, self._timeout(), R_POW2=self.r_pow2, **self.flags_kw, **self.timer_kw)
+                self._off(self.flags), self._off(self.arrive), self.epoch, self.counters[1:], self.err, m, cap, rank,
+                num_ranks, self._timeout(), XW=xw, K=max(k, 1), R_POW2=self.r_pow2, TOK=tok,
+                BLOCK=chunk_block(xw, tok), BLOCK_K=pow2_block(k), HAS_W=k > 0, SINGLE_ROUND=single,
+                VEC=xw % 4 == 0, INTERLEAVE=num_ranks > NARROW_RANKS, num_warps=PUSH_WARPS, **self.flags_kw,
+                **self.timer_kw)
             if hi > lo:
                 first = None if single else cum[lo].to(torch.int32)
                 reduce_from_layout(buf, h.is_token_in_rank, st.pos, cap, lo, hi, req.bias, out, first, wbuf, out_w,
