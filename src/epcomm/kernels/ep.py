@@ -636,9 +636,9 @@ def combine_push_kernel(x_ptr, w_ptr, src_ptr, prefix_ptr, dst_row_ptr, bases_pt
     Work split: ``INTERLEAVE=False``, program ``p`` pushes the ``p``-th contiguous slice of all rows (sorted by
     source, so each program writes to one or two peers) and, with ``SLOTS`` > 0, then helps the programs
     writing to its last peer that are still behind (``_push_help``; ``steal_ptr``: int32 ``[2 * SLOTS]``,
-    zeros before the first launch, ``SLOTS`` = the program's thread count >= the grid; ``OWN_FIRST`` > 0, for
-    tests under the interpreter, which runs programs one after another: each program pushes only that many
-    steps of its slice before helping, so later programs finish the earlier ones' slices); ``INTERLEAVE=True``, program ``p`` takes the
+    zeros before the first launch, ``SLOTS`` = the program's thread count >= the grid; ``OWN_FIRST`` > 0, tests
+    only: each program pushes that many steps of its slice before it helps, so that the hand-over also runs
+    under the interpreter, which runs programs one after another); ``INTERLEAVE=True``, program ``p`` takes the
     ``p``-th slice of every remote source's rows and each step moves ``TOK`` rows to each peer in turn, program
     ``p`` starting ``p`` peers further on (every program writes to every peer, as the token-major dispatch push
     does, and at any moment the programs spread over the peers)."""
