@@ -144,39 +144,3 @@ def test_combine_with_uneven_program_counts(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("EPCOMM_TIMEOUT_S", "5")
     assert spawn(_combine_with_uneven_programs, 2, device="cpu", timeout_s=300) == [True, True]
-
-
-def _combine_with_help(ctx):
-    """The combine push's hand-over of rows between programs (``combine_push_kernel`` with ``SLOTS``): each
-    program pushes one step of its slice, then takes rows off the top of slices to the same peer, then
-    finishes its own; the results must equal those of programs that push their whole slices."""
-    import torch
-
-    import epcomm.kernels.ep as ep
-    from epcomm.buffer import Buffer, Config
-
-    from epcomm.testing.routing import make_inputs
-
-    buf = Buffer(ctx.group, transport=NVLinkTransport, num_nvl_bytes=1 << 20)
-    mine = make_inputs(12, 2, 48, 32, 4, 2, "uniform", torch.bfloat16)[ctx.rank]
-    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(mine.topk_idx, 4)
-    recv_x, _, recv_w, _, handle, _ = buf.dispatch(mine.x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                                                  num_tokens_per_expert=per_expert, topk_idx=mine.topk_idx,
-                                                  topk_weights=mine.topk_weights)
-    config = Config(num_sms=4, num_max_nvl_chunked_send_tokens=2)
-    whole, whole_w, _ = buf.combine(recv_x, handle, topk_weights=recv_w, config=config)
-    ep.COMBINE_OWN_FIRST = 1
-    helped, helped_w, _ = buf.combine(recv_x, handle, topk_weights=recv_w, config=config)
-    again, _, _ = buf.combine(recv_x * 2, handle, topk_weights=recv_w, config=config)  # ends reset between launches
-    ep.COMBINE_OWN_FIRST = 0
-    twice, _, _ = buf.combine(recv_x * 2, handle, topk_weights=recv_w, config=config)
-    buf.check_errors()
-    return (recv_x.size(0) // 4 >= 6 and whole.abs().sum().item() > 0
-            and torch.equal(whole.view(torch.int16), helped.view(torch.int16)) and torch.equal(whole_w, helped_w)
-            and torch.equal(again.view(torch.int16), twice.view(torch.int16)))
-
-
-def test_combine_push_help(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("EPCOMM_TIMEOUT_S", "5")
-    assert spawn(_combine_with_help, 2, device="cpu", timeout_s=300) == [True, True]

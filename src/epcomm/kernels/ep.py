@@ -48,8 +48,6 @@ _K_CMP_GE = tl.constexpr(CMP_GE)
 
 SUMMARY_HEAD = 8  # summary words before recv_prefix
 PUSH_WARPS = 8  # warps per push program (dispatch and combine)
-HELP_SLOTS = 32 * PUSH_WARPS  # a combine push program's threads: one slice's end each (combine_push_kernel)
-COMBINE_OWN_FIRST = 0  # tests only: steps of its own slice a combine push program takes before helping others
 
 
 @triton.jit
@@ -546,79 +544,12 @@ def _push_rows(x_ptr, w_ptr, base, area_off, w_off, m, a, ok, kcols, XW: tl.cons
 
 
 @triton.jit
-def _push_slice_step(x_ptr, w_ptr, src_ptr, prefix_ptr, dst_row_ptr, bases_ptr, area_off, w_off, m0, bound, cap, rank,
-                     kcols, toks, XW: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr, HAS_W: tl.constexpr,
-                     SINGLE_ROUND: tl.constexpr, VEC: tl.constexpr):
-    """Rows ``[m0, min(m0 + TOK, bound))`` of the combine input to their sources (those from other ranks)."""
-    m = (m0 + toks).to(tl.int64)
-    live = m < bound
-    s = tl.load(src_ptr + m * 2 + 1, mask=live, other=-1)
-    ok = live & (s >= 0) & (s != rank)
-    s = tl.where(ok, s, 0)
-    if SINGLE_ROUND:
-        a = rank * cap + m - tl.load(prefix_ptr + s, mask=ok, other=0)
-    else:
-        a = tl.load(dst_row_ptr + m, mask=ok, other=-1)
-        ok = ok & (a >= 0)
-    _push_rows(x_ptr, w_ptr, tl.load(bases_ptr + s, mask=ok, other=0), area_off, w_off, m, a, ok, kcols, XW, K, BLOCK,
-               HAS_W, VEC)
-
-
-@triton.jit
-def _push_own(x_ptr, w_ptr, src_ptr, prefix_ptr, dst_row_ptr, bases_ptr, area_off, w_off, m0, hi, stop, tail_p, done_p,
-              cap, rank, kcols, toks, XW: tl.constexpr, K: tl.constexpr, TOK: tl.constexpr, BLOCK: tl.constexpr,
-              HAS_W: tl.constexpr, SINGLE_ROUND: tl.constexpr, VEC: tl.constexpr):
-    """Push this program's slice from row ``m0`` up, a step at a time, until ``stop`` or the slice's end as
-    helpers left it (``*tail_p - 1``, read again each step; a stale read only sends rows twice, the same
-    bytes); publish the rows done in ``*done_p``. Returns the next row."""
-    end = tl.minimum(stop, tl.load(tail_p, volatile=True) - 1)
-    while m0 < end:
-        nxt = tl.load(tail_p, volatile=True)
-        _push_slice_step(x_ptr, w_ptr, src_ptr, prefix_ptr, dst_row_ptr, bases_ptr, area_off, w_off, m0, hi, cap,
-                         rank, kcols, toks, XW, K, BLOCK, HAS_W, SINGLE_ROUND, VEC)
-        m0 += TOK
-        tl.store(done_p, m0)
-        end = tl.minimum(stop, nxt - 1)
-    return m0
-
-
-@triton.jit
-def _push_help(x_ptr, w_ptr, src_ptr, prefix_ptr, dst_row_ptr, bases_ptr, area_off, w_off, steal_ptr, lo, hi, per,
-               nprog, cap, rank, kcols, toks, XW: tl.constexpr, K: tl.constexpr, TOK: tl.constexpr,
-               BLOCK: tl.constexpr, HAS_W: tl.constexpr, SINGLE_ROUND: tl.constexpr, VEC: tl.constexpr,
-               SLOTS: tl.constexpr):
-    """After its own slice, a program helps the programs whose remaining rows go to the same peer as its own
-    last row: it takes ``TOK`` rows off the top of the slice with the most rows left (an atomic on that slice's
-    end), pushes them, and looks again, until no such slice has two steps left. The slices' ends and rows done
-    are read one per thread (``SLOTS`` = threads), so every thread reaches the same choice."""
-    lanes = tl.arange(0, SLOTS)
-    live = lanes < nprog
-    dest = tl.load(src_ptr + tl.maximum(hi - 1, 0).to(tl.int64) * 2 + 1, mask=hi > lo, other=-1)
-    go = (hi > lo) & (dest >= 0) & (dest != rank)
-    while go:
-        end = tl.load(steal_ptr + lanes, mask=live, other=0, volatile=True) - 1
-        done = tl.load(steal_ptr + SLOTS + lanes, mask=live, other=0, volatile=True)
-        cand = live & (end - done >= 2 * TOK)
-        d = tl.load(src_ptr + tl.maximum(end - 1, 0).to(tl.int64) * 2 + 1, mask=cand, other=-1)
-        left = tl.where(cand & (d == dest), end - done, 0)
-        most = tl.max(left, axis=0)
-        go = most >= 2 * TOK
-        if go:
-            q = tl.min(tl.where(left == most, lanes, SLOTS), axis=0)
-            top = tl.atomic_add(steal_ptr + q, -TOK, sem="relaxed", scope="gpu") - 1
-            start = tl.maximum(top - TOK, q * per)
-            if top > start:
-                _push_slice_step(x_ptr, w_ptr, src_ptr, prefix_ptr, dst_row_ptr, bases_ptr, area_off, w_off, start,
-                                 top, cap, rank, kcols, toks, XW, K, BLOCK, HAS_W, SINGLE_ROUND, VEC)
-
-
-@triton.jit
 def combine_push_kernel(x_ptr, w_ptr, src_ptr, prefix_ptr, dst_row_ptr, bases_ptr, area_off, w_off, flags_off,
-                        arrive_off, epoch_ptr, counter_ptr, err_ptr, steal_ptr, num_rows, cap, rank, world, timeout,
+                        arrive_off, epoch_ptr, counter_ptr, err_ptr, num_rows, cap, rank, world, timeout,
                         XW: tl.constexpr, K: tl.constexpr, R_POW2: tl.constexpr, TOK: tl.constexpr,
                         BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, HAS_W: tl.constexpr, SINGLE_ROUND: tl.constexpr,
                         VEC: tl.constexpr, INTERLEAVE: tl.constexpr, USE_PTX: tl.constexpr,
-                        USE_TIMER: tl.constexpr, SLOTS: tl.constexpr = 0, OWN_FIRST: tl.constexpr = 0):
+                        USE_TIMER: tl.constexpr):
     """One round of the combine, between two barriers: send every received row back to its source rank
     (``src_ptr``: int32 ``[M, 2]`` source token, source rank; ``prefix_ptr``: int32 ``[2R]``, the first row
     and the row count of each source): single round, to row ``rank * cap + m - prefix[source]`` of the
@@ -634,11 +565,7 @@ def combine_push_kernel(x_ptr, w_ptr, src_ptr, prefix_ptr, dst_row_ptr, bases_pt
     timeout a program stores nothing (the error record names the missing rank).
 
     Work split: ``INTERLEAVE=False``, program ``p`` pushes the ``p``-th contiguous slice of all rows (sorted by
-    source, so each program writes to one or two peers) and, with ``SLOTS`` > 0, then helps the programs
-    writing to its last peer that are still behind (``_push_help``; ``steal_ptr``: int32 ``[2 * SLOTS]``,
-    zeros before the first launch, ``SLOTS`` = the program's thread count >= the grid; ``OWN_FIRST`` > 0, tests
-    only: each program pushes that many steps of its slice before it helps, so that the hand-over also runs
-    under the interpreter, which runs programs one after another); ``INTERLEAVE=True``, program ``p`` takes the
+    source, so each program writes to one or two peers); ``INTERLEAVE=True``, program ``p`` takes the
     ``p``-th slice of every remote source's rows and each step moves ``TOK`` rows to each peer in turn, program
     ``p`` starting ``p`` peers further on (every program writes to every peer, as the token-major dispatch push
     does, and at any moment the programs spread over the peers)."""
@@ -677,32 +604,25 @@ def combine_push_kernel(x_ptr, w_ptr, src_ptr, prefix_ptr, dst_row_ptr, bases_pt
         per = tl.cdiv(tl.cdiv(num_rows, nprog), TOK) * TOK
         lo = pid * per
         hi = tl.where(entered, tl.minimum(lo + per, num_rows), lo)
-        if SLOTS > 0:
-            # this program's end, taken down by programs that help it (epoch-free: the last program resets it)
-            tail_p = steal_ptr + pid
-            done_p = steal_ptr + SLOTS + pid
-            tl.store(done_p, lo)
-            tl.store(tail_p, hi + 1)
-            m0 = _push_own(x_ptr, w_ptr, src_ptr, prefix_ptr, dst_row_ptr, bases_ptr, area_off, w_off, lo, hi,
-                           tl.minimum(hi, lo + OWN_FIRST * TOK) if OWN_FIRST > 0 else hi, tail_p, done_p, cap,
-                           rank, kcols, toks, XW, K, TOK, BLOCK, HAS_W, SINGLE_ROUND, VEC)
-            _push_help(x_ptr, w_ptr, src_ptr, prefix_ptr, dst_row_ptr, bases_ptr, area_off, w_off, steal_ptr, lo,
-                       hi, per, nprog, cap, rank, kcols, toks, XW, K, TOK, BLOCK, HAS_W, SINGLE_ROUND, VEC, SLOTS)
-            _push_own(x_ptr, w_ptr, src_ptr, prefix_ptr, dst_row_ptr, bases_ptr, area_off, w_off, m0, hi, hi, tail_p,
-                      done_p, cap, rank, kcols, toks, XW, K, TOK, BLOCK, HAS_W, SINGLE_ROUND, VEC)
-        else:
-            m0 = lo
-            while m0 < hi:
-                _push_slice_step(x_ptr, w_ptr, src_ptr, prefix_ptr, dst_row_ptr, bases_ptr, area_off, w_off, m0, hi,
-                                 cap, rank, kcols, toks, XW, K, BLOCK, HAS_W, SINGLE_ROUND, VEC)
-                m0 += TOK
+        m0 = lo
+        while m0 < hi:
+            m = (m0 + toks).to(tl.int64)
+            live = m < hi
+            s = tl.load(src_ptr + m * 2 + 1, mask=live, other=-1)
+            ok = live & (s >= 0) & (s != rank)
+            s = tl.where(ok, s, 0)
+            if SINGLE_ROUND:
+                a = rank * cap + m - tl.load(prefix_ptr + s, mask=ok, other=0)
+            else:
+                a = tl.load(dst_row_ptr + m, mask=ok, other=-1)
+                ok = ok & (a >= 0)
+            _push_rows(x_ptr, w_ptr, tl.load(bases_ptr + s, mask=ok, other=0), area_off, w_off, m, a, ok, kcols, XW,
+                       K, BLOCK, HAS_W, VEC)
+            m0 += TOK
     fence_sys(USE_PTX)
     tl.debug_barrier()
     if arrive_last(counter_ptr, nprog) != 0:  # every program has read the old epoch: store the new one
         tl.store(epoch_ptr, epoch)
-        if SLOTS > 0:  # nobody helps anymore: reset the ends for the next launch
-            lanes = tl.arange(0, SLOTS)
-            tl.store(steal_ptr + lanes, tl.zeros([SLOTS], tl.int32), mask=lanes < nprog)
         _publish(bases_ptr, bases_ptr, bases_ptr, 0, arrive_off, epoch_ptr, rank, world, R_POW2, False, False,
                  USE_PTX)
         wait_all_ge(tl.load(bases_ptr + rank), arrive_off, world, epoch, timeout, err_ptr, _K_ERR_DONE, rank, R_POW2,

@@ -145,9 +145,6 @@ class NVLinkTransport(Transport):
             t.zero_()
         self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
         self.counters = torch.zeros(4, dtype=torch.int32, device=device)
-        from ..kernels.ep import HELP_SLOTS
-
-        self.steal = torch.zeros(2 * HELP_SLOTS, dtype=torch.int32, device=device)  # combine_push_kernel's help
         self.err = torch.zeros(8, dtype=torch.int64, device=device)
         self.deferred = torch.zeros(1, dtype=torch.int32, device=device)  # sync-free calls' bad inputs
         from .low_latency import OneSidedLowLatency
@@ -365,7 +362,6 @@ class NVLinkTransport(Transport):
         return DispatchResult(outs[0], outs[1], None, None, None, h)
 
     def combine(self, req: CombineRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        from ..kernels import ep
         from ..kernels.ep import PUSH_WARPS, chunk_block, combine_push_kernel, pow2_block
         from ..kernels.reduce import OwnRows, reduce_from_layout
 
@@ -389,9 +385,6 @@ class NVLinkTransport(Transport):
         w_in = req.topk_weights.contiguous() if k else self.counters
         grid = self._num_sms(req.config, x.size(0), (xw + k) * 4)
         tok = _tokens_per_step(req.config)
-        interleave = num_ranks > NARROW_RANKS
-        # contiguous slices: programs that finish early help the ones still pushing to the same peer
-        slots = ep.HELP_SLOTS if not interleave and grid <= ep.HELP_SLOTS else 0
         single = num_rounds == 1
         cum = None
         if not single:
@@ -415,11 +408,11 @@ class NVLinkTransport(Transport):
             # one launch: barrier, push, wait for every rank's rows (combine_push_kernel)
             launch(combine_push_kernel, (grid,),
                 x_words, w_in, recv_src, st.recv_prefix, dst_row, self.heap.peer_bases, area_off, area_off + w_rel,
-                self._off(self.flags), self._off(self.arrive), self.epoch, self.counters[1:], self.err, self.steal, m,
-                cap, rank, num_ranks, self._timeout(), XW=xw, K=max(k, 1), R_POW2=self.r_pow2, TOK=tok,
+                self._off(self.flags), self._off(self.arrive), self.epoch, self.counters[1:], self.err, m, cap, rank,
+                num_ranks, self._timeout(), XW=xw, K=max(k, 1), R_POW2=self.r_pow2, TOK=tok,
                 BLOCK=chunk_block(xw, tok), BLOCK_K=pow2_block(k), HAS_W=k > 0, SINGLE_ROUND=single,
-                VEC=xw % 4 == 0, INTERLEAVE=interleave, SLOTS=slots, OWN_FIRST=ep.COMBINE_OWN_FIRST,
-                num_warps=PUSH_WARPS, **self.flags_kw, **self.timer_kw)
+                VEC=xw % 4 == 0, INTERLEAVE=num_ranks > NARROW_RANKS, num_warps=PUSH_WARPS, **self.flags_kw,
+                **self.timer_kw)
             if hi > lo:
                 first = None if single else cum[lo].to(torch.int32)
                 reduce_from_layout(buf, h.is_token_in_rank, st.pos, cap, lo, hi, req.bias, out, first, wbuf, out_w,
