@@ -6,6 +6,9 @@
 # Stages: info, tests, bench-dispatch, bench-low-latency, bench-p2p, bench-allgather, demo
 # Environment: TESTS (paths), TEST_FILTER (a pytest -k expression), PYTEST_ARGS, TEST_TIMEOUT (per test, s),
 # STAGE_TIMEOUT (per stage, s), DISPATCH_ARGS / LL_ARGS (extra benchmark arguments).
+# EPCOMM_RANKS_PER_GPU=N (N > 1): up to N ranks share each GPU (tests of 2-8 ranks on fewer GPUs); an MPS server
+# runs for the whole call so that the ranks' kernels run at the same time, and the benchmarks' world size is
+# GPUs x N (their timings are then not NVLink's: smoke runs only).
 # Results land in $OUT/results/ (CSV, Markdown, PNG) and are also packed into $OUT/results.tar.gz;
 # each stage's log is $OUT/logs/<stage>.log; $OUT/summary.txt says which stages passed.
 set -u
@@ -14,6 +17,17 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$(pwd)/src${PYTHONPATH:+:$PYTHONPATH}"
 OUT="${OUT:-$(pwd)/gpu-out}"
 mkdir -p "$OUT/logs" "$OUT/results"
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+SHARE=${EPCOMM_RANKS_PER_GPU:-1}
+WS=$(( NGPU * SHARE ))
+if [ "$SHARE" -gt 1 ]; then
+  MPS=$(command -v nvidia-cuda-mps-control || ls /usr/local/nvidia/bin/nvidia-cuda-mps-control 2>/dev/null)
+  if [ -n "$MPS" ]; then
+    export CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d)
+    "$MPS" -d && trap 'echo quit | "$MPS"' EXIT && echo "MPS server started for $SHARE ranks per GPU"
+  else
+    echo "no MPS server: the ranks sharing a GPU are time-sliced (slow synchronisation)"
+  fi
+fi
 STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && STAGES=(info tests bench-dispatch bench-low-latency bench-p2p bench-allgather demo)
 RES="$OUT/results"
@@ -32,14 +46,14 @@ run_stage() {
 
 for stage in "${STAGES[@]}"; do
   case "$stage" in
-    info) run_stage info bash -c 'nvidia-smi; nvidia-smi topo -m; python3 -c "import torch,triton;print(torch.__version__,triton.__version__,torch.cuda.nccl.version())"' ;;
+    info) run_stage info bash -c "nvidia-smi; nvidia-smi topo -m; python3 -c 'import torch,triton;print(torch.__version__,triton.__version__,torch.cuda.nccl.version())'; if [ $SHARE -gt 1 ]; then CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / SHARE)) python3 -c 'import torch; print(\"SMs seen by a rank sharing its GPU:\", torch.cuda.get_device_properties(0).multi_processor_count)'; fi; true" ;;
     tests) KARGS=(); [ -n "${TEST_FILTER:-}" ] && KARGS=(-k "$TEST_FILTER")
            run_stage tests python3 -m pytest ${TESTS:-tests} -m gpu -v -p no:cacheprovider --timeout=${TEST_TIMEOUT:-300} -rfEs "${KARGS[@]}" ${PYTEST_ARGS:-} ;;
-    bench-dispatch) run_stage bench-dispatch python3 -m epcomm bench dispatch --world-size "$NGPU" --out "$RES" ${DISPATCH_ARGS:-} ;;
-    bench-low-latency) run_stage bench-low-latency python3 -m epcomm bench low-latency --world-size "$NGPU" --out "$RES" ${LL_ARGS:-} ;;
-    bench-p2p) run_stage bench-p2p python3 -m epcomm bench p2p --world-size "$NGPU" --out "$RES" ;;
-    bench-allgather) run_stage bench-allgather python3 -m epcomm bench allgather --world-size "$NGPU" --out "$RES" ;;
-    demo) run_stage demo python3 -m epcomm demo --world-size "$NGPU" ;;
+    bench-dispatch) run_stage bench-dispatch python3 -m epcomm bench dispatch --world-size "$WS" --out "$RES" ${DISPATCH_ARGS:-} ;;
+    bench-low-latency) run_stage bench-low-latency python3 -m epcomm bench low-latency --world-size "$WS" --out "$RES" ${LL_ARGS:-} ;;
+    bench-p2p) run_stage bench-p2p python3 -m epcomm bench p2p --world-size "$WS" --out "$RES" ;;
+    bench-allgather) run_stage bench-allgather python3 -m epcomm bench allgather --world-size "$WS" --out "$RES" ;;
+    demo) run_stage demo python3 -m epcomm demo --world-size "$WS" ;;
     *) echo "unknown stage $stage" | tee -a "$OUT/summary.txt" ;;
   esac
 done

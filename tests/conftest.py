@@ -9,7 +9,23 @@ os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
 
 def gpu_count() -> int:
+    """CUDA GPUs on this machine (hardware tests: topology, P2P attributes)."""
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def gpu_ranks() -> int:
+    """How many ranks a GPU test may start: one per GPU, or more under ``EPCOMM_RANKS_PER_GPU`` (several ranks
+    sharing a GPU, see ``epcomm.testing.launcher``)."""
+    from epcomm.testing.launcher import gpu_rank_slots
+
+    return gpu_rank_slots()
+
+
+def skip_gloo_graph(transport: str, world_size: int) -> None:
+    """Ranks that share a GPU talk over gloo, whose all_to_all cannot be captured in a CUDA graph (the transport
+    says so: tests/test_errors.py::test_graph_capture_over_gloo_is_a_clear_error)."""
+    if transport == "alltoall" and world_size > gpu_count():
+        pytest.skip("alltoall over gloo (ranks sharing a GPU) cannot be captured in a CUDA graph")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -19,8 +35,3 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-def needs_gpus(n: int):
-    """Mark a test as a GPU test needing at least ``n`` GPUs."""
-    return [pytest.mark.gpu, pytest.mark.skipif(gpu_count() < n, reason=f"needs {n} GPUs, found {gpu_count()}")]

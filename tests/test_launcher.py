@@ -1,5 +1,6 @@
 """The multi-process launcher: results by rank, worker errors re-raised, stuck workers time out."""
 
+import os
 import time
 
 import pytest
@@ -73,3 +74,52 @@ def test_taken_rendezvous_port_is_retried(monkeypatch):
         busy.close()
     assert len(ports) == 3  # the busy port, then a free one
     assert 20000 <= real() < 32000
+
+
+@pytest.mark.parametrize("local_world,n_gpus,expect", [
+    (4, 4, [1, 1, 1, 1]),      # one rank per GPU
+    (4, 1, [4, 4, 4, 4]),      # every rank on the one GPU
+    (3, 2, [2, 1, 2]),         # round-robin: GPU 0 holds ranks 0 and 2
+    (8, 3, [3, 3, 2, 3, 3, 2, 3, 3]),
+])
+def test_ranks_on_gpu(local_world, n_gpus, expect):
+    from epcomm.testing.launcher import ranks_on_gpu
+
+    assert [ranks_on_gpu(r, local_world, n_gpus) for r in range(local_world)] == expect
+    with pytest.raises(ValueError, match="no CUDA device"):
+        ranks_on_gpu(0, local_world, 0)
+
+
+def test_ranks_per_gpu_setting(monkeypatch):
+    """EPCOMM_RANKS_PER_GPU lets the launcher place several ranks on one GPU; bad values name the variable."""
+    from epcomm import env
+    from epcomm.testing import launcher
+
+    monkeypatch.setattr(launcher.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(launcher.torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv("EPCOMM_RANKS_PER_GPU", raising=False)
+    assert env.ranks_per_gpu() == 1 and launcher.gpu_rank_slots() == 1
+    assert launcher.resolve_device("auto", 4) == "cpu"
+    with pytest.raises(ValueError, match="EPCOMM_RANKS_PER_GPU to place several ranks"):
+        launcher.resolve_device("cuda", 4)
+    monkeypatch.setenv("EPCOMM_RANKS_PER_GPU", "4")
+    assert launcher.gpu_rank_slots() == 4
+    assert launcher.resolve_device("auto", 4) == "cuda" and launcher.resolve_device("cuda", 4) == "cuda"
+    assert launcher.resolve_device("auto", 5) == "cpu"
+    for bad in ("0", "9", "two"):
+        monkeypatch.setenv("EPCOMM_RANKS_PER_GPU", bad)
+        with pytest.raises(ValueError, match="EPCOMM_RANKS_PER_GPU"):
+            env.ranks_per_gpu()
+
+
+def test_gpu_share_sets_mps_percentage_unless_chosen(monkeypatch):
+    from epcomm import env
+
+    monkeypatch.delenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", raising=False)
+    env.set_gpu_share(1)
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in os.environ
+    env.set_gpu_share(3)
+    assert os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "33"
+    monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "50")
+    env.set_gpu_share(4)
+    assert os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"

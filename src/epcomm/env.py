@@ -10,6 +10,7 @@ Values are read at call time (not cached at import) so that tests and launchers 
 | ``EPCOMM_TIMEOUT_S`` | seconds any host or device wait may last before it raises | ``60`` |
 | ``EPCOMM_LOG_LEVEL`` | level of the ``epcomm`` logger (``INFO``, ``DEBUG`` ...) | ``WARNING`` |
 | ``EPCOMM_COMMIT`` | the commit recorded in benchmark results where the checkout has no git metadata | unset: ``git rev-parse`` |
+| ``EPCOMM_RANKS_PER_GPU`` | how many ranks the launcher may place on one GPU (more than 1: testing the one-sided kernels on a machine with fewer GPUs than ranks; see ``epcomm.testing.launcher``) | ``1`` |
 """
 
 from __future__ import annotations
@@ -49,18 +50,37 @@ def validate_level() -> str:
     return value
 
 
+def _number(name: str, default, parse, valid, expect: str):
+    """``name`` parsed with ``parse`` and checked with ``valid`` (``default`` when unset); errors say ``expect``."""
+    value = _get(name)
+    if value is None:
+        return default
+    try:
+        number = parse(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not {expect}; unset it or give {expect}") from None
+    if not valid(number):
+        raise ValueError(f"{name}={value!r} must be {expect}")
+    return number
+
+
 def timeout_s() -> float:
     """Seconds a wait may last before it raises (``EPCOMM_TIMEOUT_S``, default 60)."""
-    value = _get("EPCOMM_TIMEOUT_S")
-    if value is None:
-        return 60.0
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise ValueError(f"EPCOMM_TIMEOUT_S={value!r} is not a number of seconds") from None
-    if seconds <= 0:
-        raise ValueError(f"EPCOMM_TIMEOUT_S={value!r} must be positive")
-    return seconds
+    return _number("EPCOMM_TIMEOUT_S", 60.0, float, lambda s: s > 0, "a positive number of seconds")
+
+
+def ranks_per_gpu() -> int:
+    """How many ranks ``epcomm.testing`` may place on one GPU (``EPCOMM_RANKS_PER_GPU``, default 1)."""
+    return _number("EPCOMM_RANKS_PER_GPU", 1, int, lambda n: 1 <= n <= 8, "a whole number from 1 to 8")
+
+
+def set_gpu_share(ranks_on_gpu: int) -> None:
+    """For a worker that shares its GPU with ``ranks_on_gpu - 1`` other ranks: unless the user chose otherwise,
+    an MPS server (if one runs) gives each of them an equal share of the SMs
+    (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``), so that every rank's kernels fit on the GPU at the same time.
+    Without an MPS server the variable has no effect. Must run before the process creates its CUDA context."""
+    if ranks_on_gpu > 1:
+        os.environ.setdefault("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", str(100 // ranks_on_gpu))
 
 
 def log_level() -> str:
@@ -69,17 +89,18 @@ def log_level() -> str:
 
 
 def distributed_env() -> dict[str, str] | None:
-    """The torchrun-style variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) when this
-    process was started by a launcher such as torchrun, else None."""
+    """The torchrun-style variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT)
+    when this process was started by a launcher such as torchrun, else None."""
     if _get("RANK") is None or _get("WORLD_SIZE") is None:
         return None
-    return {k: os.environ.get(k, "") for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    return {k: os.environ.get(k, "") for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                                               "MASTER_PORT")}
 
 
 def set_distributed_env(rank: int, world_size: int, port: int, addr: str = "127.0.0.1") -> None:
     """Write the torchrun-style variables for a worker this process starts (used by the launcher)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      MASTER_ADDR=addr, MASTER_PORT=str(port))
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR=addr, MASTER_PORT=str(port))
 
 
 def set_safe_gpu_defaults() -> None:

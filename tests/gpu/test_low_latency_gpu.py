@@ -8,14 +8,14 @@ the device."""
 import pytest
 import torch
 
-from conftest import gpu_count
+from conftest import gpu_ranks
 from epcomm.testing import spawn
 from test_low_latency_interpreter import _assert_clean, _missing_peer, _patterns
 
 
 def _need(n: int) -> None:
-    if gpu_count() < n:
-        pytest.skip(f"needs {n} GPUs, found {gpu_count()}")
+    if gpu_ranks() < n:
+        pytest.skip(f"needs {n} GPUs, found {gpu_ranks()}")
 
 
 @pytest.mark.gpu

@@ -12,9 +12,12 @@ import torch
 from epcomm.shmem import checks
 from epcomm.testing import spawn
 
-NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
+from conftest import gpu_count, gpu_ranks
+
+NGPU = gpu_count()
 pytestmark = pytest.mark.gpu
-RANKS = [pytest.param(n, marks=pytest.mark.skipif(NGPU < n, reason=f"needs {n} GPUs, found {NGPU}"), id=f"{n}gpu")
+RANKS = [pytest.param(n, marks=pytest.mark.skipif(gpu_ranks() < n, reason=f"needs {n} GPUs, found {NGPU}"),
+                      id=f"{n}gpu")
          for n in (2, 4, 8)]
 
 # (bytes, byte offset): offset 1/3 makes both addresses unaligned (the byte-wise kernel path)

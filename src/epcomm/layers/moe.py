@@ -14,6 +14,7 @@ from torch import nn
 
 from .. import env
 from ..buffer import Buffer
+from ..buffer.buffer import _default_device
 from ..errors import EpcommError
 from . import autograd as ag
 from .buffers import BufferSizes, get_buffer, moe_buffer_size_bytes
@@ -59,12 +60,6 @@ class MoEFuture:
             if self._on_done is not None:
                 self._on_done()
         return self._result
-
-
-def _default_device(group) -> torch.device:
-    if "nccl" in str(dist.get_backend(group)).lower() and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 class MoE(nn.Module):

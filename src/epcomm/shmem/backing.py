@@ -3,12 +3,16 @@
 * CUDA: PyTorch symmetric memory, CUDA backend (``symm_mem.empty`` + ``symm_mem.rendezvous``): peers'
   allocations are mapped into this process through CUDA IPC, so a kernel on this GPU can load and store
   them over NVLink at the addresses ``bases[peer] + offset``.
+* CUDA, several ranks on one GPU (testing, ``epcomm.testing.launcher``): one ordinary allocation per rank,
+  mapped into the other ranks' processes through CUDA IPC (torch symmetric memory refuses ranks that share a
+  device).
 * CPU (tests and development): one shared-memory file per rank (``/dev/shm``), mapped by every rank's
   process. Kernels then run under the Triton interpreter, whose loads and stores go to the same
   addresses; without the interpreter the heap falls back to torch copies and host polling.
 
 A backing only provides ``local`` (this rank's bytes, uint8), ``bases`` (every rank's base address as mapped
-in this process) and ``view(peer, offset, nbytes)`` (a uint8 tensor aliasing bytes of ``peer``'s heap)."""
+in this process), ``view(peer, offset, nbytes)`` (a uint8 tensor aliasing bytes of ``peer``'s heap) and
+``close(group=None)`` (collective when a group is given)."""
 
 from __future__ import annotations
 
@@ -30,6 +34,13 @@ def _all_gather_object(value, group, world: int) -> list:
     out = [None] * world
     dist.all_gather_object(out, value, group=group)
     return out
+
+
+def device_uuid(device: torch.device) -> str:
+    """A name of ``device`` that is the same in every process of the host (the GPU's UUID; ``cpu`` for the CPU)."""
+    if device.type != "cuda":
+        return "cpu"
+    return str(torch.cuda.get_device_properties(device).uuid)
 
 
 class CpuBacking:
@@ -70,7 +81,7 @@ class CpuBacking:
     def view(self, peer: int, offset: int, nbytes: int) -> torch.Tensor:
         return self._tensors[peer][offset:offset + nbytes]
 
-    def close(self) -> None:
+    def close(self, group=None) -> None:
         self._tensors = []
         self.local = None
         for m in self._maps:
@@ -126,7 +137,43 @@ class CudaBacking:
                                   f"{v.data_ptr():#x} for rank {peer}, expected {want:#x}")
         return v
 
-    def close(self) -> None:
+    def close(self, group=None) -> None:
         self._handle = None
         self._tensor = None
         self.local = None
+
+
+class CudaIpcBacking:
+    """Several ranks on one GPU: one allocation per rank, opened in every other rank's process through CUDA IPC
+    (torch.multiprocessing's sharing of CUDA tensors). Also works across GPUs with P2P access, but torch
+    symmetric memory is the backing there."""
+
+    def __init__(self, group, rank: int, world: int, total_bytes: int, device: torch.device) -> None:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        try:
+            tensor = torch.empty(total_bytes, dtype=torch.uint8, device=device)
+            rebuild, args = reduce_tensor(tensor)
+            shared = _all_gather_object(args, group, world)
+            self._tensors = [tensor if r == rank else rebuild(*a) for r, a in enumerate(shared)]
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any failure here means "no IPC mapping on this machine"
+            raise TransportUnavailableError(
+                f"SymmetricHeap: CUDA IPC could not map {total_bytes} bytes across the {world} ranks of the group "
+                f"(rank {rank}, {device}): {type(e).__name__}: {e}") from e
+        self._rank = rank
+        self.local = tensor
+        self.bases = [t.data_ptr() for t in self._tensors]
+
+    def view(self, peer: int, offset: int, nbytes: int) -> torch.Tensor:
+        return self._tensors[peer][offset:offset + nbytes]
+
+    def close(self, group=None) -> None:
+        """Unmap the peers' allocations; with ``group`` (collective), wait until every rank has unmapped this
+        rank's before it can be freed (an owner that exits first makes torch warn about tensors still shared)."""
+        self._tensors = []
+        self.local = None
+        if group is not None and dist.is_initialized():
+            torch.cuda.synchronize()
+            dist.barrier(group=group)

@@ -42,7 +42,7 @@ from ..buffer.layout import align_up
 from ..errors import BufferTooSmallError, EpcommError, EpcommTimeoutError, TransportUnavailableError
 from ..kernels import triton_available
 from ..kernels import shmem_codes as codes
-from .backing import CpuBacking, CudaBacking
+from .backing import CpuBacking, CudaBacking, CudaIpcBacking, device_uuid
 from .p2p import p2p_atomics_supported
 
 log = logging.getLogger(__name__)
@@ -156,7 +156,15 @@ class SymmetricHeap:
         self.device = device
         self.layout = HeapLayout.build(self.world_size, nbytes, num_signals)
         self.nbytes = self.layout.user_bytes
-        if device.type == "cuda":
+        nonce = int.from_bytes(os.urandom(7), "little")
+        facts = [None] * self.world_size
+        dist.all_gather_object(facts, (device.index if device.type == "cuda" else -1, device_uuid(device), nonce),
+                               group=self.group)
+        self._peer_devices = tuple(f[0] for f in facts)
+        self.shares_gpu = len({f[1] for f in facts}) < self.world_size and device.type == "cuda"
+        if self.shares_gpu:  # several ranks on one GPU (testing): torch symmetric memory refuses that
+            self._backing = CudaIpcBacking(self.group, self.rank, self.world_size, self.layout.total_bytes, device)
+        elif device.type == "cuda":
             self._backing = CudaBacking(self.group, self.rank, self.world_size, self.layout.total_bytes, device)
         else:
             self._backing = CpuBacking(self.group, self.rank, self.world_size, self.layout.total_bytes)
@@ -178,10 +186,6 @@ class SymmetricHeap:
         self._destroyed = False
         self._K = _kernels_module(device)
         self.copy_config = self._K.CopyConfig() if self._K is not None else None
-        nonce = int.from_bytes(os.urandom(7), "little")
-        facts = [None] * self.world_size
-        dist.all_gather_object(facts, (device.index if device.type == "cuda" else -1, nonce), group=self.group)
-        self._peer_devices = tuple(f[0] for f in facts)
         self.p2p_atomics = tuple(self._atomics_towards(r) for r in range(self.world_size))
         # the control region starts at zero on every rank before anyone may signal into it
         self._backing.local[:self.layout.user_off].zero_()
@@ -190,7 +194,7 @@ class SymmetricHeap:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         dist.barrier(group=self.group)
-        self._check_mapping([f[1] for f in facts])
+        self._check_mapping([f[2] for f in facts])
         log.debug("SymmetricHeap: rank %d of %d, %d user bytes on %s, bases %s", self.rank, self.world_size,
                   self.nbytes, device, [hex(b) for b in self._bases])
 
@@ -430,15 +434,17 @@ class SymmetricHeap:
         peer still writes into it). Tensors from ``empty()`` keep the memory alive until they are freed."""
         if self._destroyed:
             return
+        passed = False  # the barrier passed: every rank is here, so the backing may wait for them again
         try:
             if barrier:
                 self.barrier()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
+            passed = barrier
         finally:
             self._destroyed = True
             self._peer_views.clear()
-            self._backing.close()
+            self._backing.close(self.group if passed else None)
             self._comm_stream = None
 
     # ------------------------------------------------------------------------------------------------

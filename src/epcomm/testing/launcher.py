@@ -9,6 +9,14 @@ still running. ``run`` does the same, except that under ``torchrun`` (``RANK``/`
 the existing job in this process instead of spawning.
 
 ``fn`` must be importable by name (a module-level function): the spawn start method pickles it.
+
+Ranks sharing a GPU: with ``EPCOMM_RANKS_PER_GPU=N`` (N > 1) the launcher starts up to N ranks on each GPU, so
+that the one-sided transports' kernels can be tested with 2-8 ranks on a machine with fewer GPUs. NCCL refuses
+two ranks on one GPU, so such a group is ``cpu:gloo,cuda:gloo``, and the symmetric heap maps its peers through
+CUDA IPC instead of torch symmetric memory. The ranks' kernels wait for each other, so they must run at the same
+time: start an MPS server first (``nvidia-cuda-mps-control -d``; each rank then gets ``1/N`` of the SMs,
+``epcomm.env.set_gpu_share``); without one the GPU time-slices between the ranks' processes, which is correct
+but takes milliseconds per synchronisation. Timings taken this way are not those of NVLink.
 """
 
 from __future__ import annotations
@@ -68,17 +76,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def resolve_device(device: str, world_size: int) -> str:
-    """``auto`` -> ``cuda`` when there is at least one GPU per rank, else ``cpu``; ``cuda`` is checked."""
+def gpu_rank_slots() -> int:
+    """How many ranks the launcher can place on this machine's GPUs: GPUs x ``EPCOMM_RANKS_PER_GPU``."""
     n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return n_gpus * env.ranks_per_gpu()
+
+
+def resolve_device(device: str, world_size: int) -> str:
+    """``auto`` -> ``cuda`` when every rank has a GPU (one each, or a share of one under
+    ``EPCOMM_RANKS_PER_GPU``), else ``cpu``; ``cuda`` is checked."""
+    slots = gpu_rank_slots()
     if device == "auto":
-        return "cuda" if n_gpus >= world_size and world_size > 0 else "cpu"
-    if device == "cuda" and n_gpus < world_size:
-        raise ValueError(f"launcher: device='cuda' needs {world_size} GPUs, this machine has {n_gpus}; "
-                         f"use device='cpu' or fewer ranks")
+        return "cuda" if slots >= world_size and world_size > 0 else "cpu"
+    if device == "cuda" and slots < world_size:
+        n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        raise ValueError(f"launcher: device='cuda' needs {world_size} GPUs, this machine has {n_gpus} (and "
+                         f"EPCOMM_RANKS_PER_GPU={env.ranks_per_gpu()} ranks may share one); use device='cpu', fewer "
+                         f"ranks, or EPCOMM_RANKS_PER_GPU to place several ranks on one GPU")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"launcher: device={device!r} must be 'auto', 'cpu' or 'cuda'")
     return device
+
+
+def ranks_on_gpu(local_rank: int, local_world_size: int, n_gpus: int) -> int:
+    """How many of a host's ``local_world_size`` ranks share the GPU of ``local_rank`` (round-robin placement)."""
+    if n_gpus < 1:
+        raise ValueError(f"launcher: no CUDA device for rank {local_rank}")
+    return len(range(local_rank % n_gpus, local_world_size, n_gpus))
 
 
 def _setup_logging(rank: int) -> None:
@@ -93,11 +117,17 @@ def init_worker(rank: int, world_size: int, device_kind: str, timeout_s: float) 
     # threads of several processes on the same cores can slow CPU work by orders of magnitude)
     torch.set_num_threads(max(1, min(8, (os.cpu_count() or 1) // max(1, world_size))))
     if device_kind == "cuda":
-        local_rank = int((env.distributed_env() or {}).get("LOCAL_RANK") or rank)
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        launched = env.distributed_env() or {}
+        local_rank = int(launched.get("LOCAL_RANK") or rank)
+        n_gpus = torch.cuda.device_count()
+        shared = ranks_on_gpu(local_rank, int(launched.get("LOCAL_WORLD_SIZE") or world_size), n_gpus)
+        env.set_gpu_share(shared)  # before this process's CUDA context exists
+        device = torch.device("cuda", local_rank % n_gpus)
         torch.cuda.set_device(device)
-        backend = "cpu:gloo,cuda:nccl"
-        kwargs = {"device_id": device}
+        if shared > 1:  # NCCL refuses two ranks on one GPU
+            backend, kwargs = "cpu:gloo,cuda:gloo", {}
+        else:
+            backend, kwargs = "cpu:gloo,cuda:nccl", {"device_id": device}
     else:
         device = torch.device("cpu")
         backend = "gloo"
