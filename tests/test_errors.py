@@ -153,3 +153,31 @@ def test_num_sms_traffic_model(send_bytes, link_gbps, max_sms, num_ranks, expect
         model_num_sms(1, 0.0, 132, 4)
     with pytest.raises(ValueError, match="num_ranks=0 >= 1"):
         model_num_sms(1, 400.0, 132, 0)
+
+
+def _capture_over_gloo(ctx):
+    """A capture with the portable transport over a gloo group that carries CUDA tensors (ranks sharing a GPU):
+    the CPU stands in for CUDA, the capture for torch's capture state."""
+    from unittest import mock
+
+    buf = Buffer(ctx.group, transport="alltoall")
+    try:
+        idx = torch.tensor([[0, 1]] * 4)
+        x = torch.randn(4, 64).to(torch.bfloat16)
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, 4)
+        buf.runtime._capturable = False  # what a gloo group on CUDA devices sets
+        with mock.patch.object(torch.cuda, "is_current_stream_capturing", return_value=True):
+            try:
+                buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                             num_tokens_per_expert=per_expert, topk_idx=idx, num_worst_tokens=8)
+            except EpcommError as exc:
+                return str(exc)
+        return None
+    finally:
+        buf.destroy()
+
+
+def test_graph_capture_over_gloo_is_a_clear_error():
+    msg = spawn(_capture_over_gloo, 2, device="cpu")[0]
+    assert msg is not None and msg.startswith("AllToAllTransport: rank 0"), msg
+    assert "cannot be captured in a CUDA graph" in msg and "NCCL" in msg and "transport='nvlink'" in msg

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from ..buffer.handles import DispatchHandle, LowLatencyHandle
 from ..buffer.layout import align_up, low_latency_pair_capacity
 from ..buffer.validate import raise_if_bad_topk
+from ..errors import EpcommError
 from ..fp8 import FP8_DTYPE, per_token_cast_to_fp8
 from ..kernels import triton_available
 from .plan import exclusive_cumsum, send_plan
@@ -92,6 +93,8 @@ class AllToAllTransport(Transport):
         self._zero_bases: dict = {}
         self._pinned: dict = {}  # pinned host blocks for the dispatch's count read, by size
         self._no_rows = torch.empty(0, dtype=torch.int64, device=device)  # send_idx of the GPU path's handles
+        # gloo moves CUDA tensors through the host: such a group (e.g. ranks that share a GPU) cannot be captured
+        self._capturable = device.type != "cuda" or "nccl" in str(dist.get_backend(group)).lower()
 
     @classmethod
     def capabilities(cls) -> Capabilities:
@@ -102,6 +105,11 @@ class AllToAllTransport(Transport):
 
     # ------------------------------------------------------------------ helpers
     def _a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits=None, in_splits=None, async_op=False):
+        if not self._capturable and torch.cuda.is_current_stream_capturing():
+            raise EpcommError(
+                f"AllToAllTransport: rank {self.rank}'s group moves CUDA tensors with "
+                f"{dist.get_backend(self.group)!r}, whose all_to_all cannot be captured in a CUDA graph; capture "
+                f"with an NCCL group, or use a one-sided transport (transport='nvlink' or 'p2p')")
         return dist.all_to_all_single(_as_bytes(out), _as_bytes(inp), out_splits, in_splits, group=self.group,
                                       async_op=async_op)
 
