@@ -162,7 +162,6 @@ class CudaIpcBacking:
             raise TransportUnavailableError(
                 f"SymmetricHeap: CUDA IPC could not map {total_bytes} bytes across the {world} ranks of the group "
                 f"(rank {rank}, {device}): {type(e).__name__}: {e}") from e
-        self._rank = rank
         self.local = tensor
         self.bases = [t.data_ptr() for t in self._tensors]
 
