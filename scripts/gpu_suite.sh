@@ -6,9 +6,10 @@
 # Stages: info, tests, bench-dispatch, bench-low-latency, bench-p2p, bench-allgather, demo
 # Environment: TESTS (paths), TEST_FILTER (a pytest -k expression), PYTEST_ARGS, TEST_TIMEOUT (per test, s),
 # STAGE_TIMEOUT (per stage, s), DISPATCH_ARGS / LL_ARGS (extra benchmark arguments).
-# EPCOMM_RANKS_PER_GPU=N (N > 1): up to N ranks share each GPU (tests of 2-8 ranks on fewer GPUs); an MPS server
-# runs for the whole call so that the ranks' kernels run at the same time, and the benchmarks' world size is
-# GPUs x N (their timings are then not NVLink's: smoke runs only).
+# EPCOMM_RANKS_PER_GPU=N (N > 1; default 4 on a machine with one GPU): up to N ranks share each GPU (tests of
+# 2-8 ranks on fewer GPUs); an MPS server runs for the whole call so that the ranks' kernels run at the same
+# time. The benchmark stages then skip (their timings would not be NVLink's) unless BENCH_SHARED=1 (smoke runs,
+# world size GPUs x N); the demo runs with GPUs x N ranks.
 # Results land in $OUT/results/ (CSV, Markdown, PNG) and are also packed into $OUT/results.tar.gz;
 # each stage's log is $OUT/logs/<stage>.log; $OUT/summary.txt says which stages passed.
 set -u
@@ -17,6 +18,9 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$(pwd)/src${PYTHONPATH:+:$PYTHONPATH}"
 OUT="${OUT:-$(pwd)/gpu-out}"
 mkdir -p "$OUT/logs" "$OUT/results"
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+if [ "$NGPU" -eq 1 ] && [ -z "${EPCOMM_RANKS_PER_GPU:-}" ]; then
+  export EPCOMM_RANKS_PER_GPU=4 && echo "one GPU: up to 4 ranks share it (EPCOMM_RANKS_PER_GPU=4)"
+fi
 SHARE=${EPCOMM_RANKS_PER_GPU:-1}
 WS=$(( NGPU * SHARE ))
 if [ "$SHARE" -gt 1 ]; then
@@ -45,6 +49,11 @@ run_stage() {
 }
 
 for stage in "${STAGES[@]}"; do
+  if [ "$SHARE" -gt 1 ] && [ "${BENCH_SHARED:-0}" != 1 ] && [[ "$stage" == bench-* ]]; then
+    echo "=== $stage: skipped, $SHARE ranks share each GPU (no NVLink timings; BENCH_SHARED=1 runs it anyway)" \
+      | tee -a "$OUT/summary.txt"
+    continue
+  fi
   case "$stage" in
     info) run_stage info bash -c "nvidia-smi; nvidia-smi topo -m; python3 -c 'import torch,triton;print(torch.__version__,triton.__version__,torch.cuda.nccl.version())'; if [ $SHARE -gt 1 ]; then CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / SHARE)) python3 -c 'import torch; print(\"SMs seen by a rank sharing its GPU:\", torch.cuda.get_device_properties(0).multi_processor_count)'; fi; true" ;;
     tests) KARGS=(); [ -n "${TEST_FILTER:-}" ] && KARGS=(-k "$TEST_FILTER")
