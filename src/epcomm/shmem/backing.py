@@ -149,13 +149,15 @@ class CudaIpcBacking:
     symmetric memory is the backing there."""
 
     def __init__(self, group, rank: int, world: int, total_bytes: int, device: torch.device) -> None:
-        from torch.multiprocessing.reductions import reduce_tensor
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
         try:
             tensor = torch.empty(total_bytes, dtype=torch.uint8, device=device)
-            rebuild, args = reduce_tensor(tensor)
-            shared = _all_gather_object(args, group, world)
-            self._tensors = [tensor if r == rank else rebuild(*a) for r, a in enumerate(shared)]
+            # one send per receiving rank: torch counts the receivers' references per send, and a send shared by
+            # several receivers leaves this rank's count unbalanced (torch then warns at exit)
+            sends = [reduce_tensor(tensor)[1] if r != rank else None for r in range(world)]
+            shared = _all_gather_object(sends, group, world)
+            self._tensors = [tensor if r == rank else rebuild_cuda_tensor(*a[rank]) for r, a in enumerate(shared)]
         except torch.cuda.OutOfMemoryError:
             raise
         except Exception as e:  # noqa: BLE001 - any failure here means "no IPC mapping on this machine"
