@@ -76,18 +76,19 @@ def test_taken_rendezvous_port_is_retried(monkeypatch):
     assert 20000 <= real() < 32000
 
 
-@pytest.mark.parametrize("local_world,n_gpus,expect", [
-    (4, 4, [1, 1, 1, 1]),      # one rank per GPU
-    (4, 1, [4, 4, 4, 4]),      # every rank on the one GPU
-    (3, 2, [2, 1, 2]),         # round-robin: GPU 0 holds ranks 0 and 2
-    (8, 3, [3, 3, 2, 3, 3, 2, 3, 3]),
+@pytest.mark.parametrize("local_world,n_gpus,per_gpu,expect", [
+    (4, 4, 4, [(0, 1), (1, 1), (2, 1), (3, 1)]),      # one rank per GPU
+    (4, 1, 4, [(0, 4)] * 4),                          # every rank on the one GPU
+    (3, 2, 2, [(0, 2), (1, 1), (0, 2)]),              # round-robin: GPU 0 holds ranks 0 and 2
+    (8, 3, 3, [(0, 3), (1, 3), (2, 2), (0, 3), (1, 3), (2, 2), (0, 3), (1, 3)]),
+    (8, 1, 1, [(0, 1)] * 8),                          # each process sees one GPU (CUDA_VISIBLE_DEVICES): no sharing
 ])
-def test_ranks_on_gpu(local_world, n_gpus, expect):
-    from epcomm.testing.launcher import ranks_on_gpu
+def test_gpu_placement(local_world, n_gpus, per_gpu, expect):
+    from epcomm.testing.launcher import gpu_placement
 
-    assert [ranks_on_gpu(r, local_world, n_gpus) for r in range(local_world)] == expect
+    assert [gpu_placement(r, local_world, n_gpus, per_gpu) for r in range(local_world)] == expect
     with pytest.raises(ValueError, match="no CUDA device"):
-        ranks_on_gpu(0, local_world, 0)
+        gpu_placement(0, local_world, 0, per_gpu)
 
 
 def test_ranks_per_gpu_setting(monkeypatch):

@@ -98,11 +98,14 @@ def resolve_device(device: str, world_size: int) -> str:
     return device
 
 
-def ranks_on_gpu(local_rank: int, local_world_size: int, n_gpus: int) -> int:
-    """How many of a host's ``local_world_size`` ranks share the GPU of ``local_rank`` (round-robin placement)."""
+def gpu_placement(local_rank: int, local_world_size: int, n_gpus: int, ranks_per_gpu: int) -> tuple:
+    """``(device index, ranks on that GPU)`` for ``local_rank`` of a host's ``local_world_size`` ranks placed
+    round-robin on its ``n_gpus`` visible GPUs. Ranks count as sharing a GPU only when ``ranks_per_gpu`` > 1
+    asks for it: a job whose processes each see one GPU (``CUDA_VISIBLE_DEVICES``) shares nothing."""
     if n_gpus < 1:
         raise ValueError(f"launcher: no CUDA device for rank {local_rank}")
-    return len(range(local_rank % n_gpus, local_world_size, n_gpus))
+    gpu = local_rank % n_gpus
+    return gpu, (len(range(gpu, local_world_size, n_gpus)) if ranks_per_gpu > 1 else 1)
 
 
 def _setup_logging(rank: int) -> None:
@@ -119,10 +122,10 @@ def init_worker(rank: int, world_size: int, device_kind: str, timeout_s: float) 
     if device_kind == "cuda":
         launched = env.distributed_env() or {}
         local_rank = int(launched.get("LOCAL_RANK") or rank)
-        n_gpus = torch.cuda.device_count()
-        shared = ranks_on_gpu(local_rank, int(launched.get("LOCAL_WORLD_SIZE") or world_size), n_gpus)
+        gpu, shared = gpu_placement(local_rank, int(launched.get("LOCAL_WORLD_SIZE") or world_size),
+                                    torch.cuda.device_count(), env.ranks_per_gpu())
         env.set_gpu_share(shared)  # before this process's CUDA context exists
-        device = torch.device("cuda", local_rank % n_gpus)
+        device = torch.device("cuda", gpu)
         torch.cuda.set_device(device)
         if shared > 1:  # NCCL refuses two ranks on one GPU
             backend, kwargs = "cpu:gloo,cuda:gloo", {}
