@@ -124,3 +124,16 @@ def test_gpu_share_sets_mps_percentage_unless_chosen(monkeypatch):
     monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "50")
     env.set_gpu_share(4)
     assert os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+
+
+@pytest.mark.parametrize("backend,expect", [("cpu:gloo,cuda:nccl", "cuda:0"), ("cpu:gloo,cuda:gloo", "cuda:0"),
+                                            ("nccl", "cuda:0"), ("gloo", "cpu")])
+def test_default_device_follows_the_groups_cuda_backend(monkeypatch, backend, expect):
+    """A group that carries CUDA tensors (NCCL, or gloo mapped to cuda: for ranks sharing a GPU) makes Buffer and
+    MoE default to the current GPU; a CPU-only gloo group keeps them on the CPU."""
+    from epcomm.buffer import buffer as buffer_mod
+
+    monkeypatch.setattr(buffer_mod.dist, "get_backend", lambda group: backend)
+    monkeypatch.setattr(buffer_mod.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(buffer_mod.torch.cuda, "current_device", lambda: 0)
+    assert str(buffer_mod._default_device(None)) == expect

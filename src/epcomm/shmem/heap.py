@@ -161,8 +161,8 @@ class SymmetricHeap:
         dist.all_gather_object(facts, (device.index if device.type == "cuda" else -1, device_uuid(device), nonce),
                                group=self.group)
         self._peer_devices = tuple(f[0] for f in facts)
-        self.shares_gpu = len({f[1] for f in facts}) < self.world_size and device.type == "cuda"
-        if self.shares_gpu:  # several ranks on one GPU (testing): torch symmetric memory refuses that
+        shares_gpu = device.type == "cuda" and len({f[1] for f in facts}) < self.world_size
+        if shares_gpu:  # several ranks on one GPU (testing): torch symmetric memory refuses that
             self._backing = CudaIpcBacking(self.group, self.rank, self.world_size, self.layout.total_bytes, device)
         elif device.type == "cuda":
             self._backing = CudaBacking(self.group, self.rank, self.world_size, self.layout.total_bytes, device)
