@@ -144,7 +144,7 @@ def test_config_and_num_sms_validation():
     (235 << 20, 25.0, 132, 8, 4),
 ])
 def test_num_sms_traffic_model(send_bytes, link_gbps, max_sms, num_ranks, expected):
-    from epcomm.buffer.config import model_num_sms
+    from epcomm.core.config import model_num_sms
 
     got = model_num_sms(send_bytes, link_gbps, max_sms, num_ranks)
     assert got == expected and got % 2 == 0

@@ -131,9 +131,9 @@ def test_gpu_share_sets_mps_percentage_unless_chosen(monkeypatch):
 def test_default_device_follows_the_groups_cuda_backend(monkeypatch, backend, expect):
     """A group that carries CUDA tensors (NCCL, or gloo mapped to cuda: for ranks sharing a GPU) makes Buffer and
     MoE default to the current GPU; a CPU-only gloo group keeps them on the CPU."""
-    from epcomm.buffer import buffer as buffer_mod
+    from epcomm.core import device as device_mod
 
-    monkeypatch.setattr(buffer_mod.dist, "get_backend", lambda group: backend)
-    monkeypatch.setattr(buffer_mod.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(buffer_mod.torch.cuda, "current_device", lambda: 0)
-    assert str(buffer_mod._default_device(None)) == expect
+    monkeypatch.setattr(device_mod.dist, "get_backend", lambda group: backend)
+    monkeypatch.setattr(device_mod.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(device_mod.torch.cuda, "current_device", lambda: 0)
+    assert str(device_mod.default_device(None)) == expect

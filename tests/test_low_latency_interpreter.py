@@ -181,7 +181,7 @@ def _patterns(ctx):
         b.destroy()
 
     # (3) storage sized by the hint: BF16 and FP8 calls of that shape need no more
-    from epcomm.buffer.layout import get_low_latency_rdma_size_hint
+    from epcomm.core.layout import get_low_latency_rdma_size_hint
 
     hint = get_low_latency_rdma_size_hint(t_max, hidden, num_ranks, num_experts, topk)
     buf = Buffer(ctx.group, transport=NVLinkTransport, num_rdma_bytes=hint, **NVL)
@@ -210,7 +210,7 @@ def _missing_peer(ctx):
     """A peer that does not make the call: the receive must time out, record it and report it, not hang.
     First rank 1 skips a dispatch; then (new Buffer) both dispatch and rank 1 skips the combine."""
     from epcomm.buffer import Buffer
-    from epcomm.buffer.layout import get_low_latency_rdma_size_hint
+    from epcomm.core.layout import get_low_latency_rdma_size_hint
     from epcomm.errors import EpcommError
     from epcomm.testing.routing import make_inputs
 
@@ -316,7 +316,7 @@ print("BAD", [(float(x[i]), int(out[i]), int(want[i])) for i in bad[:5]], int(ba
 
 
 def _sample_args():
-    from epcomm.buffer.layout import low_latency_area
+    from epcomm.core.layout import low_latency_area
 
     t, h, k, e, r = 128, 7168, 8, 288, 4
     e_l = e // r

@@ -26,7 +26,7 @@ def test_layout_matches_brute_force(routing):
 
 
 def test_device_layout_equals_reference():
-    from epcomm.buffer.layout import compute_dispatch_layout
+    from epcomm.core.layout import compute_dispatch_layout
 
     gen = torch.Generator().manual_seed(4)
     idx = make_topk(77, 16, 4, "dropped", generator=gen)

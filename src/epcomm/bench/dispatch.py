@@ -197,7 +197,7 @@ def bench_worker(ctx, opts: DispatchBenchOptions) -> list:
         add("nccl-baseline", "combine BF16", t(lambda: baseline_combine(b_recv, b_handle, ctx.group)), "bf16")
         del b_recv, b_handle
         if ctx.device.type == "cuda":
-            from ..buffer.layout import compute_dispatch_layout
+            from ..core.layout import compute_dispatch_layout
 
             in_rank = compute_dispatch_layout(idx, opts.experts, ctx.world_size)[2]
             for kind in ("fp8", "bf16"):

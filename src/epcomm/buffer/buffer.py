@@ -9,14 +9,18 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from ..core.config import Config
+from ..core.device import default_device
+from ..core.handles import DispatchHandle, LowLatencyHandle
+from ..core.layout import get_low_latency_rdma_size_hint as _ll_size_hint
+from ..core.layout import get_normal_buffer_size_hint
+from ..core.validate import check_num_experts, check_topk, split_x
 from ..errors import EpcommError
 from ..fp8 import GROUP
-from .config import Config
+from ..transports import create_transport
+from ..transports.base import (CombineRequest, DispatchRequest, LowLatencyCombineRequest,
+                               LowLatencyDispatchRequest)
 from .events import EventOverlap, StreamScope, capture_event
-from .handles import DispatchHandle, LowLatencyHandle
-from .layout import get_low_latency_rdma_size_hint as _ll_size_hint
-from .layout import get_normal_buffer_size_hint
-from .validate import check_num_experts, check_topk, split_x
 
 log = logging.getLogger("epcomm")
 
@@ -50,8 +54,6 @@ class Buffer:
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
                  explicitly_destroy: bool = False, *, transport: str = "auto",
                  device: Optional[torch.device] = None) -> None:
-        from ..transports import create_transport
-
         if not dist.is_initialized():
             raise EpcommError("Buffer: torch.distributed is not initialised; call "
                               "torch.distributed.init_process_group first (or use epcomm.testing.run)")
@@ -61,7 +63,7 @@ class Buffer:
         self.num_nvl_bytes = int(num_nvl_bytes)
         self.num_rdma_bytes = int(num_rdma_bytes)
         self.low_latency_mode = low_latency_mode
-        self.device = torch.device(device) if device is not None else _default_device(self.group)
+        self.device = torch.device(device) if device is not None else default_device(self.group)
         self.id = next(_buffer_ids)
         self.runtime, reason = create_transport(transport, self.group, self.device,
                                                 self.id, num_nvl_bytes=self.num_nvl_bytes,
@@ -77,7 +79,7 @@ class Buffer:
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
         """Set the SMs the high-throughput kernels of every Buffer may use (even, >= 2; None: chosen per call by
-        ``epcomm.buffer.config.model_num_sms``)."""
+        ``epcomm.core.config.model_num_sms``)."""
         if new_num_sms is not None and (not isinstance(new_num_sms, int) or new_num_sms < 2 or new_num_sms % 2):
             raise ValueError(f"Buffer.set_num_sms: {new_num_sms!r} must be an even integer >= 2 (or None for the "
                              f"traffic model's choice)")
@@ -102,7 +104,7 @@ class Buffer:
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                                        num_experts: int, num_topk: Optional[int] = None) -> int:
-        """Bytes of symmetric storage low-latency mode needs (see ``epcomm.buffer.layout``)."""
+        """Bytes of symmetric storage low-latency mode needs (see ``epcomm.core.layout``)."""
         return _ll_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts, num_topk)
 
     @staticmethod
@@ -252,8 +254,6 @@ class Buffer:
             if topk_idx is not None:
                 bad = check_topk(fn, topk_idx, num_experts, n, self.device, topk_weights,
                                  values_checked_later=self.runtime.checks_topk(data, num_worst_tokens))
-        from ..transports.base import DispatchRequest
-
         scope = self._scope(previous_event, async_finish, allocate_on_comm_stream)
         req = DispatchRequest(data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
                               num_tokens_per_expert, num_experts, expert_alignment, num_worst_tokens, handle,
@@ -306,8 +306,6 @@ class Buffer:
                                   or b.device != self.device for b in biases):
             raise ValueError(f"{fn}: bias must be None, a tensor or a pair of tensors of shape "
                              f"[{handle.num_tokens}, {x.size(1)}] on {self.device}")
-        from ..transports.base import CombineRequest
-
         scope = self._scope(previous_event, async_finish, allocate_on_comm_stream)
         req = CombineRequest(x.contiguous(), handle, topk_weights, biases,
                              config or self.get_combine_config(self.group_size),
@@ -366,8 +364,6 @@ class Buffer:
             raise ValueError(f"{fn}: use_ue8m0=True needs round_scale=True (UE8M0 scales are powers of two)")
         bad = check_topk(fn, topk_idx, num_experts, x.size(0), self.device,
                          values_checked_later=self.runtime.validates_topk)
-        from ..transports.base import LowLatencyDispatchRequest
-
         req = LowLatencyDispatchRequest(x.contiguous(), topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                                         use_fp8, round_scale, use_ue8m0, return_recv_hook, bad)
         scope = self._scope(None, async_finish, False)
@@ -414,8 +410,6 @@ class Buffer:
         if out is not None and (out.shape != (handle.num_tokens, handle.hidden) or out.dtype != torch.bfloat16):
             raise ValueError(f"{fn}: out must be bf16 [{handle.num_tokens}, {handle.hidden}]; got {out.dtype} "
                              f"{tuple(out.shape)}")
-        from ..transports.base import LowLatencyCombineRequest
-
         req = LowLatencyCombineRequest(x, topk_idx, topk_weights, handle, zero_copy, return_recv_hook, out)
         scope = self._scope(None, async_finish, False)
         with scope:
@@ -431,15 +425,6 @@ class Buffer:
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """DeepEP compatibility: epcomm's low-latency storage needs no cleaning between uses."""
-
-
-def _default_device(group) -> torch.device:
-    """The current CUDA device when ``group`` communicates CUDA tensors (NCCL, or a backend mapped to ``cuda:``
-    such as ``cpu:gloo,cuda:gloo`` for ranks that share a GPU), else the CPU."""
-    backend = str(dist.get_backend(group)).lower()
-    if ("nccl" in backend or "cuda:" in backend) and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _check_layout(fn: str, num_tokens_per_rank, is_token_in_rank, n: int, num_ranks: int, device) -> None:

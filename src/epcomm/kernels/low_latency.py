@@ -4,7 +4,7 @@ Used by ``epcomm.transports.low_latency.OneSidedLowLatency``, whose docstring de
 here talks to ``torch.distributed``. Every address of symmetric storage is ``bases[rank] + byte offset``
 (``epcomm.shmem.SymmetricHeap``); the offsets of one call geometry are compile-time constants.
 
-Per rank, symmetric (offsets from the heap base, see ``epcomm.buffer.layout.low_latency_area``):
+Per rank, symmetric (offsets from the heap base, see ``epcomm.core.layout.low_latency_area``):
   * ``flags`` int64 ``[2 kinds, 2 parities, R]``: slot ``(kind, p, s)`` is written only by rank ``s``, a
     release store of the epoch (call number + 1) of its latest call of that kind and parity;
   * dispatch area of parity p: ``pay [R, T, XW]`` int32 words of payload, ``scl [R, T, SW]`` scale words

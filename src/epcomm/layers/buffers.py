@@ -27,7 +27,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from ..buffer import Buffer
-from ..buffer.layout import get_low_latency_rdma_size_hint, get_normal_buffer_size_hint
+from ..core.layout import get_low_latency_rdma_size_hint, get_normal_buffer_size_hint
 from ..errors import EpcommError
 from ..fp8 import GROUP
 from .config import MoEConfig

@@ -14,7 +14,7 @@ from torch import nn
 
 from .. import env
 from ..buffer import Buffer
-from ..buffer.buffer import _default_device
+from ..core.device import default_device
 from ..errors import EpcommError
 from . import autograd as ag
 from .buffers import BufferSizes, get_buffer, moe_buffer_size_bytes
@@ -102,7 +102,7 @@ class MoE(nn.Module):
         self.sizes: BufferSizes = moe_buffer_size_bytes(config, self.max_tokens_per_rank, self.num_ranks)
         self._own_buffer = buffer
         self.device = torch.device(device) if device is not None else (
-            buffer.device if buffer is not None else _default_device(self.group))
+            buffer.device if buffer is not None else default_device(self.group))
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
 

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from .. import env
-from ..buffer.layout import align_up
+from ..core.layout import align_up
 from ..errors import BufferTooSmallError, EpcommError, EpcommTimeoutError, TransportUnavailableError
 from ..kernels import triton_available
 from ..kernels import shmem_codes as codes

@@ -11,7 +11,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ..buffer.buffer import _default_device
+from ..core.device import default_device
 from ..errors import EpcommError
 from .collect import collect_local_facts
 from .report import TopologyReport, build_report
@@ -43,7 +43,7 @@ def probe(group: Optional[Any] = None, device: Optional[torch.device] = None, *,
     if not dist.is_initialized():
         raise EpcommError("probe: torch.distributed is not initialised; call init_process_group first")
     group = group if group is not None else dist.group.WORLD
-    device = torch.device(device) if device is not None else _default_device(group)
+    device = torch.device(device) if device is not None else default_device(group)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     key = str(device)

@@ -28,9 +28,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..buffer.handles import DispatchHandle, LowLatencyHandle
-from ..buffer.layout import align_up, low_latency_pair_capacity
-from ..buffer.validate import raise_if_bad_topk
+from ..core.handles import DispatchHandle, LowLatencyHandle
+from ..core.layout import align_up, low_latency_pair_capacity
+from ..core.validate import raise_if_bad_topk
 from ..errors import EpcommError
 from ..fp8 import FP8_DTYPE, per_token_cast_to_fp8
 from ..kernels import triton_available

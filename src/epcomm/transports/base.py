@@ -11,9 +11,9 @@ from typing import Any, Callable, ClassVar, Optional
 
 import torch
 
-from ..buffer.config import Config
-from ..buffer.handles import DispatchHandle, LowLatencyHandle
-from ..buffer.layout import compute_dispatch_layout
+from ..core.config import Config
+from ..core.handles import DispatchHandle, LowLatencyHandle
+from ..core.layout import compute_dispatch_layout
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ FP32 combine); the kernels are in ``epcomm.kernels.low_latency``.
 Storage (symmetric, per rank): arrival flags ``[2 kinds, 2 parities, R]`` and an area partitioned once
 into ``[D0 | D1 | C0 | C1]``: two dispatch areas (``R`` source regions of ``C = T * min(K, E_local)`` rows:
 payload, scales, ``token * K + slot``, plus per (source, expert) counts) and two combine areas (``T * K``
-bf16 rows, one per (token, slot) of this rank); ``epcomm.buffer.layout.low_latency_area`` lays out one
+bf16 rows, one per (token, slot) of this rank); ``epcomm.core.layout.low_latency_area`` lays out one
 call shape, ``get_low_latency_rdma_size_hint`` states the total. The partition never depends on the call's
 shape: a rank that has moved on to a call of another shape must not write where a slower peer still reads.
 The storage is a ``SymmetricHeap`` of its own, created at construction when ``nbytes`` is given (DeepEP's
@@ -56,8 +56,8 @@ import torch
 import torch.distributed as dist
 
 from .. import env
-from ..buffer.handles import LowLatencyHandle
-from ..buffer.layout import LOW_LATENCY_ALIGN, low_latency_area, low_latency_flag_bytes
+from ..core.handles import LowLatencyHandle
+from ..core.layout import LOW_LATENCY_ALIGN, low_latency_area, low_latency_flag_bytes
 from ..kernels.launch import next_pow2
 from ..errors import BufferTooSmallError, EpcommError
 from ..fp8 import FP8_DTYPE, GROUP

@@ -37,10 +37,10 @@ from typing import Optional
 import torch
 
 from .. import env
-from ..buffer.config import NARROW_RANKS, model_num_sms
-from ..buffer.handles import DispatchHandle
-from ..buffer.layout import align_up
-from ..buffer.validate import raise_if_bad_topk
+from ..core.config import NARROW_RANKS, model_num_sms
+from ..core.handles import DispatchHandle
+from ..core.layout import align_up
+from ..core.validate import raise_if_bad_topk
 from ..kernels.launch import launch, next_pow2
 from ..errors import BufferTooSmallError, EpcommError, EpcommTimeoutError
 from .base import (Capabilities, CombineRequest, DispatchRequest, DispatchResult, LowLatencyCombineRequest,
