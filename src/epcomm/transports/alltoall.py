@@ -243,7 +243,7 @@ class AllToAllTransport(Transport):
             num_recv_tokens_per_rank=tuple(recv_counts), num_recv_tokens_per_expert=recv_per_expert,
             recv_src_rank=recv_src_rank, recv_src_idx=recv_src_idx, state=state)
         per_expert_list = ([align_up(c, req.expert_alignment) for c in per_expert]
-                           if req.topk_idx is not None else [])
+                           if req.num_tokens_per_expert is not None else [])
         return DispatchResult(recv_x, recv_scales, recv_idx, recv_w, per_expert_list, handle)
 
     def _pack(self, x, scales, topk_idx, topk_weights, itr, pos, first, num_experts):
