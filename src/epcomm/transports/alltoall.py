@@ -42,6 +42,8 @@ from .base import (Capabilities, CombineRequest, DispatchRequest, DispatchResult
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A 2-D view of ``t``'s rows as uint8 (what travels; dtype-agnostic for NCCL and gloo)."""
     t = t if t.dim() == 2 else t.reshape(t.size(0), -1)
+    if t.dtype != torch.uint8 and t.numel() == 0:  # an empty tensor may have any strides (e.g. 0): nothing to view
+        return torch.empty(t.size(0), t.size(1) * t.element_size(), dtype=torch.uint8, device=t.device)
     return t if t.dtype == torch.uint8 else t.view(torch.uint8)
 
 
