@@ -37,16 +37,6 @@ def transport_override() -> str | None:
     return value
 
 
-def set_transport_override(name: str | None) -> None:
-    """Force (or, with None, stop forcing) the transport of every Buffer this process makes from now on, as
-    ``EPCOMM_TRANSPORT`` does (for tests and tools that cannot pass ``transport=``, e.g. ``deep_ep.Buffer``)."""
-    if name is None:
-        os.environ.pop("EPCOMM_TRANSPORT", None)
-    else:
-        os.environ["EPCOMM_TRANSPORT"] = name
-        transport_override()  # checks the name
-
-
 def debug() -> bool:
     """True when ``EPCOMM_DEBUG`` is set to a true value (1, true, yes, on)."""
     return (_get("EPCOMM_DEBUG") or "0").strip().lower() in ("1", "true", "yes", "on")

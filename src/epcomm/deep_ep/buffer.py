@@ -67,7 +67,8 @@ class Buffer:
 
     Normal (high-throughput) dispatch/combine and low-latency dispatch/combine share one Buffer, as in DeepEP.
     The transport is epcomm's choice for the hardware (``nvlink``, ``p2p`` or the portable ``alltoall``, which
-    also runs on CPU processes over gloo); ``EPCOMM_TRANSPORT`` forces one. The group may be a gloo group:
+    also runs on CPU processes over gloo); ``epcomm.deep_ep.Buffer.transport = "p2p"`` (a class attribute) or
+    ``EPCOMM_TRANSPORT`` forces one. The group may be a gloo group:
     like DeepEP, the Buffer communicates on the current CUDA device when the process uses CUDA.
 
     Attributes (DeepEP's):
@@ -81,6 +82,9 @@ class Buffer:
     """
 
     num_sms: int = 20
+    # epcomm's: the transport of every drop-in buffer made from now on (ElasticBuffer's too): "auto" (epcomm's
+    # choice for the hardware), "nvlink", "p2p", "alltoall" or a Transport class; EPCOMM_TRANSPORT overrides it
+    transport: Union[str, type] = "auto"
 
     def __init__(self,
                  group: Optional[dist.ProcessGroup],
@@ -130,7 +134,7 @@ class Buffer:
         self.enable_shrink = enable_shrink
         self.runtime = _EpcommBuffer(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank,
                                      allow_nvlink_for_low_latency_mode, allow_mnnvl, explicitly_destroy,
-                                     device=communication_device(group))
+                                     transport=Buffer.transport, device=communication_device(group))
 
     def destroy(self):
         """Release the buffer's resources (collective; epcomm's ``Buffer.destroy``)."""

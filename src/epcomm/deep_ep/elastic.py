@@ -33,7 +33,7 @@ from ..core.config import model_num_sms
 from ..core.handles import DispatchHandle
 from ..core.layout import align_up, get_normal_buffer_size_hint
 from ..fp8 import GROUP
-from .buffer import communication_device, not_internode
+from .buffer import Buffer, communication_device, not_internode
 from .utils import EventHandle, EventOverlap, from_epcomm_event, to_epcomm_event
 
 _BUFFER_ALIGNMENT = 2 << 20  # V2 sizes its buffers in 2 MiB steps
@@ -155,7 +155,7 @@ class ElasticBuffer:
         self.scaleout_rank_idx, self.scaleup_rank_idx = 0, self.rank_idx
         self.num_rdma_ranks, self.num_nvlink_ranks = 1, self.num_ranks
         self.runtime = _EpcommBuffer(group, num_bytes, 0, explicitly_destroy=explicitly_destroy,
-                                     device=communication_device(group))
+                                     transport=Buffer.transport, device=communication_device(group))
 
     def destroy(self) -> None:
         """Release the buffer (collective; epcomm's ``Buffer.destroy``)."""

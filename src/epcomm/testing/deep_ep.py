@@ -16,8 +16,9 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 
-from .. import env, reference
+from .. import reference
 from ..fp8 import per_token_cast_back, per_token_cast_to_fp8
 from .checks import CaseResult
 from .routing import make_inputs
@@ -36,6 +37,8 @@ class Scenario:
         self.rank, self.num_ranks, self.device = ctx.rank, ctx.world_size, ctx.device
         self.num_experts = 4 * ctx.world_size
         self.e_local = 4
+        # vLLM hands DeepEP its CPU (gloo) group while the tensors are on the GPU
+        self.cpu_group = dist.new_group(backend="gloo") if ctx.device.type == "cuda" else ctx.group
 
     def inputs(self, seed: int, routing: str = "dropped"):
         return make_inputs(seed, self.num_ranks, TOKENS, HIDDEN, self.num_experts, TOPK, routing, torch.bfloat16)
@@ -64,7 +67,10 @@ def expert_stand_in(rows: torch.Tensor, local_idx: Optional[torch.Tensor], weigh
     routing), in FP32, cast to bf16."""
     if local_idx is None:
         return (rows.float() * (1.0 + 0.5 * rank)).to(torch.bfloat16)
-    gain = (weights.float() * (1.0 + local_idx.clamp(min=0).float() / 8)).masked_fill(local_idx < 0, 0).sum(1)
+    terms = (weights.float() * (1.0 + local_idx.clamp(min=0).float() / 8)).masked_fill(local_idx < 0, 0)
+    gain = torch.zeros(rows.size(0), dtype=torch.float32, device=rows.device)
+    for k in range(terms.size(1)):  # slot by slot: the same sums on every device (no reduction kernel's order)
+        gain = gain + terms[:, k]
     return (rows.float() * gain.unsqueeze(1)).to(torch.bfloat16)
 
 
@@ -103,7 +109,7 @@ def stand_in_outputs(sc: Scenario, ref) -> list:
 def vllm_high_throughput(sc: Scenario, deep_ep) -> list:
     """vLLM's DeepEPHTAll2AllManager buffer and DeepEPHTPrepareAndFinalize (BF16 and block-FP8 dispatch; async
     prepare/finalize, and the dual-batch-overlap form with a captured previous event and no async_finish)."""
-    buffer = deep_ep.Buffer(group=sc.ctx.group, num_nvl_bytes=1024 * 1024 * 1024, num_rdma_bytes=0,
+    buffer = deep_ep.Buffer(group=sc.cpu_group, num_nvl_bytes=1024 * 1024 * 1024, num_rdma_bytes=0,
                             low_latency_mode=False, num_qps_per_rank=1, explicitly_destroy=True)
     deep_ep.Buffer.set_num_sms(min(20, 20))
     available_rank_configs = [2, 4, 8, 16, 24, 32, 64, 128, 144, 160]
@@ -161,7 +167,7 @@ def vllm_low_latency(sc: Scenario, deep_ep) -> list:
     num_rdma_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(
         num_max_dispatch_tokens_per_rank=MAX_TOKENS, hidden=HIDDEN, num_ranks=sc.num_ranks,
         num_experts=sc.num_experts)
-    buffer = deep_ep.Buffer(group=sc.ctx.group, num_nvl_bytes=1024 * 1024 * 1024, num_rdma_bytes=num_rdma_bytes,
+    buffer = deep_ep.Buffer(group=sc.cpu_group, num_nvl_bytes=1024 * 1024 * 1024, num_rdma_bytes=num_rdma_bytes,
                             low_latency_mode=True, num_qps_per_rank=sc.e_local,
                             allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False, explicitly_destroy=True,
                             enable_shrink=False)
@@ -485,7 +491,8 @@ def xorl(sc: Scenario, deep_ep) -> list:
     check_recv(res, sc, ref, None, recv_x, recv_topk_idx, recv_topk_weights, recv_counts)
     expert_out = [_xorl_expert_block(r.recv_x, r.recv_topk_idx, r.recv_topk_weights, sum(r.num_recv_tokens_per_expert),
                                      s) for s, r in enumerate(ref)]
-    gather_output = _xorl_expert_block(recv_x, recv_topk_idx, recv_topk_weights, sum(recv_counts), sc.rank)
+    gather_output = _xorl_expert_block(recv_x.cpu(), recv_topk_idx.cpu(), recv_topk_weights.cpu(), sum(recv_counts),
+                                       sc.rank).to(sc.device)  # on the CPU: GPU scatter-adds add in any order
     combined_x, _, event = buffer.combine(x=gather_output.contiguous(), handle=handle, config=combine_config,
                                           previous_event=EventOverlap(EventHandle()), async_finish=True,
                                           allocate_on_comm_stream=True)
@@ -745,18 +752,87 @@ def _check_psums(res: CaseResult, sc: Scenario, mine, handle) -> None:
                torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32))
 
 
+def graph_decode(sc: Scenario, deep_ep, replays: int = 3) -> list:
+    """A decode step captured once in a CUDA graph and replayed with new data, as vLLM and SGLang capture their
+    decode steps: the low-latency pair (dispatch with ``cumulative_local_expert_recv_stats`` and a hook, an
+    elementwise expert stand-in, combine with a hook) and V2's decode pair (``do_cpu_sync=False`` dispatch,
+    combine). Every replay is checked against the reference, and the counters hold the replays' sum. On the CPU
+    (no graphs) the step runs eagerly for every replay, which checks this replay itself."""
+    num_rdma_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(MAX_TOKENS, HIDDEN, sc.num_ranks, sc.num_experts)
+    buffer = deep_ep.Buffer(sc.ctx.group, 0, num_rdma_bytes, low_latency_mode=True, num_qps_per_rank=sc.e_local)
+    elastic_buffer = deep_ep.ElasticBuffer(sc.ctx.group, num_max_tokens_per_rank=MAX_TOKENS, hidden=HIDDEN,
+                                           num_topk=TOPK)
+    batches = [sc.inputs(110 + i, "uniform") for i in range(replays + 1)]
+    static = sc.mine(batches[0])
+    x_s, idx_s, w_s = static.x.clone(), static.topk_idx.clone(), static.topk_weights.clone()
+    stats = torch.zeros(sc.e_local, dtype=torch.int32, device=sc.device)
+
+    def step():
+        recv, count, handle, _, hook = buffer.low_latency_dispatch(
+            x_s, idx_s, MAX_TOKENS, sc.num_experts, cumulative_local_expert_recv_stats=stats, use_fp8=True,
+            async_finish=False, return_recv_hook=True)
+        hook()
+        y = (per_token_cast_back(recv[0].view(-1, HIDDEN), recv[1].reshape(-1, HIDDEN // 128), torch.bfloat16)
+             .view(recv[0].shape).float() * 0.5).to(torch.bfloat16)
+        combined, _, hook = buffer.low_latency_combine(y, idx_s, w_s, handle, async_finish=False,
+                                                       return_recv_hook=True)
+        hook()
+        recv_x, recv_idx, recv_w, eh, _ = elastic_buffer.dispatch(x_s, topk_idx=idx_s, topk_weights=w_s,
+                                                                  num_experts=sc.num_experts, do_cpu_sync=False)
+        back, _, _ = elastic_buffer.combine(expert_stand_in(recv_x, recv_idx, recv_w, sc.rank), handle=eh)
+        return recv, count, combined, recv_x, back
+
+    on_gpu = sc.device.type == "cuda"
+    if on_gpu:
+        from ..bench.timing import capture_graph
+
+        graph, outs = capture_graph(step)
+    stats.zero_()
+    res = CaseResult(f"decode step in a CUDA graph ({'replayed' if on_gpu else 'eager'} {replays} times)")
+    counts = torch.zeros(sc.e_local, dtype=torch.int32)
+    for i in range(1, replays + 1):
+        inputs = batches[i]
+        mine = inputs[sc.rank]
+        x_s.copy_(mine.x)
+        idx_s.copy_(mine.topk_idx)
+        w_s.copy_(mine.topk_weights)
+        if on_gpu:
+            graph.replay()
+            torch.cuda.synchronize()
+        else:
+            outs = step()
+        recv, count, combined, recv_x, back = outs
+        ll = _ll_reference(sc, inputs, True)
+        res.expect(f"replay {i} recv_count", count, torch.tensor(ll[sc.rank].count, dtype=torch.int32))
+        for e in range(sc.e_local):
+            res.expect(f"replay {i} recv_x[{e}]", recv[0][e, :ll[sc.rank].count[e]], ll[sc.rank].x[e])
+        ys = [[(per_token_cast_back(d.x[e], d.scales[e], torch.bfloat16).float() * 0.5).to(torch.bfloat16)
+               if d.x[e].numel() else d.x[e].to(torch.bfloat16) for e in range(sc.e_local)] for d in ll]
+        res.expect(f"replay {i} combined", combined, reference.low_latency_combine(
+            ys, ll, [b.topk_idx for b in inputs], [b.topk_weights for b in inputs], sc.num_experts)[sc.rank])
+        counts += torch.tensor(ll[sc.rank].count, dtype=torch.int32)
+        ref, _ = sc.normal_reference(inputs)
+        res.expect(f"replay {i} V2 recv_x", recv_x[:ref[sc.rank].recv_x.size(0)], ref[sc.rank].recv_x)
+        res.expect(f"replay {i} V2 combined", back,
+                   sc.combine_reference(stand_in_outputs(sc, ref), ref, inputs)[0])
+    res.expect("cumulative_local_expert_recv_stats over the replays", stats, counts)
+    elastic_buffer.destroy()
+    buffer.destroy()
+    return [res]
+
+
 REPLAYS: dict[str, Callable] = {"vllm_ht": vllm_high_throughput, "vllm_ll": vllm_low_latency, "sglang": sglang,
-                                "megatron": megatron, "xorl": xorl, "deepep": deepep_readme, "elastic": elastic}
+                                "megatron": megatron, "xorl": xorl, "deepep": deepep_readme, "elastic": elastic,
+                                "graph": graph_decode}
 
 
-def run_replays(ctx, transport: Optional[str] = None, names: Optional[list] = None) -> list:
-    """Worker entry: install the drop-in, ``import deep_ep`` and run the named replays (default all) with
-    ``transport`` forced (default: epcomm's choice). Returns ``[(label, failures)]`` of the failing checks; a
-    replay that raises ends the worker (its collectives are out of step), naming the replay."""
-    from ..deep_ep import install
+def run_replays(ctx, transport="auto", names: Optional[list] = None) -> list:
+    """Worker entry: install the drop-in, ``import deep_ep`` and run the named replays (default all) on
+    ``transport`` (a name or a Transport class; default epcomm's choice). Returns ``[(label, failures)]`` of the
+    failing checks; a replay that raises ends the worker (its collectives are out of step), naming the replay."""
+    from ..deep_ep import Buffer, install
 
-    if transport is not None:
-        env.set_transport_override(transport)
+    Buffer.transport = transport
     if not install():
         raise RuntimeError("run_replays: a DeepEP installation is importable; the replays need the drop-in")
     import deep_ep
