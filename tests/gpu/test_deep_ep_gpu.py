@@ -17,20 +17,13 @@ def _assert_clean(results) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("part", ["replays", "graph"])
 @pytest.mark.parametrize("transport", ["nvlink", "p2p", "alltoall"])
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_gpu_deep_ep_replays(world_size, transport):
+def test_gpu_deep_ep(world_size, transport, part):
     if gpu_ranks() < world_size:
         pytest.skip(f"needs {world_size} GPU rank slots")
-    names = [n for n in REPLAYS if n != "graph"]
+    if part == "graph":
+        skip_gloo_graph(transport, world_size)
+    names = ["graph"] if part == "graph" else [n for n in REPLAYS if n != "graph"]
     _assert_clean(spawn(run_replays, world_size, transport, names, device="cuda", timeout_s=600))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("transport", ["nvlink", "p2p", "alltoall"])
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_gpu_deep_ep_decode_graph(world_size, transport):
-    if gpu_ranks() < world_size:
-        pytest.skip(f"needs {world_size} GPU rank slots")
-    skip_gloo_graph(transport, world_size)
-    _assert_clean(spawn(run_replays, world_size, transport, ["graph"], device="cuda", timeout_s=600))
