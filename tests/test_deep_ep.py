@@ -274,6 +274,8 @@ def _errors(ctx) -> list:
     _, _, ll_handle, _, _ = buf.low_latency_dispatch(mine.x, mine.topk_idx, 4, 4 * ctx.world_size)
     y = torch.zeros(4, 4 * ctx.world_size, 128, dtype=torch.bfloat16)
     eb = deep_ep.ElasticBuffer(ctx.group, num_max_tokens_per_rank=4, hidden=128)
+    eb_handle = eb.dispatch(mine.x, mine.topk_idx, num_experts=4 * ctx.world_size,
+                            previous_event_before_epilogue=eb.capture())[3]
     cases = {
         "enable_shrink": (lambda: deep_ep.Buffer(ctx.group, enable_shrink=True), NotImplementedError,
                           "Buffer: enable_shrink=True"),
@@ -281,7 +283,7 @@ def _errors(ctx) -> list:
         "comm": (lambda: deep_ep.Buffer(None, comm=object()), NotImplementedError, "mpi4py communicator"),
         "no group": (lambda: deep_ep.Buffer(None), ValueError, "either 'group' or 'comm'"),
         "wait stats": (lambda: buf.low_latency_dispatch(mine.x, mine.topk_idx, 4, 4 * ctx.world_size,
-                                                        dispatch_wait_recv_cost_stats=torch.zeros(2, dtype=torch.int64)),
+                                                        dispatch_wait_recv_cost_stats=torch.zeros(2, dtype=torch.long)),
                        NotImplementedError, "dispatch_wait_recv_cost_stats"),
         "combine wait stats": (lambda: buf.low_latency_combine(y, mine.topk_idx, mine.topk_weights, ll_handle,
                                                                combine_wait_recv_cost_stats=torch.zeros(2)),
@@ -306,6 +308,13 @@ def _errors(ctx) -> list:
         "expand": (lambda: eb.dispatch(mine.x, mine.topk_idx, num_experts=4 * ctx.world_size, do_expand=True),
                    NotImplementedError, "do_expand=True"),
         "engram": (lambda: eb.engram_fetch(mine.topk_idx), NotImplementedError, "Engram"),
+        "cached weights": (lambda: eb.dispatch(mine.x, handle=eb_handle, topk_weights=mine.topk_weights),
+                           NotImplementedError, "topk_weights in a cached dispatch"),
+        "EPHandle field": (lambda: eb_handle.recv_src_metadata, NotImplementedError, "EPHandle.recv_src_metadata"),
+        "two previous events": (lambda: eb.dispatch(mine.x, mine.topk_idx, num_experts=4 * ctx.world_size,
+                                                    previous_event=eb.capture(),
+                                                    previous_event_before_epilogue=eb.capture()),
+                                NotImplementedError, "previous_event and previous_event_before_epilogue together"),
         "cpu bytes": (lambda: deep_ep.ElasticBuffer(ctx.group, num_bytes=1 << 21, num_cpu_bytes=1 << 21),
                       NotImplementedError, "num_cpu_bytes"),
         "too many tokens": (lambda: eb.dispatch(torch.zeros(5, 128, dtype=torch.bfloat16),
@@ -323,13 +332,6 @@ def _errors(ctx) -> list:
         except exc as e:
             if not re.search(pattern, str(e)):
                 problems.append(f"{name}: {type(e).__name__}: {e}")
-    eb_handle = eb.dispatch(mine.x, mine.topk_idx, num_experts=4 * ctx.world_size)[3]
-    try:
-        eb_handle.recv_src_metadata
-        problems.append("EPHandle.recv_src_metadata: did not raise")
-    except NotImplementedError as e:
-        if "recv_src_metadata" not in str(e):
-            problems.append(str(e))
     if buf.get_comm_stream() is not None or eb.get_logical_domain_size() != (1, ctx.world_size):
         problems.append("CPU buffer: a comm stream, or wrong domain sizes")
     eb.destroy()

@@ -276,6 +276,9 @@ class ElasticBuffer:
                                 f"{type(handle).__name__}")
             if topk_idx is not None:
                 raise ValueError(f"{fn}: with a handle topk_idx must be None (the handle holds the layout)")
+            if topk_weights is not None:
+                raise NotImplementedError(f"{fn}: topk_weights in a cached dispatch (V2 resends them with the "
+                                          f"expanded layout) is not implemented; pass None")
             if do_cpu_sync:
                 raise ValueError(f"{fn}: a cached dispatch makes no host synchronisation; pass do_cpu_sync=None")
             for name, given, kept in (("num_experts", num_experts, handle.num_experts),
@@ -302,7 +305,7 @@ class ElasticBuffer:
                       allocate_on_comm_stream=allocate_on_comm_stream,
                       cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats)
         if cached:
-            recv_x, _, _, _, _, ev = self.runtime.dispatch(x, handle.handle, topk_weights=topk_weights, **common)
+            recv_x, _, _, _, _, ev = self.runtime.dispatch(x, handle.handle, **common)
             return recv_x, None, None, handle, from_epcomm_event(ev, async_with_compute_stream)
         per_rank, _, per_expert, in_rank, _ = self.runtime.get_dispatch_layout(topk_idx, num_experts, event)
         worst = 0 if do_cpu_sync else self.num_ranks * num_max_tokens_per_rank

@@ -446,7 +446,8 @@ def megatron(sc: Scenario, deep_ep) -> list:
         gen = torch.Generator().manual_seed(seed + 100)
         gs = [torch.randn(i.x.shape, generator=gen).to(torch.bfloat16) for i in inputs]
         cs = [torch.randn(r.recv_x.size(0), TOPK, generator=gen) for r in ref]
-        loss = (combined.float() * gs[sc.rank].to(sc.device).float()).sum() + (recv_probs * cs[sc.rank].to(sc.device)).sum()
+        loss = ((combined.float() * gs[sc.rank].to(sc.device).float()).sum()
+                + (recv_probs * cs[sc.rank].to(sc.device)).sum())
         loss.backward()
         back = reference.dispatch([g for g in gs], [i.topk_idx for i in inputs], sc.num_experts)
         grad_recv = [(b.recv_x.float() * (0.5 * (1 + s))).to(torch.bfloat16) for s, b in enumerate(back)]
@@ -483,7 +484,8 @@ def xorl(sc: Scenario, deep_ep) -> list:
     num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank, _ = \
         buffer.get_dispatch_layout(topk_idx_deepep, sc.num_experts)
     recv_x, recv_topk_idx, recv_topk_weights, recv_counts, handle, event = buffer.dispatch(
-        x=mine.x.contiguous(), num_tokens_per_rank=num_tokens_per_rank, num_tokens_per_rdma_rank=num_tokens_per_rdma_rank,
+        x=mine.x.contiguous(), num_tokens_per_rank=num_tokens_per_rank,
+        num_tokens_per_rdma_rank=num_tokens_per_rdma_rank,
         is_token_in_rank=is_token_in_rank, num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx_deepep,
         topk_weights=mine.topk_weights.to(torch.float32), config=dispatch_config,
         previous_event=EventOverlap(EventHandle()), async_finish=True, allocate_on_comm_stream=True)
@@ -681,7 +683,8 @@ def elastic(sc: Scenario, deep_ep) -> list:
     num_comm_sms = buffer.get_theoretical_num_sms(sc.num_experts, TOPK)
     out = []
     res = CaseResult("DeepEP V2 ElasticBuffer training")
-    res.expect_eq("buffer sized by the hint, even SMs", (buffer.num_bytes >= required_bytes, num_comm_sms % 2), (True, 0))
+    res.expect_eq("buffer sized by the hint, even SMs", (buffer.num_bytes >= required_bytes, num_comm_sms % 2),
+                  (True, 0))
     inputs = sc.inputs(100)
     mine = sc.mine(inputs)
     ref, casts = sc.normal_reference(inputs, fp8=True)
