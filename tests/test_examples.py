@@ -1,5 +1,6 @@
 """The examples run end to end on CPU processes (gloo): training lowers the loss and prints the per-phase
-summary; the decode loop runs on the low-latency path on every rank."""
+summary; the decode loop runs on the low-latency path on every rank; the MoE block written against ``deep_ep``
+matches its dense computation on both paths."""
 
 import os
 import re
@@ -30,3 +31,11 @@ def test_decode_example_runs_on_the_low_latency_path():
     text = _run("decode_moe.py", "--steps", "3")
     for rank in (0, 1):
         assert re.search(rf"rank {rank}: 3 decode steps on the low_latency path", text), text[-2000:]
+
+
+def test_deep_ep_example_matches_the_dense_block():
+    text = _run("deep_ep_moe.py")
+    for rank in (0, 1):
+        for mode in ("normal", "low_latency"):
+            assert re.search(rf"rank {rank}: epcomm.deep_ep {mode}: \d+ tokens, .* matches the dense MoE", text), \
+                text[-2000:]

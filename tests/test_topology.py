@@ -434,6 +434,9 @@ def test_doctor_on_cpu(capsys):
     assert doctor.main(["--world-size", "2"]) == 0
     text = capsys.readouterr().out
     assert "chosen: alltoall" in text and "self-test with alltoall" in text and "passed" in text
+    from epcomm.deep_ep import status
+
+    assert f"deep_ep: {status()[1]}" in text  # which `import deep_ep` the ranks would get
 
 
 def test_doctor_forced_transport_that_cannot_run(capsys):

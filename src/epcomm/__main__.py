@@ -7,6 +7,7 @@ Commands:
   bench p2p            one-sided put/get vs NCCL send/recv and the copy engine
   bench allgather      one-sided all-gather vs NCCL
   doctor               which transport works on this machine, and why
+  deep-ep SCRIPT ...   run a program with `import deep_ep` resolving to epcomm's drop-in (--status: which is active)
 
 Each command's own ``--help`` lists its options. Commands that need several processes spawn them (CPU
 processes over gloo without GPUs) or join a torchrun job."""
@@ -19,6 +20,7 @@ import sys
 COMMANDS = {
     "demo": "epcomm.bench.demo",
     "doctor": "epcomm.topology.doctor",
+    "deep-ep": "epcomm.deep_ep._install",
 }
 BENCHMARKS = {
     "dispatch": "epcomm.bench.dispatch",
@@ -50,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         target = COMMANDS.get(command)
         if target is None:
-            print(f"epcomm: unknown command {command!r}; choose one of demo, bench, doctor", file=sys.stderr)
+            print(f"epcomm: unknown command {command!r}; choose one of {', '.join([*COMMANDS, 'bench'])}",
+                  file=sys.stderr)
             return 2
     module = importlib.import_module(target)
     return int(module.main(rest) or 0)

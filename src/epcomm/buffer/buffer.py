@@ -14,7 +14,7 @@ from ..core.device import default_device
 from ..core.handles import DispatchHandle, LowLatencyHandle
 from ..core.layout import get_low_latency_rdma_size_hint as _ll_size_hint
 from ..core.layout import get_normal_buffer_size_hint
-from ..core.validate import check_num_experts, check_topk, split_x
+from ..core.validate import check_expert_stats, check_num_experts, check_topk, split_x
 from ..errors import EpcommError
 from ..fp8 import GROUP
 from ..transports import create_transport
@@ -112,6 +112,11 @@ class Buffer:
         """Bytes of receive storage that holds one normal dispatch in one piece (larger calls are chunked)."""
         return get_normal_buffer_size_hint(num_tokens, hidden_bytes, num_ranks)
 
+    def get_comm_stream(self) -> Optional[torch.cuda.Stream]:
+        """The CUDA stream calls with ``async_finish``, ``allocate_on_comm_stream`` or a ``previous_event`` run
+        on (None for a Buffer on the CPU, where there are no streams)."""
+        return self._comm_stream
+
     # ------------------------------------------------------------------ lifecycle
     def destroy(self) -> None:
         """Release the transport's resources. Collective: every rank of the group must call it. Raises if a
@@ -182,7 +187,8 @@ class Buffer:
                  topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
                  expert_alignment: int = 1, num_worst_tokens: int = 0, config: Optional[Config] = None,
                  previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
-                 allocate_on_comm_stream: bool = False):
+                 allocate_on_comm_stream: bool = False, *,
+                 cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None):
         """Send every token to each rank that holds one of its experts (once per rank).
 
         Arguments:
@@ -201,6 +207,9 @@ class Buffer:
                 The per-expert list is then empty: read ``handle.num_recv_tokens_per_expert`` (device).
             config: tuning (default ``get_dispatch_config``).
             previous_event, async_finish, allocate_on_comm_stream: stream control as in DeepEP.
+            cumulative_local_expert_recv_stats: optional ``[E_local]`` int32 tensor on the Buffer's device; the
+                call adds the (token, local expert) pairs it receives per local expert (not aligned) to it, on
+                the device, in stream order (no host synchronisation; CUDA-graph capturable).
 
         Returns:
             recv_x: ``[M, hidden]`` like ``x`` (a pair for FP8, scales ``[M, hidden / 128]`` row-major),
@@ -209,7 +218,7 @@ class Buffer:
                 experts (None without ``topk_idx`` and in cached mode).
             recv_topk_weights: ``[M, K]`` float32, 0 where ``recv_topk_idx`` is -1.
             num_recv_tokens_per_expert_list: Python list ``[E_local]`` of received (token, expert) counts,
-                aligned (None in cached mode).
+                aligned, as ``num_tokens_per_expert`` counts them (empty without it; None in cached mode).
             handle: DispatchHandle (None in cached mode, as in DeepEP).
             event: EventOverlap.
         """
@@ -258,10 +267,15 @@ class Buffer:
         req = DispatchRequest(data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
                               num_tokens_per_expert, num_experts, expert_alignment, num_worst_tokens, handle,
                               config, bad, overlapped=scope.comm_stream is not None)
+        stats = cumulative_local_expert_recv_stats
+        if stats is not None:
+            check_expert_stats(fn, stats, num_experts // self.group_size, self.device)
         with scope:
             res = self.runtime.dispatch(req)
+            if stats is not None:
+                stats.add_(res.handle.num_recv_tokens_per_expert)
         outputs = (res.recv_x, res.recv_scales, res.recv_topk_idx, res.recv_topk_weights)
-        event = scope.finish(outputs, (data, scales, topk_idx, topk_weights))
+        event = scope.finish(outputs, (data, scales, topk_idx, topk_weights, stats))
         recv_x = (res.recv_x, res.recv_scales) if scales is not None else res.recv_x
         if handle is not None:
             return recv_x, None, None, None, None, event
@@ -318,7 +332,8 @@ class Buffer:
     # ------------------------------------------------------------------ low-latency mode
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
                              num_experts: int, use_fp8: bool = True, round_scale: bool = False,
-                             use_ue8m0: bool = False, async_finish: bool = False, return_recv_hook: bool = False):
+                             use_ue8m0: bool = False, async_finish: bool = False, return_recv_hook: bool = False, *,
+                             cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None):
         """Send one copy of each token to each selected expert (decode-sized batches, fixed shapes).
 
         Arguments:
@@ -334,6 +349,9 @@ class Buffer:
                 one-sided transports double-buffer their storage: up to two dispatch and two combine results
                 may be pending, provided every rank has run the hook of call j-2 of a kind before any rank
                 sends call j of that kind (two micro-batches per layer: D0 D1, hooks, C0 C1, hooks).
+            cumulative_local_expert_recv_stats: optional ``[E_local]`` int32 tensor on the Buffer's device; the
+                receive adds ``recv_count`` to it on the device (with ``return_recv_hook``: when the hook runs).
+                No host synchronisation; CUDA-graph capturable.
 
         Returns:
             recv_x: ``[E_local, R * T, hidden]`` e4m3 with scales ``[E_local, R * T, hidden / 128]`` float32
@@ -364,14 +382,22 @@ class Buffer:
             raise ValueError(f"{fn}: use_ue8m0=True needs round_scale=True (UE8M0 scales are powers of two)")
         bad = check_topk(fn, topk_idx, num_experts, x.size(0), self.device,
                          values_checked_later=self.runtime.validates_topk)
+        stats = cumulative_local_expert_recv_stats
+        if stats is not None:
+            check_expert_stats(fn, stats, num_experts // self.group_size, self.device)
         req = LowLatencyDispatchRequest(x.contiguous(), topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                                         use_fp8, round_scale, use_ue8m0, return_recv_hook, bad)
         scope = self._scope(None, async_finish, False)
         with scope:
             res = self.runtime.low_latency_dispatch(req)
-        event = scope.finish((res.recv_x, res.recv_scales, res.recv_count), (x, topk_idx))
+            hook = res.hook
+            if stats is not None and hook is None:
+                stats.add_(res.recv_count)
+        if stats is not None and hook is not None:
+            hook = _ThenAdd(hook, stats, res.recv_count)
+        event = scope.finish((res.recv_x, res.recv_scales, res.recv_count), (x, topk_idx, stats))
         recv_x = (res.recv_x, res.recv_scales) if use_fp8 else res.recv_x
-        return recv_x, res.recv_count, res.handle, event, res.hook
+        return recv_x, res.recv_count, res.handle, event, hook
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: LowLatencyHandle, use_logfmt: bool = False, zero_copy: bool = False,
@@ -425,6 +451,22 @@ class Buffer:
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """DeepEP compatibility: epcomm's low-latency storage needs no cleaning between uses."""
+
+
+class _ThenAdd:
+    """A receive hook that, once the receive ran, adds ``counts`` to ``stats`` (once, however often it is
+    called, like the hook it wraps)."""
+
+    __slots__ = ("_hook", "_stats", "_counts")
+
+    def __init__(self, hook, stats: torch.Tensor, counts: torch.Tensor) -> None:
+        self._hook, self._stats, self._counts = hook, stats, counts
+
+    def __call__(self) -> None:
+        self._hook()
+        if self._stats is not None:
+            self._stats.add_(self._counts)
+            self._stats = self._counts = None
 
 
 def _check_layout(fn: str, num_tokens_per_rank, is_token_in_rank, n: int, num_ranks: int, device) -> None:

@@ -91,6 +91,16 @@ def raise_if_bad_topk(fn: str, bad: int, num_experts: int) -> None:
                          f"[0, num_experts) and -1 marks an unused slot")
 
 
+def check_expert_stats(fn: str, stats, num_local_experts: int, device: torch.device) -> None:
+    """A cumulative per-local-expert counter: a contiguous ``[num_local_experts]`` int32 tensor on ``device``."""
+    if (not isinstance(stats, torch.Tensor) or stats.dtype != torch.int32 or stats.shape != (num_local_experts,)
+            or not stats.is_contiguous() or stats.device != device):
+        raise ValueError(f"{fn}: cumulative_local_expert_recv_stats must be a contiguous int32 "
+                         f"[{num_local_experts}] tensor (one counter per local expert) on {device}; got "
+                         f"{getattr(stats, 'dtype', type(stats).__name__)} {tuple(getattr(stats, 'shape', ()))} "
+                         f"on {getattr(stats, 'device', None)}")
+
+
 def check_num_experts(fn: str, num_experts: int, num_ranks: int) -> int:
     if not isinstance(num_experts, int) or num_experts <= 0 or num_experts % num_ranks:
         raise ValueError(f"{fn}: num_experts={num_experts!r} must be a positive multiple of the group size "

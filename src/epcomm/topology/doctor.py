@@ -137,9 +137,11 @@ def _worker(ctx, requested: str, bandwidth_bytes: int) -> dict:
     dist.all_gather_object(all_failures, failures, group=ctx.group)
     bandwidth = (measure_put_bandwidth(ctx.group, ctx.device, report, bandwidth_bytes)
                  if ctx.is_cuda and bandwidth_bytes > 0 else {})
+    from ..deep_ep import status as deep_ep_status
+
     return {"rank": ctx.rank, "report": report, "requested": requested, "chosen": chosen, "reason": reason,
             "available": tuple(TRANSPORTS), "selftest": all_failures, "bandwidth": bandwidth,
-            "bandwidth_bytes": bandwidth_bytes, "nccl": env.nccl_settings()}
+            "bandwidth_bytes": bandwidth_bytes, "nccl": env.nccl_settings(), "deep_ep": deep_ep_status()}
 
 
 # ---------------------------------------------------------------------------------------------- formatting
@@ -253,6 +255,8 @@ def format_result(result: dict) -> str:
         else:
             out.append(f"self-test with {chosen} ({len(selftest_cases(report.world_size))} cases, "
                        f"{report.world_size} ranks): passed")
+    if result.get("deep_ep"):
+        out.append(f"deep_ep: {result['deep_ep'][1]}")
     hints = nccl_hints(report, result.get("bandwidth", {}), result.get("nccl", {}))
     if result.get("nccl"):
         out += ["", "NCCL variables set: " + ", ".join(f"{k}={val}" for k, val in result["nccl"].items())]

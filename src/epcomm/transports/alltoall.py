@@ -42,6 +42,8 @@ from .base import (Capabilities, CombineRequest, DispatchRequest, DispatchResult
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A 2-D view of ``t``'s rows as uint8 (what travels; dtype-agnostic for NCCL and gloo)."""
     t = t if t.dim() == 2 else t.reshape(t.size(0), -1)
+    if t.dtype != torch.uint8 and t.numel() == 0:  # an empty tensor may have any strides (e.g. 0): nothing to view
+        return torch.empty(t.size(0), t.size(1) * t.element_size(), dtype=torch.uint8, device=t.device)
     return t if t.dtype == torch.uint8 else t.view(torch.uint8)
 
 
@@ -243,7 +245,7 @@ class AllToAllTransport(Transport):
             num_recv_tokens_per_rank=tuple(recv_counts), num_recv_tokens_per_expert=recv_per_expert,
             recv_src_rank=recv_src_rank, recv_src_idx=recv_src_idx, state=state)
         per_expert_list = ([align_up(c, req.expert_alignment) for c in per_expert]
-                           if req.topk_idx is not None else [])
+                           if req.num_tokens_per_expert is not None else [])
         return DispatchResult(recv_x, recv_scales, recv_idx, recv_w, per_expert_list, handle)
 
     def _pack(self, x, scales, topk_idx, topk_weights, itr, pos, first, num_experts):

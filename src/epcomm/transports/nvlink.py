@@ -254,7 +254,7 @@ class NVLinkTransport(Transport):
                                  f"same get_dispatch_layout call")
             per_expert_list = ([align_up(c, req.expert_alignment) for c in host[SUMMARY_HEAD + 3 * num_ranks:
                                                                                  SUMMARY_HEAD + 3 * num_ranks + e_local]]
-                               if req.topk_idx is not None else [])
+                               if req.num_tokens_per_expert is not None else [])
         outs = self._alloc_recv(num_recv, x, req.x_scales, req.topk_idx, req.topk_weights is not None, bool(worst))
         recv_x, recv_scales, recv_idx, recv_w, recv_src = outs
         state = _NVLinkState(summary=summary, recv_src=recv_src, pos=pos, num_tokens_per_rank=req.num_tokens_per_rank,
