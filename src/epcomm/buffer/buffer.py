@@ -15,12 +15,12 @@ from ..core.handles import DispatchHandle, LowLatencyHandle
 from ..core.layout import get_low_latency_rdma_size_hint as _ll_size_hint
 from ..core.layout import get_normal_buffer_size_hint
 from ..core.validate import check_num_experts, check_topk, split_x
-from ..errors import EpcommError
+from ..errors import EpcommDeviceError, EpcommError
 from ..fp8 import GROUP
 from ..transports import create_transport
 from ..transports.base import (CombineRequest, DispatchRequest, LowLatencyCombineRequest,
                                LowLatencyDispatchRequest)
-from .events import EventOverlap, StreamScope, capture_event
+from .events import EventOverlap, StreamOrder, StreamScope, capture_event
 
 log = logging.getLogger("epcomm")
 
@@ -73,6 +73,8 @@ class Buffer:
             log.info("epcomm.Buffer: transport %s on %s with %d ranks: %s", self.transport, self.device,
                      self.group_size, reason)
         self._comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._order = StreamOrder()
+        self._errors = self.runtime.errors
         self._destroyed = False
 
     # ------------------------------------------------------------------ static helpers (DeepEP names)
@@ -115,27 +117,62 @@ class Buffer:
     # ------------------------------------------------------------------ lifecycle
     def destroy(self) -> None:
         """Release the transport's resources. Collective: every rank of the group must call it. Raises if a
-        call recorded an error on the device that was not reported yet."""
+        call recorded an error on the device that no call has raised yet."""
         if self._destroyed:
             return
         errors = self.runtime.pending_errors()
+        unreported = errors and not self._errors.reported
         self.runtime.destroy()
         self._destroyed = True
-        if errors:
-            raise EpcommError("Buffer.destroy: errors recorded on the device: " + "; ".join(errors))
+        if unreported:
+            raise EpcommDeviceError("Buffer.destroy: errors recorded on the device: " + "; ".join(errors))
 
     def check_errors(self) -> None:
-        """Raise if an earlier call recorded an error on the device (synchronises)."""
-        errors = self.runtime.pending_errors()
-        if errors:
-            raise EpcommError("Buffer.check_errors: " + "; ".join(errors))
+        """Raise if an earlier call recorded an error on the device (synchronises). The error stays: every later
+        call raises it too, until the Buffer is reset (the "Errors" section of the class docstring)."""
+        self._alive("Buffer.check_errors")
+        if self.runtime.pending_errors():
+            raise self._errors.error("Buffer.check_errors")
 
     def _alive(self, fn: str) -> None:
+        """At every call's entry (and exit): raise if the Buffer was destroyed or has seen a device error (a plain
+        read of the host copy of the error words, no synchronisation)."""
         if self._destroyed:
             raise EpcommError(f"{fn}: this Buffer was destroyed; create a new one")
+        if self._errors.failure() is not None:
+            raise self._errors.error(fn)
 
     def _scope(self, previous_event, async_finish, allocate_on_comm_stream) -> StreamScope:
-        return StreamScope(self._comm_stream, previous_event, async_finish, allocate_on_comm_stream)
+        return StreamScope(self._comm_stream, previous_event, async_finish, allocate_on_comm_stream, self._order,
+                           self._alive)
+
+    def _call(self, fn: str, scope: StreamScope, run, outputs, inputs) -> tuple:
+        """Run ``run()`` (the transport's part of a call) in ``scope``, copy the error words to the host behind it
+        on the call's stream, finish the scope; raise if an error is visible by then (an earlier call's, or on
+        CPUs this call's own). Returns ``(run's result, event)``; ``outputs``/``inputs`` map the result to the
+        tensors the scope protects across streams."""
+        with scope:
+            res = run()
+            self._errors.refresh()
+        event = scope.finish(outputs(res), inputs)
+        if self._errors.failure() is not None:
+            raise self._errors.error(fn)
+        return res, event
+
+    def _hook(self, fn: str, hook):
+        """The receive hook the caller gets: checks, orders and refreshes like a call."""
+        if hook is None:
+            return None
+
+        def recv_hook() -> None:
+            self._alive(fn)
+            if self._comm_stream is not None:
+                self._order.enter(torch.cuda.current_stream())
+            hook()
+            self._errors.refresh()
+            self._alive(fn)
+
+        return recv_hook
 
     def _own(self, fn: str, handle, kind) -> None:
         if not isinstance(handle, kind):
@@ -258,10 +295,9 @@ class Buffer:
         req = DispatchRequest(data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
                               num_tokens_per_expert, num_experts, expert_alignment, num_worst_tokens, handle,
                               config, bad, overlapped=scope.comm_stream is not None)
-        with scope:
-            res = self.runtime.dispatch(req)
-        outputs = (res.recv_x, res.recv_scales, res.recv_topk_idx, res.recv_topk_weights)
-        event = scope.finish(outputs, (data, scales, topk_idx, topk_weights))
+        res, event = self._call(fn, scope, lambda: self.runtime.dispatch(req),
+                                lambda r: (r.recv_x, r.recv_scales, r.recv_topk_idx, r.recv_topk_weights),
+                                (data, scales, topk_idx, topk_weights))
         recv_x = (res.recv_x, res.recv_scales) if scales is not None else res.recv_x
         if handle is not None:
             return recv_x, None, None, None, None, event
@@ -310,9 +346,8 @@ class Buffer:
         req = CombineRequest(x.contiguous(), handle, topk_weights, biases,
                              config or self.get_combine_config(self.group_size),
                              overlapped=scope.comm_stream is not None)
-        with scope:
-            combined, combined_w = self.runtime.combine(req)
-        event = scope.finish((combined, combined_w), (x, topk_weights, biases))
+        (combined, combined_w), event = self._call(fn, scope, lambda: self.runtime.combine(req), lambda r: r,
+                                                   (x, topk_weights, biases))
         return combined, combined_w, event
 
     # ------------------------------------------------------------------ low-latency mode
@@ -346,6 +381,7 @@ class Buffer:
         """
         fn = "Buffer.low_latency_dispatch"
         self._alive(fn)
+        _check_hook_flags(fn, async_finish, return_recv_hook)
         check_num_experts(fn, num_experts, self.group_size)
         if not isinstance(x, torch.Tensor) or x.dtype not in (torch.bfloat16, torch.float32) or x.dim() != 2:
             raise TypeError(f"{fn}: x must be a bf16 [num_tokens, hidden] tensor; got "
@@ -366,12 +402,11 @@ class Buffer:
                          values_checked_later=self.runtime.validates_topk)
         req = LowLatencyDispatchRequest(x.contiguous(), topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                                         use_fp8, round_scale, use_ue8m0, return_recv_hook, bad)
-        scope = self._scope(None, async_finish, False)
-        with scope:
-            res = self.runtime.low_latency_dispatch(req)
-        event = scope.finish((res.recv_x, res.recv_scales, res.recv_count), (x, topk_idx))
+        res, event = self._call(fn, self._scope(None, async_finish, False),
+                                lambda: self.runtime.low_latency_dispatch(req),
+                                lambda r: (r.recv_x, r.recv_scales, r.recv_count), (x, topk_idx))
         recv_x = (res.recv_x, res.recv_scales) if use_fp8 else res.recv_x
-        return recv_x, res.recv_count, res.handle, event, res.hook
+        return recv_x, res.recv_count, res.handle, event, self._hook(f"{fn} hook", res.hook)
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: LowLatencyHandle, use_logfmt: bool = False, zero_copy: bool = False,
@@ -392,6 +427,7 @@ class Buffer:
         """
         fn = "Buffer.low_latency_combine"
         self._alive(fn)
+        _check_hook_flags(fn, async_finish, return_recv_hook)
         self._own(fn, handle, LowLatencyHandle)
         if use_logfmt:
             raise NotImplementedError(f"{fn}: use_logfmt=True is not supported; pass use_logfmt=False")
@@ -411,20 +447,45 @@ class Buffer:
             raise ValueError(f"{fn}: out must be bf16 [{handle.num_tokens}, {handle.hidden}]; got {out.dtype} "
                              f"{tuple(out.shape)}")
         req = LowLatencyCombineRequest(x, topk_idx, topk_weights, handle, zero_copy, return_recv_hook, out)
-        scope = self._scope(None, async_finish, False)
-        with scope:
-            res = self.runtime.low_latency_combine(req)
-        event = scope.finish((res.combined_x,), (x, topk_idx, topk_weights))
-        return res.combined_x, event, res.hook
+        res, event = self._call(fn, self._scope(None, async_finish, False),
+                                lambda: self.runtime.low_latency_combine(req), lambda r: (r.combined_x,),
+                                (x, topk_idx, topk_weights))
+        return res.combined_x, event, self._hook(f"{fn} hook", res.hook)
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         """The ``[E_local, R * T, hidden]`` bf16 tensor to write expert outputs into for a
         ``zero_copy=True`` combine with this handle."""
+        self._alive("Buffer.get_next_low_latency_combine_buffer")
         self._own("Buffer.get_next_low_latency_combine_buffer", handle, LowLatencyHandle)
         return self.runtime.low_latency_combine_buffer(handle)
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        """DeepEP compatibility: epcomm's low-latency storage needs no cleaning between uses."""
+        """Reset the low-latency state as after construction (DeepEP's clean): arrival flags, call counters and the
+        error words of low-latency calls, on every rank. Collective: every rank calls it, with no low-latency call
+        of this Buffer in flight (it synchronises the device and the group); results still pending (hooks not
+        run) are abandoned.
+
+        This is how a Buffer recovers from a low-latency error (a receive that timed out, rows that did not fit,
+        invalid expert ids): afterwards low-latency calls are correct again. An error of a normal-mode call stays
+        (destroy the Buffer and create a new one). The arguments are checked as ``low_latency_dispatch`` checks
+        them; epcomm's storage is not laid out per shape, so every shape is reset."""
+        fn = "Buffer.clean_low_latency_buffer"
+        if self._destroyed:
+            raise EpcommError(f"{fn}: this Buffer was destroyed; create a new one")
+        for name, value in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
+                            ("hidden", hidden)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{fn}: {name}={value!r} must be a positive integer")
+        if hidden % GROUP:
+            raise ValueError(f"{fn}: hidden={hidden} must be a multiple of {GROUP}")
+        check_num_experts(fn, num_experts, self.group_size)
+        self.runtime.clean_low_latency()
+
+
+def _check_hook_flags(fn: str, async_finish: bool, return_recv_hook: bool) -> None:
+    if async_finish and return_recv_hook:
+        raise ValueError(f"{fn}: async_finish=True and return_recv_hook=True cannot be combined (DeepEP rejects it "
+                         f"too): with a hook the receive runs when you call hook(), on your stream; pass one of them")
 
 
 def _check_layout(fn: str, num_tokens_per_rank, is_token_in_rank, n: int, num_ranks: int, device) -> None:

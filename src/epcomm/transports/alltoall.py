@@ -34,6 +34,7 @@ from ..core.validate import raise_if_bad_topk
 from ..errors import EpcommError
 from ..fp8 import FP8_DTYPE, per_token_cast_to_fp8
 from ..kernels import triton_available
+from .device_errors import LOW_LATENCY, NORMAL, DeviceErrors
 from .plan import exclusive_cumsum, send_plan
 from .base import (Capabilities, CombineRequest, DispatchRequest, DispatchResult, LowLatencyCombineRequest,
                    LowLatencyCombineResult, LowLatencyDispatchRequest, LowLatencyDispatchResult, Transport)
@@ -89,6 +90,7 @@ class AllToAllTransport(Transport):
     def __init__(self, group, device: torch.device, buffer_id: int) -> None:
         super().__init__(group, device, buffer_id)
         self._errors = torch.zeros(2, dtype=torch.int32, device=device)  # [worst-token overflow, LL overflow]
+        self.errors = DeviceErrors(self._errors, ((0, 1, NORMAL), (1, 2, LOW_LATENCY)), self._describe_errors)
         self._zero_copy: dict = {}
         self._zero_bases: dict = {}
         self._pinned: dict = {}  # pinned host blocks for the dispatch's count read, by size
@@ -113,17 +115,25 @@ class AllToAllTransport(Transport):
         return dist.all_to_all_single(_as_bytes(out), _as_bytes(inp), out_splits, in_splits, group=self.group,
                                       async_op=async_op)
 
-    def pending_errors(self) -> list[str]:
-        overflow_worst, overflow_ll = (int(v) for v in self._errors.tolist())
-        self._errors.zero_()
+    def _describe_errors(self, words: list) -> list:
+        """``DeviceErrors.describe`` of ``_errors``."""
+        overflow_worst, overflow_ll = words
         errors = []
         if overflow_worst:
-            errors.append(f"rank {self.rank}: {overflow_worst} received rows did not fit num_worst_tokens; pass a "
-                          f"num_worst_tokens at least the largest number of tokens a rank can receive")
+            errors.append((NORMAL, f"rank {self.rank}: {overflow_worst} received rows did not fit num_worst_tokens "
+                                   f"or had invalid expert ids; pass a num_worst_tokens at least the largest number "
+                                   f"of tokens a rank can receive, and ids in [-1, num_experts)"))
         if overflow_ll:
-            errors.append(f"rank {self.rank}: {overflow_ll} low-latency rows did not fit their slots; expert ids "
-                          f"within a token must be distinct and x.size(0) <= num_max_dispatch_tokens_per_rank")
+            errors.append((LOW_LATENCY, f"rank {self.rank}: {overflow_ll} low-latency rows did not fit their slots or "
+                                        f"had invalid expert ids; expert ids within a token must be distinct, in "
+                                        f"[-1, num_experts), and x.size(0) <= num_max_dispatch_tokens_per_rank"))
         return errors
+
+    def memory_usage(self) -> dict:
+        held = {"low_latency_zero_copy": sum(t.numel() * t.element_size() for t in self._zero_copy.values())}
+        held["pinned_host"] = (super().memory_usage()["pinned_host"]
+                               + sum(t.numel() * t.element_size() for t in self._pinned.values()))
+        return held
 
     @staticmethod
     def _unpack_metadata(meta: torch.Tensor, x_scales, topk_idx, topk_weights):
@@ -161,8 +171,9 @@ class AllToAllTransport(Transport):
     def _raise_host_checks(self, error_words, bad_topk: int, bad_layout: int, num_experts: int) -> None:
         """Turn the checks a dispatch read at its host synchronisation into exceptions."""
         if any(error_words):
-            raise RuntimeError("Buffer.dispatch: an earlier call failed on the device: "
-                               + "; ".join(self.pending_errors()))
+            for kind, message in self._describe_errors(list(error_words)):
+                self.errors.record(kind, message)
+            raise self.errors.error("Buffer.dispatch")
         raise_if_bad_topk("Buffer.dispatch", bad_topk, num_experts)
         if bad_layout:
             raise ValueError("Buffer.dispatch: num_tokens_per_rank does not match is_token_in_rank; pass both from "

@@ -14,6 +14,7 @@ import torch
 from ..core.config import Config
 from ..core.handles import DispatchHandle, LowLatencyHandle
 from ..core.layout import compute_dispatch_layout
+from .device_errors import LOW_LATENCY, DeviceErrors
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,7 @@ class Transport(abc.ABC):
         self.num_ranks = dist.get_world_size(group)
         self.device = device
         self.buffer_id = buffer_id
+        self.errors = DeviceErrors.none(device)  # transports whose kernels record errors replace it
 
     @classmethod
     @abc.abstractmethod
@@ -165,9 +167,19 @@ class Transport(abc.ABC):
         """The ``[E_local, R * T, H]`` bf16 tensor a zero-copy combine reads."""
 
     def pending_errors(self) -> list[str]:
-        """Errors recorded on the device without a host sync (for example an overflowing
-        ``num_worst_tokens``), as messages; reading them synchronises. Clears them."""
-        return []
+        """Errors recorded on the device (for example a timeout, or an overflowing ``num_worst_tokens``) and those
+        already seen, as messages; reading them synchronises. They stay (``DeviceErrors``: sticky)."""
+        return self.errors.read()
+
+    def clean_low_latency(self) -> None:
+        """Collective: reset the low-latency state (flags, call counters, error words) as after construction;
+        pending low-latency results are abandoned. Every rank calls it with no low-latency call in flight."""
+        self.errors.clear(LOW_LATENCY)
+
+    def memory_usage(self) -> dict:
+        """Bytes this transport holds between calls, by part (symmetric storage, buffers it keeps, pinned host
+        memory); the Buffer adds them up."""
+        return {"pinned_host": self.errors.nbytes_pinned}
 
     def destroy(self) -> None:
         """Release communication resources (collective where the transport holds shared memory)."""

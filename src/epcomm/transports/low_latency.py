@@ -40,10 +40,11 @@ or combine) reuses the storage of call ``j - 2`` of that kind, and every rank mu
 ``j - 2`` (run its hook) before any rank sends call ``j``. Plain calls, hooks run before the next call of
 the same kind, and two micro-batches per layer (``D0 D1``, hooks, ``C0 C1``, hooks: two dispatch and two
 combine results pending) satisfy this through the calls' own data dependencies; a third pending result of
-one kind does not. All calls of one instance must be issued on one CUDA stream (call and arrival counters
-are per instance). A receive whose peer never sends records a timeout (``EPCOMM_TIMEOUT_S``);
-``pending_errors()`` names the rank, the peer and the call, later receives of the instance fail fast, and
-the instance must be destroyed.
+one kind does not. All calls of one instance must be issued in one stream order (call and arrival counters are
+per instance; the Buffer orders its calls across streams). A receive whose peer never sends records a timeout
+(``EPCOMM_TIMEOUT_S``) into the error words of ``ctl`` (``describe_errors`` names the rank, the peer and the call);
+later receives of the instance fail fast, and the owner raises (``transports.device_errors``) until ``reset()``
+(collective) puts every rank's flags and counters back to their state after construction.
 """
 
 from __future__ import annotations
@@ -100,10 +101,12 @@ class OneSidedLowLatency:
         heap: carve the storage from this ``SymmetricHeap`` (``nbytes`` of it, fixed) instead of owning one.
         nbytes: bytes of storage to create now (0: size it at the first call and grow as needed).
         fused: one kernel per plain call (default on CUDA); False launches send and receive halves apart.
+        ctl: the int64 ``[CTL_WORDS]`` control words (``epcomm.kernels.low_latency``) to use, e.g. a view into the
+            owner's block of error words (default: made here).
     Collective: construction (when it allocates), every call and ``destroy``, on every rank of the group."""
 
     def __init__(self, group, device: torch.device, buffer_id: int = 0, name: str = "nvlink", heap=None,
-                 nbytes: int = 0, fused: Optional[bool] = None) -> None:
+                 nbytes: int = 0, fused: Optional[bool] = None, ctl: Optional[torch.Tensor] = None) -> None:
         from ..kernels import low_latency as K
         from ..kernels.shmem import num_sms
 
@@ -115,7 +118,7 @@ class OneSidedLowLatency:
         self.buffer_id = buffer_id
         self.name = name
         self._on_gpu = self.device.type == "cuda"
-        self._ctl = torch.zeros(K.CTL_WORDS, dtype=torch.int64, device=self.device)
+        self._ctl = ctl if ctl is not None else torch.zeros(K.CTL_WORDS, dtype=torch.int64, device=self.device)
         self._fused = self._on_gpu if fused is None else bool(fused)
         self._sms = num_sms(self.device)
         self._heaps: list = []  # heaps created here, kept until destroy (pending results may use an old one)
@@ -377,21 +380,16 @@ class OneSidedLowLatency:
             after()
 
     # ------------------------------------------------------------------ errors, lifecycle
-    def pending_errors(self) -> list[str]:
-        """Timeouts and dropped rows recorded on the device, as messages (synchronises); clears them."""
+    def describe_errors(self, words: list) -> list[str]:
+        """Messages for the error words ``ctl[CTL_ERR:CTL_BAD + 1]`` (as ints; all zero: none)."""
         K = self._K
-        words = self._ctl[K.CTL_ERR:K.CTL_BAD + 1].tolist()
-        if not any(words):
-            return []
-        self._ctl[K.CTL_ERR:K.CTL_BAD + 1].zero_()
         code, rank, peer, _slot, expected, seen = words[:6]
         errors = []
         if code:
             what = {K.ERR_LL_DISPATCH: "dispatch rows", K.ERR_LL_COMBINE: "combine rows"}.get(code, f"code {code}")
             errors.append(f"rank {rank}: low-latency receive timed out after {env.timeout_s():g} s waiting for rank "
                           f"{peer}'s {what} of call {expected - 1} (its flag holds epoch {seen}, expected >= "
-                          f"{expected}); rank {peer} is stuck, died or did not make the same low_latency_* call. "
-                          f"The Buffer's low-latency state is out of step: destroy it")
+                          f"{expected}); rank {peer} is stuck, died or did not make the same low_latency_* call")
         overflow, bad = words[K.CTL_OVERFLOW - K.CTL_ERR], words[K.CTL_BAD - K.CTL_ERR]
         if bad:
             errors.append(f"rank {self.rank}: {bad} low-latency top-k entries were outside [-1, num_experts) and were "
@@ -400,6 +398,27 @@ class OneSidedLowLatency:
             errors.append(f"rank {self.rank}: {overflow} low-latency rows did not fit their slots and were dropped; "
                           f"expert ids within a token must be distinct")
         return errors
+
+    def reset(self) -> None:
+        """Collective, with no call of this instance in flight on any rank: zero the flags of every storage and the
+        control words (call and arrival counters, error record, call ring), as after construction. Results
+        still pending (hooks not run) are abandoned."""
+        if self._on_gpu:
+            torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)  # no rank still reads or releases flags
+        if self._heap is not None:  # older storage is only read by results pending from before its replacement
+            self._flags.zero_()
+        self._ctl.zero_()
+        self._calls = [0, 0]
+        if self._on_gpu:
+            torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)  # every flag is zero before any rank releases into it again
+
+    def memory_bytes(self) -> dict:
+        """Bytes held: symmetric storage (every heap made here, old ones kept for pending results) and the
+        zero-copy input buffers."""
+        return {"low_latency_symmetric": sum(h.layout.total_bytes for h in self._heaps),
+                "low_latency_zero_copy": sum(t.numel() * t.element_size() for t in self._zero_copy.values())}
 
     def destroy(self) -> None:
         """Release the storage this instance created (collective)."""

@@ -42,7 +42,8 @@ from ..core.handles import DispatchHandle
 from ..core.layout import align_up
 from ..core.validate import raise_if_bad_topk
 from ..kernels.launch import launch, next_pow2
-from ..errors import BufferTooSmallError, EpcommError, EpcommTimeoutError
+from ..errors import BufferTooSmallError, EpcommError
+from .device_errors import LOW_LATENCY, NORMAL, DeviceErrors
 from .base import (Capabilities, CombineRequest, DispatchRequest, DispatchResult, LowLatencyCombineRequest,
                    LowLatencyCombineResult, LowLatencyDispatchRequest, LowLatencyDispatchResult, Transport)
 
@@ -50,6 +51,7 @@ log = logging.getLogger(__name__)
 
 MAX_LOCAL_EXPERTS = 1024
 DEFAULT_AREA_BYTES = 1 << 30
+_LL_CTL = 16  # where the low-latency control words start in the error block (int64 words)
 
 
 @dataclass(frozen=True)
@@ -145,11 +147,18 @@ class NVLinkTransport(Transport):
             t.zero_()
         self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
         self.counters = torch.zeros(4, dtype=torch.int32, device=device)
-        self.err = torch.zeros(8, dtype=torch.int64, device=device)
-        self.deferred = torch.zeros(1, dtype=torch.int32, device=device)  # sync-free calls' bad inputs
+        from ..kernels import low_latency as LLK
         from .low_latency import OneSidedLowLatency
 
-        self._ll = OneSidedLowLatency(group, device, buffer_id, name=self.name, nbytes=int(num_rdma_bytes))
+        # one int64 block holds every error record, so that one copy brings them all to the host:
+        # [err (8) | deferred (int32 in word 8) | 7 free | low-latency ctl (CTL_WORDS, errors at CTL_ERR..CTL_BAD)]
+        block = torch.zeros(_LL_CTL + LLK.CTL_WORDS, dtype=torch.int64, device=device)
+        self.err = block[:8]
+        self.deferred = block[8:9].view(torch.int32)[:1]  # sync-free calls' bad inputs (the word's low half)
+        ll_err = (_LL_CTL + LLK.CTL_ERR, _LL_CTL + LLK.CTL_BAD + 1)
+        self._ll = OneSidedLowLatency(group, device, buffer_id, name=self.name, nbytes=int(num_rdma_bytes),
+                                      ctl=block[_LL_CTL:])
+        self.errors = DeviceErrors(block[:ll_err[1]], ((0, 9, NORMAL), ll_err + (LOW_LATENCY,)), self._describe_errors)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         import torch.distributed as dist
@@ -198,18 +207,31 @@ class NVLinkTransport(Transport):
         if not code:
             return None
         return (f"rank {self.rank}: {ERROR_NAMES.get(code, code)} waiting for rank {peer} (its flag still said "
-                f"{seen}) after {env.timeout_s():.0f} s: a peer is stuck, died, or did not make the same call")
+                f"{seen}) after {env.timeout_s():g} s: a peer is stuck, died, or did not make the same call")
 
-    def pending_errors(self) -> list[str]:
-        words = self.err.tolist()
-        deferred = int(self.deferred.item())
-        self.err.zero_()
-        self.deferred.zero_()
-        msgs = [m for m in [self._timeout_message(words[0], words[2], words[5])] if m]
+    def _describe_errors(self, words: list) -> list:
+        """``DeviceErrors.describe`` of this transport's block (see ``__init__``)."""
+        found = []
+        msg = self._timeout_message(words[0], words[2], words[5])
+        if msg:
+            found.append((NORMAL, msg))
+        deferred = words[8] & 0xFFFFFFFF
         if deferred:
-            msgs.append(f"rank {self.rank}: a call without host synchronisation got invalid input ({deferred} bad "
-                        f"expert ids, an inconsistent layout or more rows than num_worst_tokens)")
-        return msgs + self._ll.pending_errors()
+            found.append((NORMAL, f"rank {self.rank}: a call without host synchronisation got invalid input "
+                                  f"({deferred} bad expert ids, an inconsistent layout or more rows than "
+                                  f"num_worst_tokens)"))
+        from ..kernels.low_latency import CTL_BAD, CTL_ERR
+
+        ll = words[_LL_CTL + CTL_ERR:_LL_CTL + CTL_BAD + 1]
+        return found + [(LOW_LATENCY, m) for m in self._ll.describe_errors(ll)]
+
+    def clean_low_latency(self) -> None:
+        self._ll.reset()
+        self.errors.clear(LOW_LATENCY)
+
+    def memory_usage(self) -> dict:
+        return {"normal_symmetric": self.heap.layout.total_bytes, **self._ll.memory_bytes(),
+                **super().memory_usage()}
 
     # ------------------------------------------------------------------ normal mode
     def dispatch(self, req: DispatchRequest) -> DispatchResult:
@@ -246,8 +268,8 @@ class NVLinkTransport(Transport):
             num_recv, max_pair, n_max, bad_topk, bad_layout, code, peer, seen = host[:SUMMARY_HEAD]
             msg = self._timeout_message(code, peer, seen)
             if msg:
-                self.err.zero_()
-                raise EpcommTimeoutError(f"{fn}: {msg}")
+                self.errors.record(NORMAL, msg)
+                raise self.errors.error(fn)
             raise_if_bad_topk(fn, bad_topk, req.num_experts)
             if bad_layout:
                 raise ValueError(f"{fn}: num_tokens_per_rank does not match is_token_in_rank; pass both from the "
