@@ -257,9 +257,10 @@ class AllToAllTransport(Transport):
                            if req.topk_idx is not None else [])
         return DispatchResult(recv_x, recv_scales, recv_idx, recv_w, per_expert_list, handle)
 
-    def _pack(self, x, scales, topk_idx, topk_weights, itr, pos, first, num_experts):
+    def _pack(self, x, scales, topk_idx, topk_weights, itr, pos, first, num_experts, num_rows=None):
         """GPU path: rows and records of every (token, destination) pair, in send order, with one kernel
-        (the one-sided push kernel in local mode). Returns ``(rows [N*R, XW] int32, records [N*R, W])``."""
+        (the one-sided push kernel in local mode). Returns ``(rows [S, XW] int32, records [S, W])``: ``S`` is
+        ``num_rows`` (the pairs, when the host knows their number) or ``N * R`` (room for any routing)."""
         from ..kernels.ep import launch_push, record_words
         from ..kernels.shmem import num_sms
 
@@ -267,8 +268,9 @@ class AllToAllTransport(Transport):
         xw = x.size(1) * x.element_size() // 4
         ns = scales.size(1) if scales is not None else 0
         k = topk_idx.size(1) if topk_idx is not None else 0
-        rows = torch.empty(n * num_ranks, xw, dtype=torch.int32, device=x.device)
-        recs = torch.empty(n * num_ranks, record_words(ns, k, topk_weights is not None), dtype=torch.int32,
+        num_rows = n * num_ranks if num_rows is None else num_rows
+        rows = torch.empty(num_rows, xw, dtype=torch.int32, device=x.device)
+        recs = torch.empty(num_rows, record_words(ns, k, topk_weights is not None), dtype=torch.int32,
                            device=x.device)
         # every "destination" base is 0 and the offsets are the local buffers' addresses: no per-call table
         zero_bases = self._zero_bases.get(num_ranks)
@@ -344,10 +346,10 @@ class AllToAllTransport(Transport):
     def _cached_dispatch(self, req: DispatchRequest) -> DispatchResult:
         h = req.handle
         st: _NormalState = h.state
-        if st.pos is not None:  # GPU path: pack again, then one all_to_all per tensor
-            rows, recs = self._pack(req.x, req.x_scales, None, None, h.is_token_in_rank, st.pos, st.first,
-                                    h.num_experts)
+        if st.pos is not None:  # GPU path: pack again (exactly the rows that go), then one all_to_all per tensor
             num_send = sum(st.send_counts)
+            rows, recs = self._pack(req.x, req.x_scales, None, None, h.is_token_in_rank, st.pos, st.first,
+                                    h.num_experts, num_send)
             recv_x = torch.empty(h.num_recv_tokens, req.x.size(1), dtype=req.x.dtype, device=req.x.device)
             self._a2a(recv_x, rows[:num_send], list(h.num_recv_tokens_per_rank), list(st.send_counts))
             recv_scales = None

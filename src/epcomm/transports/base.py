@@ -123,6 +123,7 @@ class Transport(abc.ABC):
         self.device = device
         self.buffer_id = buffer_id
         self.errors = DeviceErrors.none(device)  # transports whose kernels record errors replace it
+        self._keys_met: set = set()  # first_call keys seen
 
     @classmethod
     @abc.abstractmethod
@@ -166,6 +167,20 @@ class Transport(abc.ABC):
     def low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         """The ``[E_local, R * T, H]`` bf16 tensor a zero-copy combine reads."""
 
+    def first_call(self, key: tuple, enqueue: Callable[[], None]) -> None:
+        """Run ``enqueue()`` (launches of one call). The first time ``key`` is seen, compile those kernels and meet
+        the other ranks first (``compile_then_meet``): ``key`` must be the same on every rank at the same call
+        (built from shapes and dtypes the ranks must agree on, never from a rank's own token counts)."""
+        if key not in self._keys_met:
+            self._keys_met.add(key)
+            compile_then_meet(self.group, self.device, enqueue)
+        enqueue()
+
+    def warmup_low_latency(self, shape: tuple) -> None:
+        """Collective: size the low-latency storage for calls of ``shape`` (``low_latency.call_shape``) and compile
+        every kernel variant they can launch (any token count, plain or hook), then meet the other ranks. Nothing
+        to do for transports without low-latency kernels."""
+
     def pending_errors(self) -> list[str]:
         """Errors recorded on the device (for example a timeout, or an overflowing ``num_worst_tokens``) and those
         already seen, as messages; reading them synchronises. They stay (``DeviceErrors``: sticky)."""
@@ -183,3 +198,19 @@ class Transport(abc.ABC):
 
     def destroy(self) -> None:
         """Release communication resources (collective where the transport holds shared memory)."""
+
+
+def compile_then_meet(group: Any, device: torch.device, enqueue: Callable[[], None], threads: int = 1) -> None:
+    """Compile every kernel ``enqueue()`` launches without running any (``epcomm.kernels.launch.compile_only``;
+    ``threads`` variants at once), then meet the other ranks of ``group`` at a host barrier; the caller runs
+    ``enqueue()`` for real afterwards. Every rank must get here at the same call: compilation takes different
+    times on different ranks, and no rank's kernel may start a timed wait while a peer still compiles. While a
+    CUDA graph is being captured only the compilation happens (a capture must not synchronise)."""
+    import torch.distributed as dist
+
+    from ..kernels.launch import compile_only
+
+    with compile_only(threads):
+        enqueue()
+    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        dist.barrier(group=group)

@@ -63,7 +63,7 @@ from ..kernels.launch import next_pow2
 from ..errors import BufferTooSmallError, EpcommError
 from ..fp8 import FP8_DTYPE, GROUP
 from .base import (LowLatencyCombineRequest, LowLatencyCombineResult, LowLatencyDispatchRequest,
-                   LowLatencyDispatchResult)
+                   LowLatencyDispatchResult, compile_then_meet)
 
 
 log = logging.getLogger(__name__)
@@ -131,6 +131,7 @@ class OneSidedLowLatency:
         self._needs: dict = {}
         self._zero_copy: dict = {}
         self._calls = [0, 0]  # host-side dispatch / combine counts: info ring slot, zero-copy buffer choice
+        self._ready: set = set()  # (shape, kind) whose first call on the present storage was made (_first)
         self._destroyed = False
         if heap is not None:
             self._attach(heap, int(nbytes))
@@ -152,6 +153,7 @@ class OneSidedLowLatency:
         self._off_area = heap.offset_of(area)
         self._local_base = flags.data_ptr() - self._off_flag
         self._geoms.clear()
+        self._ready.clear()
 
     def _grow(self, nbytes: int, why: str) -> None:
         from ..shmem import SymmetricHeap
@@ -203,7 +205,8 @@ class OneSidedLowLatency:
 
     def _set_part(self, d: int, c: int) -> None:
         self._part = (d, c)
-        self._geoms.clear()
+        self._geoms.clear()  # the kernels' offsets change: every variant compiles anew, first calls meet again
+        self._ready.clear()
 
     # ------------------------------------------------------------------ geometry
     def _geometry(self, shape: tuple, n_tokens: int, why: str) -> _Geometry:
@@ -298,12 +301,11 @@ class OneSidedLowLatency:
         fn = "Buffer.low_latency_dispatch"
         self._alive(fn)
         x, idx = req.x, req.topk_idx
-        if not idx.is_contiguous():
-            idx = idx.contiguous()
+        if idx.dtype != torch.int64 or not idx.is_contiguous():  # one kernel variant (what warmup compiles)
+            idx = idx.to(torch.int64).contiguous()
         n, hidden = x.shape
         t_max, num_experts, topk = req.num_max_dispatch_tokens_per_rank, req.num_experts, idx.size(1)
-        shape = (t_max, hidden, topk, num_experts, bool(req.use_fp8), bool(req.round_scale or req.use_ue8m0),
-                 bool(req.use_fp8 and req.use_ue8m0), x.dtype)
+        shape = call_shape(t_max, hidden, topk, num_experts, req.use_fp8, req.round_scale, req.use_ue8m0, x.dtype)
         geo = self._geometry(shape, n, fn)
         dev, e_local, rt = self.device, geo.e_local, self.num_ranks * t_max
         recv_x = torch.empty((e_local, rt, hidden), dtype=geo.payload_dtype, device=dev)
@@ -315,8 +317,8 @@ class OneSidedLowLatency:
         hmeta = torch.empty(geo.hmeta_words, dtype=torch.int32, device=dev)
         calls = self._calls[0]
         self._calls[0] = calls + 1
-        args = (x if n else self._ctl, idx if n else self._ctl, recv_x, scales, hmeta, self._heap.peer_bases,
-                self._ctl, n, calls % self._K.INFO_RING, self._local_base, self._timeout())
+        args = self._dispatch_args(n, x, idx, recv_x, scales, hmeta, calls % self._K.INFO_RING)
+        self._first(shape, "dispatch", geo.dispatch, args)
         hook = self._run(geo.dispatch, args, req.return_recv_hook)
         m_src = e_local + 2 * e_local * self.num_ranks
         handle = LowLatencyHandle(
@@ -352,12 +354,66 @@ class OneSidedLowLatency:
         target = out if out.is_contiguous() else torch.empty((n, hidden), dtype=torch.bfloat16, device=dev)
         calls = self._calls[1]
         self._calls[1] = calls + 1
-        args = (y, req.topk_idx.contiguous() if n else self._ctl, req.topk_weights.contiguous() if n else self._ctl,
-                target if n else self._ctl, st.hmeta, self._heap.peer_bases, self._ctl, n,
-                calls % self._K.INFO_RING, self._local_base, self._timeout())
+        args = self._combine_args(n, y, req.topk_idx.to(torch.int64).contiguous(), req.topk_weights.contiguous(),
+                                  target, st.hmeta, calls % self._K.INFO_RING)
+        self._first(st.shape, "combine", geo.combine, args)
         after = None if target is out else (lambda: out.copy_(target))
         hook = self._run(geo.combine, args, req.return_recv_hook, after)
         return LowLatencyCombineResult(out, hook)
+
+    def _dispatch_args(self, n: int, x, idx, recv_x, scales, hmeta, info_slot: int) -> tuple:
+        """``ll_dispatch_kernel``'s runtime arguments (a ``torch.dtype`` may stand for a tensor: compile_only)."""
+        ctl = self._ctl
+        return (x if n else ctl, idx if n else ctl, recv_x, scales, hmeta, self._heap.peer_bases, ctl, n, info_slot,
+                self._local_base, self._timeout())
+
+    def _combine_args(self, n: int, y, idx, w, out, hmeta, info_slot: int) -> tuple:
+        """``ll_combine_kernel``'s runtime arguments (as ``_dispatch_args``)."""
+        ctl = self._ctl
+        return (y, idx if n else ctl, w if n else ctl, out if n else ctl, hmeta, self._heap.peer_bases, ctl, n,
+                info_slot, self._local_base, self._timeout())
+
+    def _halves(self) -> tuple:
+        """The ``(send, receive)`` launches a call can make: the fused kernel (plain calls on GPUs) and the halves
+        (hooks, and plain calls elsewhere)."""
+        return ((True, True),) * self._fused + ((True, False), (False, True))
+
+    def _first(self, shape: tuple, kind: str, launch, args: tuple) -> None:
+        """Before the first ``kind`` call of ``shape`` on this storage (the same call on every rank): compile the
+        kernels it can launch (plain or hook) and meet the other ranks, so that no receive starts its timeout
+        while a peer compiles. A variant only some ranks need later (a token count in another tuning range, an
+        empty rank) compiles at its first launch, inside the timeout; ``warmup`` compiles them all ahead."""
+        if (shape, kind) in self._ready:
+            return
+        self._ready.add((shape, kind))
+        compile_then_meet(self.group, self.device,
+                          lambda: [launch(self._grid(s and r), args, s, r) for s, r in self._halves()])
+
+    def warmup(self, shape: tuple) -> None:
+        """Collective: make the storage hold calls of ``shape`` (``call_shape``) and compile every kernel variant
+        they can launch: every token count (its tuning range, and an empty rank), dispatch and combine, plain and
+        hook; then meet the other ranks."""
+        import os
+
+        t_max, topk = shape[0], shape[2]
+        counts = {}  # one token count per tuning range, and 0 (an empty rank passes other argument types)
+        for n in range(t_max, -1, -1):
+            counts.setdefault(self._tuning(n, topk) if n else None, n)
+
+        def compile_all() -> None:
+            for n in counts.values():
+                geo = self._geometry(shape, n, "Buffer.warmup")
+                scales = geo.scale_dtype or self._ctl
+                d_args = self._dispatch_args(n, shape[7], torch.int64, geo.payload_dtype, scales, torch.int32, 0)
+                c_args = self._combine_args(n, torch.bfloat16, torch.int64, torch.float32, torch.bfloat16,
+                                            torch.int32, 0)
+                for launch, args in ((geo.dispatch, d_args), (geo.combine, c_args)):
+                    for s, r in self._halves():
+                        launch(self._grid(s and r), args, s, r)
+
+        self._geometry(shape, t_max, "Buffer.warmup")  # storage first: it fixes the kernels' offsets
+        compile_then_meet(self.group, self.device, compile_all, threads=min(16, os.cpu_count() or 1))
+        self._ready.update({(shape, "dispatch"), (shape, "combine")})
 
     def _run(self, launch, args: tuple, hook: bool, after=None):
         """Launch a call: the send half now and the receive half in the returned hook, or both now (one fused
@@ -435,6 +491,14 @@ class OneSidedLowLatency:
             raise EpcommError(f"{fn}: the low-latency storage was destroyed")
 
 
+def call_shape(t_max: int, hidden: int, topk: int, num_experts: int, use_fp8: bool, round_scale: bool,
+               use_ue8m0: bool, x_dtype: torch.dtype) -> tuple:
+    """What decides the storage and the kernels of a low-latency call: ``(T, hidden, topk, experts, fp8, round,
+    ue8m0, x dtype)`` (UE8M0 scales are rounded; without FP8 neither applies)."""
+    return (t_max, hidden, topk, num_experts, bool(use_fp8), bool(round_scale or use_ue8m0),
+            bool(use_fp8 and use_ue8m0), x_dtype)
+
+
 class _Once:
     """A receive hook: the first call launches the receive half; later calls do nothing."""
 
@@ -450,4 +514,4 @@ class _Once:
             fn(*args)
 
 
-__all__ = ["OneSidedLowLatency"]
+__all__ = ["OneSidedLowLatency", "call_shape"]
