@@ -152,6 +152,8 @@ def test_stream_order_waits_for_the_previous_calls_stream(monkeypatch):
     order.enter(graph2)
     order.enter(compute)
     assert graph2.waited == [4, 1] and compute.waited == [2, 5]
+    order.enter(comm, waited=compute)  # the communication stream has just waited for the current one
+    assert comm.waited == [1], comm.waited
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -15,12 +15,13 @@ from ..core.handles import DispatchHandle, LowLatencyHandle
 from ..core.layout import get_low_latency_rdma_size_hint as _ll_size_hint
 from ..core.layout import get_normal_buffer_size_hint
 from ..core.validate import check_num_experts, check_topk, split_x
-from ..errors import EpcommDeviceError, EpcommError
+from ..errors import EpcommDeviceError, EpcommError, EpcommTimeoutError
 from ..fp8 import FP8_DTYPE, GROUP
 from ..transports import create_transport
 from ..transports.low_latency import call_shape
 from ..transports.base import (CombineRequest, DispatchRequest, LowLatencyCombineRequest,
                                LowLatencyDispatchRequest)
+from ..transports.device_errors import LOW_LATENCY, NORMAL
 from .events import EventOverlap, StreamOrder, StreamScope, capture_event
 
 log = logging.getLogger("epcomm")
@@ -197,13 +198,18 @@ class Buffer:
         return StreamScope(self._comm_stream, previous_event, async_finish, allocate_on_comm_stream, self._order,
                            self._alive)
 
-    def _call(self, fn: str, scope: StreamScope, run, outputs, inputs) -> tuple:
+    def _call(self, fn: str, scope: StreamScope, run, outputs, inputs, kind: str = NORMAL) -> tuple:
         """Run ``run()`` (the transport's part of a call) in ``scope``, copy the error words to the host behind it
         on the call's stream, finish the scope; raise if an error is visible by then (an earlier call's, or on
         CPUs this call's own). Returns ``(run's result, event)``; ``outputs``/``inputs`` map the result to the
-        tensors the scope protects across streams."""
+        tensors the scope protects across streams. A host wait of the call that timed out (a rank missing at a
+        first call's meeting point) is an error of the Buffer's ``kind`` state, sticky like the device's."""
         with scope:
-            res = run()
+            try:
+                res = run()
+            except EpcommTimeoutError as exc:
+                self._errors.record(kind, str(exc))
+                raise self._errors.error(fn) from exc
             self._errors.refresh()
         event = scope.finish(outputs(res), inputs)
         if self._errors.failure() is not None:
@@ -525,7 +531,7 @@ class Buffer:
                                         use_fp8, round_scale, use_ue8m0, return_recv_hook, bad)
         res, event = self._call(fn, self._scope(None, async_finish, False),
                                 lambda: self.runtime.low_latency_dispatch(req),
-                                lambda r: (r.recv_x, r.recv_scales, r.recv_count), (x, topk_idx))
+                                lambda r: (r.recv_x, r.recv_scales, r.recv_count), (x, topk_idx), LOW_LATENCY)
         recv_x = (res.recv_x, res.recv_scales) if use_fp8 else res.recv_x
         return recv_x, res.recv_count, res.handle, event, self._hook(f"{fn} hook", res.hook)
 
@@ -574,7 +580,7 @@ class Buffer:
         req = LowLatencyCombineRequest(x, topk_idx, topk_weights, handle, zero_copy, return_recv_hook, out)
         res, event = self._call(fn, self._scope(None, async_finish, False),
                                 lambda: self.runtime.low_latency_combine(req), lambda r: (r.combined_x,),
-                                (x, topk_idx, topk_weights))
+                                (x, topk_idx, topk_weights), LOW_LATENCY)
         return res.combined_x, event, self._hook(f"{fn} hook", res.hook)
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:

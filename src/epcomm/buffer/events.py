@@ -67,9 +67,12 @@ class StreamOrder:
     def __init__(self) -> None:
         self._stream: Optional[torch.cuda.Stream] = None
 
-    def enter(self, stream: torch.cuda.Stream) -> None:
+    def enter(self, stream: torch.cuda.Stream, waited: Optional[torch.cuda.Stream] = None) -> None:
+        """``waited``: a stream ``stream`` was just made to wait for (no second wait for it)."""
         last = self._stream
-        if last is not None and last.cuda_stream != stream.cuda_stream and _capturing(last) == _capturing(stream):
+        if (last is not None and last.cuda_stream != stream.cuda_stream
+                and (waited is None or last.cuda_stream != waited.cuda_stream)
+                and _capturing(last) == _capturing(stream)):
             stream.wait_stream(last)
         self._stream = stream
 
@@ -113,12 +116,14 @@ class StreamScope:
             if self._order is not None and self.compute_stream is not None:
                 self._order.enter(self.compute_stream)
             return self
+        waited = None
         if self.previous_event is not None and self.previous_event.event is not None:
             self.comm_stream.wait_event(self.previous_event.event)
         else:
             self.comm_stream.wait_stream(self.compute_stream)
+            waited = self.compute_stream
         if self._order is not None:
-            self._order.enter(self.comm_stream)
+            self._order.enter(self.comm_stream, waited)
         self._ctx = torch.cuda.stream(self.comm_stream)
         self._ctx.__enter__()
         return self

@@ -167,13 +167,14 @@ class Transport(abc.ABC):
     def low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         """The ``[E_local, R * T, H]`` bf16 tensor a zero-copy combine reads."""
 
-    def first_call(self, key: tuple, enqueue: Callable[[], None]) -> None:
-        """Run ``enqueue()`` (launches of one call). The first time ``key`` is seen, compile those kernels and meet
-        the other ranks first (``compile_then_meet``): ``key`` must be the same on every rank at the same call
-        (built from shapes and dtypes the ranks must agree on, never from a rank's own token counts)."""
+    def first_call(self, fn: str, key: tuple, enqueue: Callable[[], None]) -> None:
+        """Run ``enqueue()`` (launches of one call of ``fn``). The first time ``key`` is seen, compile those
+        kernels and meet the other ranks first (``compile_then_meet``): ``key`` must be the same on every rank at
+        the same call (built from shapes and dtypes the ranks must agree on, never from a rank's own token
+        counts)."""
         if key not in self._keys_met:
             self._keys_met.add(key)
-            compile_then_meet(self.group, self.device, enqueue)
+            compile_then_meet(self.group, self.device, enqueue, fn)
         enqueue()
 
     def warmup_low_latency(self, shape: tuple) -> None:
@@ -200,17 +201,46 @@ class Transport(abc.ABC):
         """Release communication resources (collective where the transport holds shared memory)."""
 
 
-def compile_then_meet(group: Any, device: torch.device, enqueue: Callable[[], None], threads: int = 1) -> None:
+# How long the ranks wait for each other at a first call's meeting point beyond EPCOMM_TIMEOUT_S: a peer may
+# still be compiling that call's kernels (seconds each without Triton's cache, more on a loaded host).
+COMPILE_ALLOWANCE_S = 300.0
+
+
+def compile_then_meet(group: Any, device: torch.device, enqueue: Callable[[], None], what: str,
+                      threads: int = 1) -> None:
     """Compile every kernel ``enqueue()`` launches without running any (``epcomm.kernels.launch.compile_only``;
     ``threads`` variants at once), then meet the other ranks of ``group`` at a host barrier; the caller runs
     ``enqueue()`` for real afterwards. Every rank must get here at the same call: compilation takes different
     times on different ranks, and no rank's kernel may start a timed wait while a peer still compiles. While a
-    CUDA graph is being captured only the compilation happens (a capture must not synchronise)."""
-    import torch.distributed as dist
-
+    CUDA graph is being captured only the compilation happens (a capture must not synchronise). The barrier
+    waits at most ``EPCOMM_TIMEOUT_S + COMPILE_ALLOWANCE_S`` and then raises ``EpcommTimeoutError`` (``what``:
+    the call, for the message)."""
     from ..kernels.launch import compile_only
 
     with compile_only(threads):
         enqueue()
     if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        dist.barrier(group=group)
+        meet(group, what)
+
+
+def meet(group: Any, what: str) -> None:
+    """Host barrier of ``group`` that raises ``EpcommTimeoutError`` after ``EPCOMM_TIMEOUT_S +
+    COMPILE_ALLOWANCE_S`` instead of waiting for torch.distributed's own timeout."""
+    import time
+
+    import torch.distributed as dist
+
+    from .. import env
+    from ..errors import EpcommTimeoutError
+
+    limit = env.timeout_s() + COMPILE_ALLOWANCE_S
+    work = dist.barrier(group=group, async_op=True)
+    deadline = time.monotonic() + limit
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            raise EpcommTimeoutError(
+                f"{what}: rank {dist.get_rank(group)} waited {limit:g} s at a host barrier for the other ranks to "
+                f"reach the first call of this kind (each compiles its kernels first, so that compilation does not "
+                f"count against the device timeout): a rank is stuck, died or did not make the same call")
+        time.sleep(1e-3)
+    work.wait()

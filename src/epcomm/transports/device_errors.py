@@ -50,7 +50,7 @@ class DeviceErrors:
         self.words = words
         self._spans = tuple(spans)
         self._describe = describe
-        self._host = torch.zeros_like(words, device="cpu", pin_memory=True) if words.is_cuda else words
+        self._host = (torch.zeros(words.numel(), dtype=words.dtype, pin_memory=True) if words.is_cuda else words)
         host = self._host.numpy()
         self._views = tuple(host[a:b] for a, b, _ in self._spans)
         self._failures: dict = {}  # kind -> [message], in the order seen

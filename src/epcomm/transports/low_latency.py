@@ -387,7 +387,8 @@ class OneSidedLowLatency:
             return
         self._ready.add((shape, kind))
         compile_then_meet(self.group, self.device,
-                          lambda: [launch(self._grid(s and r), args, s, r) for s, r in self._halves()])
+                          lambda: [launch(self._grid(s and r), args, s, r) for s, r in self._halves()],
+                          f"Buffer.low_latency_{kind}")
 
     def warmup(self, shape: tuple) -> None:
         """Collective: make the storage hold calls of ``shape`` (``call_shape``) and compile every kernel variant
@@ -412,7 +413,7 @@ class OneSidedLowLatency:
                         launch(self._grid(s and r), args, s, r)
 
         self._geometry(shape, t_max, "Buffer.warmup")  # storage first: it fixes the kernels' offsets
-        compile_then_meet(self.group, self.device, compile_all, threads=min(16, os.cpu_count() or 1))
+        compile_then_meet(self.group, self.device, compile_all, "Buffer.warmup", threads=min(16, os.cpu_count() or 1))
         self._ready.update({(shape, "dispatch"), (shape, "combine")})
 
     def _run(self, launch, args: tuple, hook: bool, after=None):
@@ -456,9 +457,9 @@ class OneSidedLowLatency:
         return errors
 
     def reset(self) -> None:
-        """Collective, with no call of this instance in flight on any rank: zero the flags of every storage and the
-        control words (call and arrival counters, error record, call ring), as after construction. Results
-        still pending (hooks not run) are abandoned."""
+        """Collective, with no call of this instance in flight on any rank: zero the arrival flags of the present
+        storage and the control words (call and arrival counters, error record, call ring), as after
+        construction. Results still pending (hooks not run) are abandoned."""
         if self._on_gpu:
             torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)  # no rank still reads or releases flags

@@ -288,7 +288,7 @@ class NVLinkTransport(Transport):
         has_experts = req.num_tokens_per_expert is not None
         pos = torch.empty(n, num_ranks, dtype=torch.int32, device=dev)
         summary = torch.empty(SUMMARY_HEAD + 3 * num_ranks + max(e_local, 1), dtype=torch.int32, device=dev)
-        self.first_call(("exchange", req.num_experts, k, has_experts), lambda: launch(
+        self.first_call(fn, ("exchange", req.num_experts, k, has_experts), lambda: launch(
             exchange_kernel, (1,),
             req.num_tokens_per_rank, req.num_tokens_per_expert if has_experts else summary, itr.view(torch.int8),
             req.topk_idx if k else summary, pos, summary, self.mat, self.heap.peer_bases, self._off(self.mat),
@@ -367,7 +367,8 @@ class NVLinkTransport(Transport):
                         "or Buffer.warmup with the largest num_tokens first", self.area_bytes, rounds.num_rounds)
         # the first dispatch of a kind compiles its kernels before any rank waits (Transport.first_call)
         key = ("dispatch", x.dtype, x.size(1), ns, k, has_w, req.num_experts, bool(worst), rounds.num_rounds == 1)
-        self.first_call(key, lambda: self._push_rounds(req, itr, state, rounds, outs, num_recv, grid, strict))
+        self.first_call("Buffer.dispatch", key,
+                        lambda: self._push_rounds(req, itr, state, rounds, outs, num_recv, grid, strict))
 
     def _push_rounds(self, req: DispatchRequest, itr, state: _NVLinkState, rounds: _Rounds, outs, num_recv: int,
                      grid: int, strict: bool) -> None:
@@ -432,7 +433,7 @@ class NVLinkTransport(Transport):
     def _cached_dispatch(self, req: DispatchRequest) -> DispatchResult:
         h: DispatchHandle = req.handle
         st: _NVLinkState = h.state
-        self.first_call(("barrier",), self._barrier)
+        self.first_call("Buffer.dispatch", ("barrier",), self._barrier)
         plan_req = DispatchRequest(req.x, req.x_scales, None, None, st.num_tokens_per_rank, h.is_token_in_rank, None,
                                    h.num_experts, 1, h.num_worst_tokens, None, req.config, None, req.overlapped)
         outs = self._alloc_recv(h.num_recv_tokens, req.x, req.x_scales, None, False, bool(h.num_worst_tokens))
@@ -456,7 +457,7 @@ class NVLinkTransport(Transport):
         own = OwnRows(own_x, req.topk_weights.contiguous() if k else None, st.recv_prefix[self.rank:self.rank + 1],
                       self.rank)
         # the first combine of a kind compiles its kernels before any rank waits (Transport.first_call)
-        self.first_call(("combine", x.dtype, x.size(1), k, len(req.bias), bool(h.num_worst_tokens),
+        self.first_call("Buffer.combine", ("combine", x.dtype, x.size(1), k, len(req.bias), bool(h.num_worst_tokens),
                          geometry.num_rounds == 1), lambda: self._combine_rounds(req, geometry, out, out_w, grid, own))
         return out, out_w
 
