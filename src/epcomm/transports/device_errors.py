@@ -51,8 +51,9 @@ class DeviceErrors:
         self._spans = tuple(spans)
         self._describe = describe
         self._host = (torch.zeros(words.numel(), dtype=words.dtype, pin_memory=True) if words.is_cuda else words)
-        host = self._host.numpy()
-        self._views = tuple(host[a:b] for a, b, _ in self._spans)
+        size = words.element_size()
+        raw = memoryview(self._host.numpy()).cast("B")  # read as bytes: the cheapest test for "all zero"
+        self._views = tuple((raw[a * size:b * size], bytes((b - a) * size)) for a, b, _ in self._spans)
         self._failures: dict = {}  # kind -> [message], in the order seen
         self.reported = False  # a failure was raised to the caller
 
@@ -74,8 +75,8 @@ class DeviceErrors:
     def failure(self) -> Optional[str]:
         """The failures seen so far as one message, or None. Reads the host copy: no synchronisation."""
         if not self._failures:
-            for view in self._views:
-                if view.any():
+            for view, zero in self._views:
+                if bytes(view) != zero:
                     break
             else:
                 return None
