@@ -24,7 +24,8 @@ def _need(n: int) -> None:
 # ---------------------------------------------------------------------------------------------------------
 def _sticky(ctx, transport):
     """A low-latency call whose rows overflow (each token selecting a peer's expert twice) and a normal dispatch
-    with too few num_worst_tokens return without an error (no host synchronisation); once the device finished
+    without host synchronisation with bad input (alltoall: too few num_worst_tokens; nvlink: invalid expert ids)
+    return without an error (unless the device finished them before their exit check); once the device finished
     them (``torch.cuda.synchronize()``, nothing of epcomm's), the next call raises, and so does every later one.
     ``clean_low_latency_buffer`` on every rank recovers from the first, not from the second."""
     from epcomm.buffer import Buffer
@@ -64,12 +65,13 @@ def _sticky(ctx, transport):
 def test_gpu_errors_of_sync_free_calls_raise_at_the_next_call(transport):
     _need(2)
     for rank, out in enumerate(spawn(_sticky, 2, transport, device="cuda", timeout_s=300)):
-        assert out["overflowing call"] == "no exception", out  # nothing synchronised yet
+        # nothing synchronised: the call itself raises only if the device got there before its exit check
+        assert out["overflowing call"] == "no exception" or "did not fit" in out["overflowing call"], out
         assert out["next call"].startswith("Buffer.low_latency_dispatch: a call failed on the device"), out
         assert f"rank {rank}:" in out["next call"] and "did not fit" in out["next call"], out
         assert out["check_errors"].startswith("Buffer.check_errors: a call failed"), out
         assert out["after clean"] == [], out
-        assert out["bad sync-free dispatch"] == "no exception", out
+        assert out["bad sync-free dispatch"] == "no exception" or "a call failed" in out["bad sync-free dispatch"]
         assert out["next normal call"].startswith("Buffer.get_dispatch_layout: a call failed on the device"), out
         assert "destroy the Buffer on every rank" in out["next normal call"], out
         assert out["after clean (normal error)"].startswith("Buffer.get_dispatch_layout: a call failed"), out
@@ -274,7 +276,7 @@ class _Soak:
         self.differ(5, self.buf.dispatch(s["x2"], handle=s["handle"])[0], s["cached"])
         return 1
 
-    def worst_call(self, d: int, static=None) -> int:
+    def worst_call(self, d: int, static=None) -> tuple:
         s, buf = self.normal[d], self.buf
         x, idx, w = static if static is not None else (s["x"], s["idx"], s["w"])
         per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, self.e)
