@@ -59,6 +59,11 @@ def _bad_calls(ctx):
                                                              use_logfmt=True),
         "ll combine bad out": lambda: buf.low_latency_combine(ll_recv[0].to(torch.bfloat16), idx, w, ll_handle,
                                                               out=torch.empty(n, h)),
+        "ll async with hook": lambda: buf.low_latency_dispatch(x, idx, 8, e, async_finish=True,
+                                                               return_recv_hook=True),
+        "ll combine async with hook": lambda: buf.low_latency_combine(ll_recv[0].to(torch.bfloat16), idx, w,
+                                                                      ll_handle, async_finish=True,
+                                                                      return_recv_hook=True),
     }
     seen = {}
     for name, call in calls.items():
@@ -112,6 +117,8 @@ def test_every_bad_call_raises_with_function_name(bad_calls):
     ("dispatch no layout", "get_dispatch_layout"),
     ("ll ue8m0 without round", "round_scale=True"),
     ("use after destroy", "destroyed"),
+    ("ll async with hook", "cannot be combined"),
+    ("ll combine async with hook", "cannot be combined"),
 ])
 def test_messages_say_how_to_fix(bad_calls, name, fragment):
     assert fragment in bad_calls[name][1]

@@ -131,3 +131,27 @@ def test_launch_hooks_take_tritons_path(monkeypatch):
     monkeypatch.setattr(knobs.runtime, "launch_enter_hook", hook)
     launcher((4,), (t, 32, 5), {"C": 2})
     assert calls == [((4, 1, 1), (t, 32, 5, 2, 3))] and len(kernel.log) == 1
+
+
+def test_compile_only_compiles_without_launching(monkeypatch):
+    """Inside ``compile_only()`` a launch compiles its variant and runs nothing; the launch after it takes the
+    cached path at once (what lets the transports compile a call's kernels before any rank waits). A dtype
+    stands for an aligned tensor of that dtype."""
+    _no_gpu(monkeypatch)
+    kernel = _Kernel()
+    loaded = []
+    monkeypatch.setattr(_Compiled, "_init_handles", lambda self: loaded.append(self.variant), raising=False)
+    kernel.warmup = lambda *args, grid, **kwargs: kernel.log.append(("warmup", grid, args)) or _Compiled(kernel.log, 0)
+    launcher = L.Launcher(kernel)
+    t = torch.zeros(16)
+    with L.compile_only():
+        launcher((4,), (torch.float32, 32, 5), {"C": 2})
+        launcher((4,), (t, 48, 6), {"C": 2})  # the same variant: compiled once
+        assert loaded == []  # loaded onto the device when the block ends
+    assert [e[0] for e in kernel.log] == ["warmup"] and loaded == [0]
+    launcher((4,), (t, 32, 5), {"C": 2})
+    assert kernel.log[-1] == ("fast", 0, (4, 1, 1), (t, 32, 5, 2, 3))
+    with pytest.raises(RuntimeError, match="already inside"):
+        with L.compile_only():
+            with L.compile_only():
+                pass

@@ -207,61 +207,112 @@ def test_low_latency_patterns(monkeypatch):
 # a missing peer
 # ---------------------------------------------------------------------------------------------------------
 def _missing_peer(ctx):
-    """A peer that does not make the call: the receive must time out, record it and report it, not hang.
-    First rank 1 skips a dispatch; then (new Buffer) both dispatch and rank 1 skips the combine."""
+    """A peer that does not make the call: the receive must time out, record it and report it, not hang. The error
+    is sticky on the rank that saw it (the next call, an event wait and ``check_errors`` raise it) until every rank
+    calls ``clean_low_latency_buffer``, after which calls are correct again. First rank 1 skips a dispatch (rank 0
+    receives it through a hook); then (new Buffer) both dispatch and rank 1 skips the combine. Returns rank 0's
+    ``(first message, later messages)`` per case and the problems found after the recovery. (Both ranks make a
+    dispatch and a combine first: the first call of a kind meets on the host, see test_hardening.py.)"""
+    from epcomm import reference
     from epcomm.buffer import Buffer
     from epcomm.core.layout import get_low_latency_rdma_size_hint
     from epcomm.errors import EpcommError
+    from epcomm.testing.checks import same_bits
     from epcomm.testing.routing import make_inputs
 
     hint = get_low_latency_rdma_size_hint(4, 128, 2, 4, 2)  # storage made now: no collective in the calls
-    inputs = [i.to(ctx.device) for i in make_inputs(7, 2, 3, 128, 4, 2, "uniform", torch.bfloat16)]
-    mine = inputs[ctx.rank]
-    messages = []
+    inputs = make_inputs(7, 2, 3, 128, 4, 2, "uniform", torch.bfloat16)
+    mine = inputs[ctx.rank].to(ctx.device)
+    messages, problems = [], []
+    short = os.environ["EPCOMM_TIMEOUT_S"]  # the waits that must time out; the others get time to spare
     for skip in ("dispatch", "combine"):
+        os.environ["EPCOMM_TIMEOUT_S"] = "30"
         buf = Buffer(ctx.group, transport=NVLinkTransport, num_rdma_bytes=hint, **NVL)
-        message = ""
-        if skip == "combine" or ctx.rank == 0:
-            recv, _, handle, _, _ = buf.low_latency_dispatch(mine.x, mine.topk_idx, 4, 4, use_fp8=False)
-        if skip == "combine" and ctx.rank == 0:
-            buf.low_latency_combine(recv, mine.topk_idx, mine.topk_weights, handle)
-        if ctx.rank == 0:
-            try:
+        warm = buf.low_latency_dispatch(mine.x, mine.topk_idx, 4, 4, use_fp8=False)  # first calls: both ranks
+        buf.low_latency_combine(warm[0], mine.topk_idx, mine.topk_weights, warm[2])
+        event = buf.get_dispatch_layout(mine.topk_idx, 4)[4]
+        os.environ["EPCOMM_TIMEOUT_S"] = short
+        first, later = "", []
+        try:
+            if skip == "combine" or ctx.rank == 0:
+                recv, _, handle, _, hook = buf.low_latency_dispatch(mine.x, mine.topk_idx, 4, 4, use_fp8=False,
+                                                                   return_recv_hook=skip == "dispatch")
+                if hook is not None:
+                    hook()
+            if skip == "combine" and ctx.rank == 0:
+                buf.low_latency_combine(recv, mine.topk_idx, mine.topk_weights, handle)
+            if ctx.rank == 0:
                 buf.check_errors()
-            except EpcommError as exc:
-                message = str(exc)
+        except EpcommError as exc:  # on CPUs the failing call (or hook) raises itself; on GPUs check_errors
+            first = str(exc)
+        if ctx.rank == 0:
+            for call in (lambda: buf.low_latency_dispatch(mine.x, mine.topk_idx, 4, 4), event.current_stream_wait,
+                         buf.check_errors):
+                try:
+                    call()
+                    later.append("no exception")
+                except EpcommError as exc:
+                    later.append(str(exc))
         torch.distributed.barrier(group=ctx.group)
+        os.environ["EPCOMM_TIMEOUT_S"] = "30"
+        buf.clean_low_latency_buffer(4, 128, 4)  # every rank: the recovery
+        recv, count, handle, _, _ = buf.low_latency_dispatch(mine.x, mine.topk_idx, 4, 4, use_fp8=False)
+        ref = _reference(inputs, dict(use_fp8=False), 4)
+        _check_dispatch(problems, f"after clean_low_latency_buffer ({skip} skipped)", recv, count, handle,
+                        ref[ctx.rank], False)
+        ys, y = _expert_outputs(ref, 2, 4, 128, ctx.rank, False)
+        combined, _, _ = buf.low_latency_combine(y.to(ctx.device), mine.topk_idx, mine.topk_weights, handle)
+        want = reference.low_latency_combine(ys, ref, [i.topk_idx for i in inputs], [i.topk_weights for i in inputs],
+                                             4)[ctx.rank]
+        if not same_bits(combined, want):
+            problems.append(f"after clean_low_latency_buffer ({skip} skipped): combine differs")
+        buf.check_errors()
         buf.destroy()
-        messages.append(message)
-    return messages
+        messages.append((first, later))
+    return messages, problems
+
+
+def _assert_missing_peer(results):
+    (dispatch, combine), problems = results[0]
+    assert not problems and not results[1][1], (problems, results[1][1])
+    for (first, later), what, where in ((dispatch, "dispatch", "low_latency_dispatch hook"),
+                                        (combine, "combine", "low_latency_combine")):
+        assert "rank 0: low-latency receive timed out" in first, first
+        assert f"rank 1's {what} rows of call 1" in first and "clean_low_latency_buffer() on every rank" in first
+        assert first.startswith((f"Buffer.{where}:", "Buffer.check_errors:")), first
+        assert [m.split(":")[0] for m in later] == ["Buffer.low_latency_dispatch", "EventOverlap.current_stream_wait",
+                                                    "Buffer.check_errors"], later
+        assert all(f"rank 1's {what} rows of call 1" in m for m in later), later
 
 
 def test_missing_peer_times_out(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("EPCOMM_TIMEOUT_S", "0.2")
-    dispatch, combine = spawn(_missing_peer, 2, device="cpu", timeout_s=300)[0]
-    assert "rank 0" in dispatch and "rank 1's dispatch rows of call 0" in dispatch, dispatch
-    assert "rank 0" in combine and "rank 1's combine rows of call 0" in combine, combine
+    _assert_missing_peer(spawn(_missing_peer, 2, device="cpu", timeout_s=300))
 
 
 def _repeated_ids(ctx):
     """Every token selects expert 0 twice (ids within a token must be distinct): 2 * T rows per source arrive
     for one expert, whose output holds R * T; the first R * T (source 0's, in order) are kept and the rest
-    are reported as dropped, not written past the expert's rows."""
+    are reported as dropped, not written past the expert's rows. The Buffer does not return such a result: the
+    call raises (on GPUs: the next interaction with the Buffer), so the rows are read from the transport."""
     from epcomm.buffer import Buffer
     from epcomm.errors import EpcommError
+    from epcomm.transports.base import LowLatencyDispatchRequest
 
     t = 4
     x = torch.randn(t, 128).to(torch.bfloat16)
     idx = torch.zeros(t, 2, dtype=torch.int64)
     buf = Buffer(ctx.group, transport=NVLinkTransport, **NVL)
-    recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, t, 4, use_fp8=False)
-    message = ""
-    try:
-        buf.check_errors()
-    except EpcommError as exc:
-        message = str(exc)
-    out = (handle.recv_count.tolist(), handle.src_info[0].tolist(), message)
+    res = buf.runtime.low_latency_dispatch(LowLatencyDispatchRequest(x, idx, t, 4, False, False, False, False, None))
+    messages = []
+    calls = (buf.check_errors, lambda: buf.low_latency_dispatch(x, idx[:, :1], t, 4)) if ctx.rank == 0 else ()
+    for call in calls:  # rank 0's second call raises before it launches: rank 1 must not make it
+        try:
+            call()
+        except EpcommError as exc:
+            messages.append(str(exc))
+    out = (res.handle.recv_count.tolist(), res.handle.src_info[0].tolist(), messages)
     torch.distributed.barrier(group=ctx.group)
     buf.destroy()
     return out
@@ -269,11 +320,13 @@ def _repeated_ids(ctx):
 
 def test_repeated_expert_ids_drop_rows_and_say_so(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    (count0, src0, msg0), (count1, _, msg1) = spawn(_repeated_ids, 2, device="cpu", timeout_s=300)
+    (count0, src0, msgs0), (count1, _, msgs1) = spawn(_repeated_ids, 2, device="cpu", timeout_s=300)
     assert count0 == [8, 0] and count1 == [0, 0], (count0, count1)
     assert src0 == [0, 0, 1, 1, 2, 2, 3, 3], src0  # source 0's rows, token order
-    assert "rank 0: 8 low-latency rows did not fit" in msg0 and "distinct" in msg0, msg0
-    assert msg1 == "", msg1
+    assert len(msgs0) == 2 and msgs0[0].startswith("Buffer.check_errors:"), msgs0
+    assert msgs0[1].startswith("Buffer.low_latency_dispatch:"), msgs0  # sticky: the next call raises too
+    assert all("rank 0: 8 low-latency rows did not fit" in m and "distinct" in m for m in msgs0), msgs0
+    assert msgs1 == [], msgs1  # rank 1 received nothing wrong
 
 
 # ---------------------------------------------------------------------------------------------------------

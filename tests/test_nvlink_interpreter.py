@@ -2,6 +2,8 @@
 shared memory, so the same push/copy-out/combine code paths run without a GPU, checked bit-exact against
 the reference (normal mode; several rounds; num_worst_tokens; FP8; cached handles; bias and weights)."""
 
+import os
+
 import pytest
 
 pytest.importorskip("triton")
@@ -82,42 +84,70 @@ class _NoLaunch:
 def _peer_skips_push(ctx, op):
     """Rank 1 takes part in the count exchange of ``op`` ("dispatch" or "combine") but never launches its
     push (for the combine, that launch also holds the barrier that opens it): rank 0's programs must time
-    out, record the error and report it (naming both ranks), not hang."""
+    out, record the error and report it (naming both ranks), not hang; and the error is sticky: every later
+    call of the Buffer raises it, ``check_errors`` as often as asked. Returns rank 0's messages. The calls of
+    each kind are made once by both ranks first; ``op="first"``: rank 1 skips the push of the very first
+    dispatch, whose ranks meet on the host before pushing (compilation), and rank 0's wait there ends too."""
     import torch
 
     import epcomm.kernels.ep as ep
+    import epcomm.transports.base as base
     from epcomm.buffer import Buffer
     from epcomm.errors import EpcommError
     from epcomm.testing.routing import make_inputs
 
+    base.COMPILE_ALLOWANCE_S = 0.0  # the first call's meeting point waits EPCOMM_TIMEOUT_S only
     buf = Buffer(ctx.group, transport=NVLinkTransport, num_nvl_bytes=1 << 20)
     mine = make_inputs(5, 2, 4, 64, 4, 2, "uniform", torch.bfloat16)[ctx.rank]
-    if ctx.rank == 1 and op == "dispatch":
-        buf.runtime._run_dispatch = lambda *args, **kwargs: None
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(mine.topk_idx, 4)
-    recv_x, _, recv_w, _, handle, _ = buf.dispatch(mine.x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                                                  num_tokens_per_expert=per_expert, topk_idx=mine.topk_idx,
-                                                  topk_weights=mine.topk_weights)
-    if op == "combine":
-        buf.check_errors()
-        if ctx.rank == 1:
-            ep.combine_push_kernel = _NoLaunch()
+    if op != "first":  # both ranks make each call once (the first calls of a kind meet on the host)
+        short, os.environ["EPCOMM_TIMEOUT_S"] = os.environ["EPCOMM_TIMEOUT_S"], "30"  # these must not time out
+        recv_x, _, recv_w, _, handle, _ = buf.dispatch(mine.x, num_tokens_per_rank=per_rank,
+                                                      is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                                                      topk_idx=mine.topk_idx, topk_weights=mine.topk_weights)
         buf.combine(recv_x, handle, topk_weights=recv_w)
-    message = ""
-    if ctx.rank == 0:
-        try:
+        os.environ["EPCOMM_TIMEOUT_S"] = short
+    if ctx.rank == 1 and op in ("dispatch", "first"):
+        buf.runtime._run_dispatch = lambda *args, **kwargs: None
+    messages = []
+    later = [lambda: buf.get_dispatch_layout(mine.topk_idx, 4), buf.check_errors, buf.check_errors,
+             lambda: buf.low_latency_dispatch(mine.x, mine.topk_idx, 4, 4)]
+    try:
+        recv_x, _, recv_w, _, handle, _ = buf.dispatch(mine.x, num_tokens_per_rank=per_rank,
+                                                      is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                                                      topk_idx=mine.topk_idx, topk_weights=mine.topk_weights)
+        if op == "combine":
             buf.check_errors()
-        except EpcommError as exc:
-            message = str(exc)
-    return message
+            if ctx.rank == 1:
+                ep.combine_push_kernel = _NoLaunch()
+            buf.combine(recv_x, handle, topk_weights=recv_w)
+        later.insert(0, buf.check_errors)
+    except EpcommError as exc:  # on CPUs the failing call itself raises (its kernels ran to the end)
+        messages.append(str(exc))
+    if ctx.rank == 0:
+        for call in later:
+            try:
+                call()
+                messages.append("no exception")
+            except EpcommError as exc:
+                messages.append(str(exc))
+    return messages
 
 
-@pytest.mark.parametrize("op,what", [("dispatch", "data arrival"), ("combine", "barrier")])
+@pytest.mark.parametrize("op,what", [("dispatch", "data arrival timeout waiting for rank 1"),
+                                     ("combine", "barrier timeout waiting for rank 1"),
+                                     ("first", "rank 0 waited 0.2 s at a host barrier for the other ranks")])
 def test_missing_push_times_out(monkeypatch, op, what):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("EPCOMM_TIMEOUT_S", "0.2")
-    message = spawn(_peer_skips_push, 2, op, device="cpu", timeout_s=300)[0]
-    assert message.startswith(f"Buffer.check_errors: rank 0: {what} timeout waiting for rank 1"), message
+    first, *later = spawn(_peer_skips_push, 2, op, device="cpu", timeout_s=300)[0]
+    fn = "combine" if op == "combine" else "dispatch"
+    assert first.startswith(f"Buffer.{fn}: a call failed on the device ("), first
+    assert what in first and "destroy the Buffer on every rank" in first, first
+    want = ["Buffer.get_dispatch_layout:", "Buffer.check_errors:", "Buffer.check_errors:",
+            "Buffer.low_latency_dispatch:"]
+    assert [m.split(" ")[0] for m in later] == want, later
+    assert all(what in m for m in later), later
 
 
 def _combine_with_uneven_programs(ctx):

@@ -366,8 +366,11 @@ def _result(rep, **extra):
 def test_doctor_table_and_hints_nvlink():
     rep = report(2)
     bw = {"0->1": {"gbps": 371.9, "arrived": True, "note": ""}, "1->0": {"gbps": 370.2, "arrived": True, "note": ""}}
-    text = doctor.format_result(_result(rep, bandwidth=bw))
+    memory = {"normal_symmetric": 3 << 20, "low_latency_symmetric": 0, "pinned_host": 272, "total": (3 << 20) + 272}
+    text = doctor.format_result(_result(rep, bandwidth=bw, memory=memory))
     assert "| 0-1 | NV18 (NVSwitch, 478 GB/s nominal) | yes | yes | yes | 371.9 / 370.2 |" in text
+    assert ("memory the self-test's Buffer held on rank 0 (Buffer.memory_usage): normal_symmetric 3.0 MiB, "
+            "low_latency_symmetric 0 B, pinned_host 272 B, total 3.0 MiB") in text
     assert "chosen: nvlink" in text and "self-test with nvlink" in text and "passed" in text
     assert doctor.nccl_hints(rep, bw, {}) == []
     assert doctor.passed(_result(rep))
@@ -434,6 +437,7 @@ def test_doctor_on_cpu(capsys):
     assert doctor.main(["--world-size", "2"]) == 0
     text = capsys.readouterr().out
     assert "chosen: alltoall" in text and "self-test with alltoall" in text and "passed" in text
+    assert "memory the self-test's Buffer held on rank 0 (Buffer.memory_usage): normal_symmetric 0 B" in text
     from epcomm.deep_ep import status
 
     assert f"deep_ep: {status()[1]}" in text  # which `import deep_ep` the ranks would get

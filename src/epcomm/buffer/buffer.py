@@ -15,12 +15,14 @@ from ..core.handles import DispatchHandle, LowLatencyHandle
 from ..core.layout import get_low_latency_rdma_size_hint as _ll_size_hint
 from ..core.layout import get_normal_buffer_size_hint
 from ..core.validate import check_expert_stats, check_num_experts, check_topk, split_x
-from ..errors import EpcommError
-from ..fp8 import GROUP
+from ..errors import EpcommDeviceError, EpcommError, EpcommTimeoutError
+from ..fp8 import FP8_DTYPE, GROUP
 from ..transports import create_transport
+from ..transports.low_latency import call_shape
 from ..transports.base import (CombineRequest, DispatchRequest, LowLatencyCombineRequest,
                                LowLatencyDispatchRequest)
-from .events import EventOverlap, StreamScope, capture_event
+from ..transports.device_errors import LOW_LATENCY, NORMAL
+from .events import EventOverlap, StreamOrder, StreamScope, capture_event
 
 log = logging.getLogger("epcomm")
 
@@ -37,14 +39,36 @@ class Buffer:
 
     Arguments:
         group: the process group of the expert-parallel ranks (default: the world group).
-        num_nvl_bytes, num_rdma_bytes: bytes of symmetric storage the one-sided transports may use (DeepEP's
-            arguments; the portable transport needs none). 0 lets the transport choose.
-        low_latency_mode, num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl,
-        explicitly_destroy: accepted for DeepEP compatibility; epcomm always supports both modes in one
-            Buffer and is always destroyed explicitly with ``destroy()`` (or at process exit).
+        num_nvl_bytes: bytes of symmetric storage for normal mode (one-sided transports; the portable one needs
+            none; ``get_normal_size_hint``). 0: made by the first dispatch, sized for what it can need (each rank
+            sending all its tokens to one rank); later calls that need more move in rounds (see ``warmup``).
+        num_rdma_bytes: bytes of symmetric storage for low-latency mode (``get_low_latency_rdma_size_hint``),
+            made now. 0: made by the first low-latency call.
+        low_latency_mode: True makes the low-latency storage now and needs ``num_rdma_bytes`` > 0 (as in
+            DeepEP). Either way both modes work on every Buffer; low-latency storage grows only at the first
+            call of a shape that does not fit it (collective, before that call launches anything) or in
+            ``warmup`` — never inside a call of a shape already made, nor while a CUDA graph is captured.
+        num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl: accepted for DeepEP compatibility
+            (RDMA and multi-node NVLink settings; epcomm communicates within one NVLink domain).
+        explicitly_destroy: True (DeepEP's explicit mode): ``destroy()`` must be called; a Buffer collected
+            without it logs a warning. False (default): the storage is released at process exit, or earlier by
+            ``destroy()``. Releasing it when the object is collected is not possible: it is collective.
         transport: ``auto`` (default), ``nvlink``, ``p2p`` or ``alltoall``; or a ``Transport`` subclass to use
             as given, without the topology checks (custom transports, interpreter tests).
         device: the device to communicate on (default: the current CUDA device for NCCL groups, else CPU).
+
+    Errors: bad arguments raise at once (messages start with the function's name). What fails on the device (a
+    wait that timed out, naming the rank, the peer and what was awaited; rows that did not fit
+    ``num_worst_tokens`` or a low-latency slot; invalid expert ids in a call without host synchronisation) is
+    recorded there and raised as ``EpcommDeviceError`` by the first interaction with the Buffer that sees it
+    (every call checks at entry and exit, receive hooks and ``EventOverlap`` waits too, with a plain read of a
+    host copy of the error words; ``check_errors()`` synchronises to look). The error is sticky: every later
+    call raises it. Recovery: after a low-latency error, ``clean_low_latency_buffer()`` on every rank; after a
+    normal-mode error, ``destroy()`` on every rank and a new Buffer.
+
+    Streams: every call of a Buffer is ordered after its previous one, whatever streams they run on (plain
+    calls on the current stream, ``async_finish``/``previous_event`` calls on the communication stream, hooks
+    where they are called); see ``events.StreamOrder`` for CUDA graphs.
     """
 
     num_sms: Optional[int] = None  # None: each call's SMs come from the traffic model (Config.num_sms)
@@ -62,7 +86,12 @@ class Buffer:
         self.group_size = dist.get_world_size(self.group)
         self.num_nvl_bytes = int(num_nvl_bytes)
         self.num_rdma_bytes = int(num_rdma_bytes)
+        if low_latency_mode and self.num_rdma_bytes <= 0:
+            raise ValueError("Buffer: low_latency_mode=True needs num_rdma_bytes > 0, as in DeepEP: pass "
+                             "num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(...), or leave "
+                             "low_latency_mode=False to have the storage made by the first low-latency call")
         self.low_latency_mode = low_latency_mode
+        self.explicitly_destroy = explicitly_destroy
         self.device = torch.device(device) if device is not None else default_device(self.group)
         self.id = next(_buffer_ids)
         self.runtime, reason = create_transport(transport, self.group, self.device,
@@ -73,6 +102,8 @@ class Buffer:
             log.info("epcomm.Buffer: transport %s on %s with %d ranks: %s", self.transport, self.device,
                      self.group_size, reason)
         self._comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._order = StreamOrder()
+        self._errors = self.runtime.errors
         self._destroyed = False
 
     # ------------------------------------------------------------------ static helpers (DeepEP names)
@@ -118,29 +149,92 @@ class Buffer:
         return self._comm_stream
 
     # ------------------------------------------------------------------ lifecycle
+    @property
+    def memory_usage(self) -> dict:
+        """Bytes this Buffer holds between calls, by part, and their ``total``: ``normal_symmetric`` (normal-mode
+        storage of the one-sided transports: ``num_nvl_bytes``, or what the first dispatch sized),
+        ``low_latency_symmetric`` (low-latency storage, every size made so far: an older one stays until
+        ``destroy`` for results still pending on it), ``low_latency_zero_copy`` (the buffers
+        ``get_next_low_latency_combine_buffer`` returns), ``pinned_host`` (host copies of the error words and of
+        count reads). Outputs of calls belong to the caller and are not counted."""
+        usage = dict.fromkeys(("normal_symmetric", "low_latency_symmetric", "low_latency_zero_copy", "pinned_host"),
+                              0)
+        if not self._destroyed:
+            usage.update(self.runtime.memory_usage())
+        usage["total"] = sum(usage.values())
+        return usage
+
+    def __del__(self) -> None:
+        if getattr(self, "explicitly_destroy", False) and not getattr(self, "_destroyed", True):
+            try:
+                log.warning("epcomm.Buffer %d: created with explicitly_destroy=True and collected without "
+                            "destroy(); its storage stays allocated until the process exits", self.id)
+            except Exception:  # noqa: BLE001 - logging may be gone at interpreter exit
+                pass
+
     def destroy(self) -> None:
         """Release the transport's resources. Collective: every rank of the group must call it. Raises if a
-        call recorded an error on the device that was not reported yet."""
+        call recorded an error on the device that no call has raised yet."""
         if self._destroyed:
             return
         errors = self.runtime.pending_errors()
+        unreported = errors and not self._errors.reported
         self.runtime.destroy()
         self._destroyed = True
-        if errors:
-            raise EpcommError("Buffer.destroy: errors recorded on the device: " + "; ".join(errors))
+        if unreported:
+            raise EpcommDeviceError("Buffer.destroy: errors recorded on the device: " + "; ".join(errors))
 
     def check_errors(self) -> None:
-        """Raise if an earlier call recorded an error on the device (synchronises)."""
-        errors = self.runtime.pending_errors()
-        if errors:
-            raise EpcommError("Buffer.check_errors: " + "; ".join(errors))
+        """Raise if an earlier call recorded an error on the device (synchronises). The error stays: every later
+        call raises it too, until the Buffer is reset (the "Errors" section of the class docstring)."""
+        self._alive("Buffer.check_errors")
+        if self.runtime.pending_errors():
+            raise self._errors.error("Buffer.check_errors")
 
     def _alive(self, fn: str) -> None:
+        """At every call's entry (and exit): raise if the Buffer was destroyed or has seen a device error (a plain
+        read of the host copy of the error words, no synchronisation)."""
         if self._destroyed:
             raise EpcommError(f"{fn}: this Buffer was destroyed; create a new one")
+        if self._errors.failure() is not None:
+            raise self._errors.error(fn)
 
     def _scope(self, previous_event, async_finish, allocate_on_comm_stream) -> StreamScope:
-        return StreamScope(self._comm_stream, previous_event, async_finish, allocate_on_comm_stream)
+        return StreamScope(self._comm_stream, previous_event, async_finish, allocate_on_comm_stream, self._order,
+                           self._alive)
+
+    def _call(self, fn: str, scope: StreamScope, run, outputs, inputs, kind: str = NORMAL) -> tuple:
+        """Run ``run()`` (the transport's part of a call) in ``scope``, copy the error words to the host behind it
+        on the call's stream, finish the scope; raise if an error is visible by then (an earlier call's, or on
+        CPUs this call's own). Returns ``(run's result, event)``; ``outputs``/``inputs`` map the result to the
+        tensors the scope protects across streams. A host wait of the call that timed out (a rank missing at a
+        first call's meeting point) is an error of the Buffer's ``kind`` state, sticky like the device's."""
+        with scope:
+            try:
+                res = run()
+            except EpcommTimeoutError as exc:
+                self._errors.record(kind, str(exc))
+                raise self._errors.error(fn) from exc
+            self._errors.refresh()
+        event = scope.finish(outputs(res), inputs)
+        if self._errors.failure() is not None:
+            raise self._errors.error(fn)
+        return res, event
+
+    def _hook(self, fn: str, hook):
+        """The receive hook the caller gets: checks, orders and refreshes like a call."""
+        if hook is None:
+            return None
+
+        def recv_hook() -> None:
+            self._alive(fn)
+            if self._comm_stream is not None:
+                self._order.enter(torch.cuda.current_stream())
+            hook()
+            self._errors.refresh()
+            self._alive(fn)
+
+        return recv_hook
 
     def _own(self, fn: str, handle, kind) -> None:
         if not isinstance(handle, kind):
@@ -150,6 +244,76 @@ class Buffer:
         if handle.buffer_id != self.id:
             raise ValueError(f"{fn}: the handle was made by another Buffer (id {handle.buffer_id}, this is "
                              f"{self.id}); pass the handle returned by this Buffer")
+
+    def warmup(self, hidden: int, num_experts: int, num_topk: int, num_tokens: int = 0, *,
+               dtypes: Sequence = (torch.bfloat16,), num_worst_tokens: int = 0,
+               num_max_dispatch_tokens_per_rank: int = 0, use_fp8: Sequence[bool] = (True, False),
+               round_scale: bool = False, use_ue8m0: bool = False) -> None:
+        """Compile the kernels of a configuration and make its storage before calls of it wait on peers.
+        Collective (every rank, the same arguments); not while a CUDA graph is being captured.
+
+        Compilation takes different times on different ranks (seconds per kernel without Triton's cache), and a
+        rank's device waits must not count a peer's compilation. Without warm-up the first call of each kind
+        compiles its kernels before any rank waits (the ranks meet at a host barrier); a variant that only some
+        ranks need later compiles at its first launch, inside the timeout. This method covers such variants too
+        where they can be listed, and moves the sizing of storage out of the first calls.
+
+        Arguments:
+            hidden, num_experts, num_topk: the calls' shapes.
+            num_tokens: if > 0, normal mode: one dispatch (top-k ids and weights), its cached repeat and a combine
+                (with weights) per payload in ``dtypes`` (``torch.bfloat16``, ``torch.float16``, ``torch.float32``
+                or ``"fp8"``), on ``num_tokens`` tokens per rank of synthetic routing; with ``num_worst_tokens``
+                also that dispatch and its combine. They run as calls (their first-call compilation and barrier
+                included); with ``num_nvl_bytes=0`` they also size the one-sided transports' storage.
+            num_max_dispatch_tokens_per_rank: if > 0 (T), low-latency mode: for each ``use_fp8`` (with
+                ``round_scale``/``use_ue8m0``), the storage for T tokens and every kernel variant (any token
+                count, dispatch and combine, plain and hook), compiled without launching.
+        Ends with a barrier of the group; raises if a warm-up call recorded an error."""
+        fn = "Buffer.warmup"
+        self._alive(fn)
+        for name, value, least in (("hidden", hidden, 1), ("num_topk", num_topk, 1), ("num_tokens", num_tokens, 0),
+                                   ("num_worst_tokens", num_worst_tokens, 0),
+                                   ("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 0)):
+            if not isinstance(value, int) or value < least:
+                raise ValueError(f"{fn}: {name}={value!r} must be an integer >= {least}")
+        check_num_experts(fn, num_experts, self.group_size)
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise EpcommError(f"{fn}: called while a CUDA graph is being captured; warm up before capturing")
+        if num_tokens:
+            for dtype in dtypes:
+                self._warm_normal(hidden, num_experts, num_topk, num_tokens, dtype, 0)
+                if num_worst_tokens:  # every row fits: each rank receives at most R * (its tokens) rows
+                    self._warm_normal(hidden, num_experts, num_topk,
+                                      max(1, min(num_tokens, num_worst_tokens // self.group_size)), dtype,
+                                      num_worst_tokens)
+        if num_max_dispatch_tokens_per_rank:
+            if hidden % GROUP:
+                raise ValueError(f"{fn}: hidden={hidden} must be a multiple of {GROUP} for low-latency mode")
+            for fp8 in use_fp8:
+                self.runtime.warmup_low_latency(call_shape(num_max_dispatch_tokens_per_rank, hidden, num_topk,
+                                                           num_experts, fp8, round_scale, use_ue8m0, torch.bfloat16))
+        self.check_errors()
+        dist.barrier(group=self.group)
+
+    def _warm_normal(self, hidden: int, num_experts: int, num_topk: int, n: int, dtype, worst: int) -> None:
+        """One layout, dispatch, cached dispatch and combine of zeros with synthetic routing (``Buffer.warmup``)."""
+        dev = self.device
+        token = torch.arange(n, device=dev).unsqueeze(1) * num_topk + self.rank
+        idx = (token + torch.arange(num_topk, device=dev)) % num_experts  # distinct within a token
+        weights = torch.ones(n, num_topk, dtype=torch.float32, device=dev)
+        if dtype == "fp8":
+            x = (torch.zeros(n, hidden, device=dev).to(FP8_DTYPE),
+                 torch.ones(n, hidden // GROUP, dtype=torch.float32, device=dev))
+            out_dtype = torch.bfloat16
+        else:
+            x, out_dtype = torch.zeros(n, hidden, dtype=dtype, device=dev), dtype
+        per_rank, _, per_expert, in_rank, _ = self.get_dispatch_layout(idx, num_experts)
+        recv_x, _, recv_w, _, handle, _ = self.dispatch(
+            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            topk_idx=idx, topk_weights=weights, num_worst_tokens=worst)
+        self.dispatch(x, handle=handle)
+        rows = torch.zeros(handle.num_recv_tokens, hidden, dtype=out_dtype, device=dev)
+        self.combine(rows, handle, topk_weights=recv_w)
 
     # ------------------------------------------------------------------ normal mode
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
@@ -270,12 +434,16 @@ class Buffer:
         stats = cumulative_local_expert_recv_stats
         if stats is not None:
             check_expert_stats(fn, stats, num_experts // self.group_size, self.device)
-        with scope:
+
+        def run():
             res = self.runtime.dispatch(req)
             if stats is not None:
                 stats.add_(res.handle.num_recv_tokens_per_expert)
-        outputs = (res.recv_x, res.recv_scales, res.recv_topk_idx, res.recv_topk_weights)
-        event = scope.finish(outputs, (data, scales, topk_idx, topk_weights, stats))
+            return res
+
+        res, event = self._call(fn, scope, run,
+                                lambda r: (r.recv_x, r.recv_scales, r.recv_topk_idx, r.recv_topk_weights),
+                                (data, scales, topk_idx, topk_weights, stats))
         recv_x = (res.recv_x, res.recv_scales) if scales is not None else res.recv_x
         if handle is not None:
             return recv_x, None, None, None, None, event
@@ -324,9 +492,8 @@ class Buffer:
         req = CombineRequest(x.contiguous(), handle, topk_weights, biases,
                              config or self.get_combine_config(self.group_size),
                              overlapped=scope.comm_stream is not None)
-        with scope:
-            combined, combined_w = self.runtime.combine(req)
-        event = scope.finish((combined, combined_w), (x, topk_weights, biases))
+        (combined, combined_w), event = self._call(fn, scope, lambda: self.runtime.combine(req), lambda r: r,
+                                                   (x, topk_weights, biases))
         return combined, combined_w, event
 
     # ------------------------------------------------------------------ low-latency mode
@@ -364,6 +531,7 @@ class Buffer:
         """
         fn = "Buffer.low_latency_dispatch"
         self._alive(fn)
+        _check_hook_flags(fn, async_finish, return_recv_hook)
         check_num_experts(fn, num_experts, self.group_size)
         if not isinstance(x, torch.Tensor) or x.dtype not in (torch.bfloat16, torch.float32) or x.dim() != 2:
             raise TypeError(f"{fn}: x must be a bf16 [num_tokens, hidden] tensor; got "
@@ -387,17 +555,20 @@ class Buffer:
             check_expert_stats(fn, stats, num_experts // self.group_size, self.device)
         req = LowLatencyDispatchRequest(x.contiguous(), topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                                         use_fp8, round_scale, use_ue8m0, return_recv_hook, bad)
-        scope = self._scope(None, async_finish, False)
-        with scope:
+
+        def run():
             res = self.runtime.low_latency_dispatch(req)
-            hook = res.hook
-            if stats is not None and hook is None:
+            if stats is not None and res.hook is None:
                 stats.add_(res.recv_count)
+            return res
+
+        res, event = self._call(fn, self._scope(None, async_finish, False), run,
+                                lambda r: (r.recv_x, r.recv_scales, r.recv_count), (x, topk_idx, stats), LOW_LATENCY)
+        hook = res.hook
         if stats is not None and hook is not None:
             hook = _ThenAdd(hook, stats, res.recv_count)
-        event = scope.finish((res.recv_x, res.recv_scales, res.recv_count), (x, topk_idx, stats))
         recv_x = (res.recv_x, res.recv_scales) if use_fp8 else res.recv_x
-        return recv_x, res.recv_count, res.handle, event, hook
+        return recv_x, res.recv_count, res.handle, event, self._hook(f"{fn} hook", hook)
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: LowLatencyHandle, use_logfmt: bool = False, zero_copy: bool = False,
@@ -408,6 +579,10 @@ class Buffer:
         Arguments:
             x: ``[E_local, R * T, hidden]`` bf16 expert outputs, laid out as ``low_latency_dispatch`` returned
                 them (ignored with ``zero_copy``, which reads ``get_next_low_latency_combine_buffer(handle)``).
+                Either tensor is read in place: the one-sided kernels store each row from it straight into the
+                rank that needs it (there is no staging copy to save, so ``zero_copy`` only lets the experts
+                write into a tensor the Buffer keeps); the portable transport gathers the rows for its
+                all_to_all in both cases.
             topk_idx ``[N, K]`` int64, topk_weights ``[N, K]`` float32: as given to the dispatch.
             handle: its LowLatencyHandle.
             out: optional ``[N, hidden]`` bf16 tensor to write into.
@@ -418,6 +593,7 @@ class Buffer:
         """
         fn = "Buffer.low_latency_combine"
         self._alive(fn)
+        _check_hook_flags(fn, async_finish, return_recv_hook)
         self._own(fn, handle, LowLatencyHandle)
         if use_logfmt:
             raise NotImplementedError(f"{fn}: use_logfmt=True is not supported; pass use_logfmt=False")
@@ -437,20 +613,47 @@ class Buffer:
             raise ValueError(f"{fn}: out must be bf16 [{handle.num_tokens}, {handle.hidden}]; got {out.dtype} "
                              f"{tuple(out.shape)}")
         req = LowLatencyCombineRequest(x, topk_idx, topk_weights, handle, zero_copy, return_recv_hook, out)
-        scope = self._scope(None, async_finish, False)
-        with scope:
-            res = self.runtime.low_latency_combine(req)
-        event = scope.finish((res.combined_x,), (x, topk_idx, topk_weights))
-        return res.combined_x, event, res.hook
+        res, event = self._call(fn, self._scope(None, async_finish, False),
+                                lambda: self.runtime.low_latency_combine(req), lambda r: (r.combined_x,),
+                                (x, topk_idx, topk_weights), LOW_LATENCY)
+        return res.combined_x, event, self._hook(f"{fn} hook", res.hook)
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         """The ``[E_local, R * T, hidden]`` bf16 tensor to write expert outputs into for a
-        ``zero_copy=True`` combine with this handle."""
+        ``zero_copy=True`` combine with this handle; that combine reads it in place. One of two per shape
+        (by the parity of the dispatch, so two micro-batches in flight get different ones), kept by the
+        Buffer (``memory_usage``)."""
+        self._alive("Buffer.get_next_low_latency_combine_buffer")
         self._own("Buffer.get_next_low_latency_combine_buffer", handle, LowLatencyHandle)
         return self.runtime.low_latency_combine_buffer(handle)
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        """DeepEP compatibility: epcomm's low-latency storage needs no cleaning between uses."""
+        """Reset the low-latency state as after construction (DeepEP's clean): arrival flags, call counters and the
+        error words of low-latency calls, on every rank. Collective: every rank calls it, with no low-latency call
+        of this Buffer in flight (it synchronises the device and the group); results still pending (hooks not
+        run) are abandoned.
+
+        This is how a Buffer recovers from a low-latency error (a receive that timed out, rows that did not fit,
+        invalid expert ids): afterwards low-latency calls are correct again. An error of a normal-mode call stays
+        (destroy the Buffer and create a new one). The arguments are checked as ``low_latency_dispatch`` checks
+        them; epcomm's storage is not laid out per shape, so every shape is reset."""
+        fn = "Buffer.clean_low_latency_buffer"
+        if self._destroyed:
+            raise EpcommError(f"{fn}: this Buffer was destroyed; create a new one")
+        for name, value in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
+                            ("hidden", hidden)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{fn}: {name}={value!r} must be a positive integer")
+        if hidden % GROUP:
+            raise ValueError(f"{fn}: hidden={hidden} must be a multiple of {GROUP}")
+        check_num_experts(fn, num_experts, self.group_size)
+        self.runtime.clean_low_latency()
+
+
+def _check_hook_flags(fn: str, async_finish: bool, return_recv_hook: bool) -> None:
+    if async_finish and return_recv_hook:
+        raise ValueError(f"{fn}: async_finish=True and return_recv_hook=True cannot be combined (DeepEP rejects it "
+                         f"too): with a hook the receive runs when you call hook(), on your stream; pass one of them")
 
 
 class _ThenAdd:

@@ -13,9 +13,11 @@ class Config:
 
     num_sms: SMs the one-sided kernels may occupy (even, >= 2), or None (the default): chosen per call by
         ``model_num_sms`` from the call's traffic. The portable transport ignores it.
-    num_max_nvl_chunked_send_tokens / num_max_nvl_chunked_recv_tokens: tokens per chunk that a sender
-        writes before it publishes progress, and the ring capacity (tokens) per (channel, peer) in the
-        receive buffer; ``recv`` must be at least ``send``.
+    num_max_nvl_chunked_send_tokens: tokens a push program moves per step (rounded down to a power of two,
+        at most 16).
+    num_max_nvl_chunked_recv_tokens: DeepEP's ring capacity (tokens) per (channel, peer); checked (at least
+        ``send``) and otherwise unused: epcomm has no ring, its receive area holds a whole call (or a round of
+        one) per source, sized by ``num_nvl_bytes``. No value changes a result.
     num_max_rdma_chunked_send_tokens / num_max_rdma_chunked_recv_tokens: accepted for DeepEP compatibility;
         epcomm is intranode only and does not use them.
     strict_sms: whether the one-sided transports' local passes (the dispatch's copy-out of received rows,
@@ -52,8 +54,9 @@ class Config:
 
     @property
     def num_channels(self) -> int:
-        """Independent channels: one sender and one receiver SM each (None while ``num_sms`` is chosen per
-        call)."""
+        """DeepEP's channel count, ``num_sms // 2`` (one sender and one receiver SM each; None while ``num_sms``
+        is chosen per call), for code that sizes DeepEP buffers with it. epcomm's kernels do not pair SMs: the
+        pushes run ``num_sms`` programs (``Buffer``'s docstring says how many the local passes use)."""
         return None if self.num_sms is None else self.num_sms // 2
 
 

@@ -16,12 +16,19 @@ A variant is everything Triton's compiled-kernel cache depends on (Triton 3.x):
 
 ``tests/test_launch.py`` checks this key against Triton's own specialisation. Under the interpreter, with
 ``FAST_LAUNCH = False`` and with Triton older than 3.4 every launch takes Triton's normal path.
+
+``compile_only()``: within the block, launches compile (or load from Triton's cache) the variant they would run
+and load it onto the device, without running anything; the next real launch of it costs no compilation. The
+transports use it to compile a call's kernels before any rank's kernel starts waiting (compilation time differs
+between ranks and must not count against the device timeouts), ``Buffer.warmup`` to compile whole
+configurations, several variants at once on a pool of threads (Triton's compiler releases the GIL).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -36,8 +43,14 @@ _I32 = (-(1 << 31), (1 << 31) - 1)
 _I64_MAX = (1 << 63) - 1
 
 
+_ahead: Optional[list] = None  # inside compile_only(): (launcher, key, kwargs, compiled or future) to load
+
+
 def arg_key(value: Any, specialize: bool = True):
-    """What Triton specialises a runtime argument ``value`` on, as a hashable key."""
+    """What Triton specialises a runtime argument ``value`` on, as a hashable key (a ``torch.dtype`` stands for a
+    16-byte aligned tensor of that dtype)."""
+    if isinstance(value, torch.dtype):
+        return value, True
     if hasattr(value, "data_ptr"):
         return value.dtype, value.data_ptr() % 16 == 0
     if isinstance(value, bool):
@@ -95,20 +108,46 @@ class Launcher:
         when not in ``kwargs``) in signature order."""
         return tuple(args) + tuple(kwargs.get(name, default) for name, default in self._params()[1])
 
+    def _key(self, device: int, args: tuple, kwargs: dict) -> tuple:
+        return device, tuple(kwargs.items()), tuple(arg_key(a, s) for a, s in zip(args, self._params()[0]))
+
+    def _check_arity(self, args: tuple) -> None:
+        if len(args) != len(self._params()[0]):
+            raise TypeError(f"Launcher: {self.kernel.fn.__name__} takes {len(self._params()[0])} runtime arguments, "
+                            f"got {len(args)}")
+
+    def _store(self, key: tuple, kwargs: dict, compiled) -> None:
+        if hasattr(compiled, "result"):  # compiled on a thread pool (compile_only)
+            compiled = compiled.result()
+        compiled._init_handles()  # load it onto the device now, not at its first launch
+        self._compiled[key] = (compiled, compiled.run, compiled.function, compiled.packed_metadata,
+                               self.arguments((), kwargs))
+
+    def _compile(self, grid: tuple, args: tuple, kwargs: dict) -> None:
+        """``compile_only()``'s part of a launch: compile the variant, launch nothing."""
+        self._check_keywords(kwargs)
+        if not self._fast():
+            self.kernel.warmup(*args, grid=grid, **kwargs)  # Triton keeps it (the interpreter: nothing to do)
+            return
+        self._check_arity(args)
+        key = self._key(_current_device(), args, kwargs)
+        if key not in self._compiled and not any(other is self and k == key for other, k, _, _ in _ahead):
+            _ahead.append((self, key, kwargs, self.kernel.warmup(*args, grid=grid, **kwargs)))
+
     def __call__(self, grid: tuple, args: tuple, kwargs: dict) -> None:
+        if _ahead is not None:
+            self._compile(grid, args, kwargs)
+            return
         if not self._fast():
             self._check_keywords(kwargs)
             self.kernel[grid](*args, **kwargs)
             return
-        specialize = self._params()[0]
         device = _current_device()
-        key = (device, tuple(kwargs.items()), tuple(arg_key(a, s) for a, s in zip(args, specialize)))
+        key = self._key(device, args, kwargs)
         entry = self._compiled.get(key)
         if entry is None:  # first launch of this variant: Triton binds, compiles (or loads) and launches
             self._check_keywords(kwargs)
-            if len(args) != len(specialize):
-                raise TypeError(f"Launcher: {self.kernel.fn.__name__} takes {len(specialize)} runtime arguments, "
-                                f"got {len(args)}")
+            self._check_arity(args)
             compiled = self.kernel[grid](*args, **kwargs)
             self._compiled[key] = (compiled, compiled.run, compiled.function, compiled.packed_metadata,
                                    self.arguments((), kwargs))
@@ -119,6 +158,39 @@ class Launcher:
             compiled[g[:3]](*args, *tail)  # a profiler's launch hooks are set: let Triton call them
             return
         run(g[0], g[1], g[2], _current_stream(device), function, packed, None, None, None, *args, *tail)
+
+
+@contextlib.contextmanager
+def compile_only(threads: int = 1):
+    """Within the block, every ``Launcher`` launch compiles (or loads from Triton's cache) its variant instead
+    of running it; at the end of the block the variants are loaded onto the current device, so that their
+    launches afterwards cost no compilation. ``threads`` > 1 compiles that many variants at once (Triton's
+    ``AsyncCompileMode``; sequentially where this Triton lacks it). Host code in the block runs as usual, so it
+    must not read results of the kernels it does not launch. Not reentrant."""
+    global _ahead
+    if _ahead is not None:
+        raise RuntimeError("compile_only: already inside compile_only()")
+    pool = mode = None
+    if threads > 1:
+        try:
+            from concurrent.futures import ThreadPoolExecutor
+
+            from triton.runtime._async_compile import AsyncCompileMode
+        except ImportError:
+            pass
+        else:
+            pool = ThreadPoolExecutor(threads, thread_name_prefix="epcomm-compile")
+            mode = AsyncCompileMode(pool)
+    _ahead = []
+    try:
+        with mode if mode is not None else contextlib.nullcontext():
+            yield
+        for launcher, key, kwargs, compiled in _ahead:
+            launcher._store(key, kwargs, compiled)
+    finally:
+        _ahead = None
+        if pool is not None:
+            pool.shutdown()
 
 
 def _hooks_set(hook) -> bool:

@@ -5,7 +5,7 @@ script, so the CPU and GPU suites check the same things."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -366,8 +366,10 @@ def check_graph(ctx, buf, case: GraphCase) -> CaseResult:
     return res
 
 
-def run_cases(ctx, cases: Sequence, transport="alltoall", buffer_kwargs: Optional[dict] = None) -> list:
+def run_cases(ctx, cases: Sequence, transport="alltoall", buffer_kwargs: Optional[dict] = None,
+              before_destroy: Optional[Callable] = None) -> list:
     """Worker entry: run every case on one Buffer; return ``[(label, failures)]`` for the failing ones.
+    ``before_destroy(buffer)`` runs after the last case (e.g. to read ``buffer.memory_usage``).
 
     A case that raises is not caught: the ranks would no longer agree on which collective comes next, so
     the exception ends the worker and the launcher stops every rank (the message names the case)."""
@@ -384,5 +386,7 @@ def run_cases(ctx, cases: Sequence, transport="alltoall", buffer_kwargs: Optiona
             raise RuntimeError(f"case {case.label()!r} raised on rank {ctx.rank}") from exc
         if not result.ok:
             failed.append((result.label, result.failures))
+    if before_destroy is not None:
+        before_destroy(buf)
     buf.destroy()
     return failed

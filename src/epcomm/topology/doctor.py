@@ -123,14 +123,15 @@ def _worker(ctx, requested: str, bandwidth_bytes: int) -> dict:
 
     report = probe(ctx.group, ctx.device)
     requested = env.transport_override() or requested
-    chosen, reason, failures = None, "", []
+    chosen, reason, failures, memory = None, "", [], {}
     try:
         chosen, reason = choose_transport(report, requested, available=tuple(TRANSPORTS))
     except TransportUnavailableError as exc:
         reason = str(exc)
     if chosen is not None:
         try:
-            failures = run_cases(ctx, selftest_cases(ctx.world_size), transport=chosen)
+            failures = run_cases(ctx, selftest_cases(ctx.world_size), transport=chosen,
+                                 before_destroy=lambda buf: memory.update(buf.memory_usage))
         except Exception as exc:  # noqa: BLE001 - e.g. the transport's constructor; reported, exit code 1
             failures = [("Buffer", [f"raised {type(exc).__name__}: {exc}"])]
     all_failures: list = [None] * ctx.world_size
@@ -141,7 +142,8 @@ def _worker(ctx, requested: str, bandwidth_bytes: int) -> dict:
 
     return {"rank": ctx.rank, "report": report, "requested": requested, "chosen": chosen, "reason": reason,
             "available": tuple(TRANSPORTS), "selftest": all_failures, "bandwidth": bandwidth,
-            "bandwidth_bytes": bandwidth_bytes, "nccl": env.nccl_settings(), "deep_ep": deep_ep_status()}
+            "bandwidth_bytes": bandwidth_bytes, "nccl": env.nccl_settings(), "memory": memory,
+            "deep_ep": deep_ep_status()}
 
 
 # ---------------------------------------------------------------------------------------------- formatting
@@ -255,6 +257,9 @@ def format_result(result: dict) -> str:
         else:
             out.append(f"self-test with {chosen} ({len(selftest_cases(report.world_size))} cases, "
                        f"{report.world_size} ranks): passed")
+        if result.get("memory"):
+            out.append("memory the self-test's Buffer held on rank 0 (Buffer.memory_usage): "
+                       + ", ".join(f"{k} {_mib(v)}" for k, v in result["memory"].items()))
     if result.get("deep_ep"):
         out.append(f"deep_ep: {result['deep_ep'][1]}")
     hints = nccl_hints(report, result.get("bandwidth", {}), result.get("nccl", {}))
@@ -263,6 +268,10 @@ def format_result(result: dict) -> str:
     if hints:
         out += ["", "Hints"] + [f"  - {h}" for h in hints]
     return "\n".join(out)
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2 ** 20:.1f} MiB" if nbytes >= 2 ** 20 else f"{nbytes} B"
 
 
 def _gbps(entry: Optional[dict]) -> str:

@@ -34,6 +34,7 @@ from ..core.validate import raise_if_bad_topk
 from ..errors import EpcommError
 from ..fp8 import FP8_DTYPE, per_token_cast_to_fp8
 from ..kernels import triton_available
+from .device_errors import LOW_LATENCY, NORMAL, DeviceErrors
 from .plan import exclusive_cumsum, send_plan
 from .base import (Capabilities, CombineRequest, DispatchRequest, DispatchResult, LowLatencyCombineRequest,
                    LowLatencyCombineResult, LowLatencyDispatchRequest, LowLatencyDispatchResult, Transport)
@@ -91,6 +92,7 @@ class AllToAllTransport(Transport):
     def __init__(self, group, device: torch.device, buffer_id: int) -> None:
         super().__init__(group, device, buffer_id)
         self._errors = torch.zeros(2, dtype=torch.int32, device=device)  # [worst-token overflow, LL overflow]
+        self.errors = DeviceErrors(self._errors, ((0, 1, NORMAL), (1, 2, LOW_LATENCY)), self._describe_errors)
         self._zero_copy: dict = {}
         self._zero_bases: dict = {}
         self._pinned: dict = {}  # pinned host blocks for the dispatch's count read, by size
@@ -115,17 +117,25 @@ class AllToAllTransport(Transport):
         return dist.all_to_all_single(_as_bytes(out), _as_bytes(inp), out_splits, in_splits, group=self.group,
                                       async_op=async_op)
 
-    def pending_errors(self) -> list[str]:
-        overflow_worst, overflow_ll = (int(v) for v in self._errors.tolist())
-        self._errors.zero_()
+    def _describe_errors(self, words: list) -> list:
+        """``DeviceErrors.describe`` of ``_errors``."""
+        overflow_worst, overflow_ll = words
         errors = []
         if overflow_worst:
-            errors.append(f"rank {self.rank}: {overflow_worst} received rows did not fit num_worst_tokens; pass a "
-                          f"num_worst_tokens at least the largest number of tokens a rank can receive")
+            errors.append((NORMAL, f"rank {self.rank}: {overflow_worst} received rows did not fit num_worst_tokens "
+                                   f"or had invalid expert ids; pass a num_worst_tokens at least the largest number "
+                                   f"of tokens a rank can receive, and ids in [-1, num_experts)"))
         if overflow_ll:
-            errors.append(f"rank {self.rank}: {overflow_ll} low-latency rows did not fit their slots; expert ids "
-                          f"within a token must be distinct and x.size(0) <= num_max_dispatch_tokens_per_rank")
+            errors.append((LOW_LATENCY, f"rank {self.rank}: {overflow_ll} low-latency rows did not fit their slots or "
+                                        f"had invalid expert ids; expert ids within a token must be distinct, in "
+                                        f"[-1, num_experts), and x.size(0) <= num_max_dispatch_tokens_per_rank"))
         return errors
+
+    def memory_usage(self) -> dict:
+        held = {"low_latency_zero_copy": sum(t.numel() * t.element_size() for t in self._zero_copy.values())}
+        held["pinned_host"] = (super().memory_usage()["pinned_host"]
+                               + sum(t.numel() * t.element_size() for t in self._pinned.values()))
+        return held
 
     @staticmethod
     def _unpack_metadata(meta: torch.Tensor, x_scales, topk_idx, topk_weights):
@@ -163,8 +173,9 @@ class AllToAllTransport(Transport):
     def _raise_host_checks(self, error_words, bad_topk: int, bad_layout: int, num_experts: int) -> None:
         """Turn the checks a dispatch read at its host synchronisation into exceptions."""
         if any(error_words):
-            raise RuntimeError("Buffer.dispatch: an earlier call failed on the device: "
-                               + "; ".join(self.pending_errors()))
+            for kind, message in self._describe_errors(list(error_words)):
+                self.errors.record(kind, message)
+            raise self.errors.error("Buffer.dispatch")
         raise_if_bad_topk("Buffer.dispatch", bad_topk, num_experts)
         if bad_layout:
             raise ValueError("Buffer.dispatch: num_tokens_per_rank does not match is_token_in_rank; pass both from "
@@ -248,9 +259,10 @@ class AllToAllTransport(Transport):
                            if req.num_tokens_per_expert is not None else [])
         return DispatchResult(recv_x, recv_scales, recv_idx, recv_w, per_expert_list, handle)
 
-    def _pack(self, x, scales, topk_idx, topk_weights, itr, pos, first, num_experts):
+    def _pack(self, x, scales, topk_idx, topk_weights, itr, pos, first, num_experts, num_rows=None):
         """GPU path: rows and records of every (token, destination) pair, in send order, with one kernel
-        (the one-sided push kernel in local mode). Returns ``(rows [N*R, XW] int32, records [N*R, W])``."""
+        (the one-sided push kernel in local mode). Returns ``(rows [S, XW] int32, records [S, W])``: ``S`` is
+        ``num_rows`` (the pairs, when the host knows their number) or ``N * R`` (room for any routing)."""
         from ..kernels.ep import launch_push, record_words
         from ..kernels.shmem import num_sms
 
@@ -258,8 +270,9 @@ class AllToAllTransport(Transport):
         xw = x.size(1) * x.element_size() // 4
         ns = scales.size(1) if scales is not None else 0
         k = topk_idx.size(1) if topk_idx is not None else 0
-        rows = torch.empty(n * num_ranks, xw, dtype=torch.int32, device=x.device)
-        recs = torch.empty(n * num_ranks, record_words(ns, k, topk_weights is not None), dtype=torch.int32,
+        num_rows = n * num_ranks if num_rows is None else num_rows
+        rows = torch.empty(num_rows, xw, dtype=torch.int32, device=x.device)
+        recs = torch.empty(num_rows, record_words(ns, k, topk_weights is not None), dtype=torch.int32,
                            device=x.device)
         # every "destination" base is 0 and the offsets are the local buffers' addresses: no per-call table
         zero_bases = self._zero_bases.get(num_ranks)
@@ -335,10 +348,10 @@ class AllToAllTransport(Transport):
     def _cached_dispatch(self, req: DispatchRequest) -> DispatchResult:
         h = req.handle
         st: _NormalState = h.state
-        if st.pos is not None:  # GPU path: pack again, then one all_to_all per tensor
-            rows, recs = self._pack(req.x, req.x_scales, None, None, h.is_token_in_rank, st.pos, st.first,
-                                    h.num_experts)
+        if st.pos is not None:  # GPU path: pack again (exactly the rows that go), then one all_to_all per tensor
             num_send = sum(st.send_counts)
+            rows, recs = self._pack(req.x, req.x_scales, None, None, h.is_token_in_rank, st.pos, st.first,
+                                    h.num_experts, num_send)
             recv_x = torch.empty(h.num_recv_tokens, req.x.size(1), dtype=req.x.dtype, device=req.x.device)
             self._a2a(recv_x, rows[:num_send], list(h.num_recv_tokens_per_rank), list(st.send_counts))
             recv_scales = None

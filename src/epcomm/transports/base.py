@@ -14,6 +14,7 @@ import torch
 from ..core.config import Config
 from ..core.handles import DispatchHandle, LowLatencyHandle
 from ..core.layout import compute_dispatch_layout
+from .device_errors import LOW_LATENCY, DeviceErrors
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,8 @@ class Transport(abc.ABC):
         self.num_ranks = dist.get_world_size(group)
         self.device = device
         self.buffer_id = buffer_id
+        self.errors = DeviceErrors.none(device)  # transports whose kernels record errors replace it
+        self._keys_met: set = set()  # first_call keys seen
 
     @classmethod
     @abc.abstractmethod
@@ -164,10 +167,80 @@ class Transport(abc.ABC):
     def low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         """The ``[E_local, R * T, H]`` bf16 tensor a zero-copy combine reads."""
 
+    def first_call(self, fn: str, key: tuple, enqueue: Callable[[], None]) -> None:
+        """Run ``enqueue()`` (launches of one call of ``fn``). The first time ``key`` is seen, compile those
+        kernels and meet the other ranks first (``compile_then_meet``): ``key`` must be the same on every rank at
+        the same call (built from shapes and dtypes the ranks must agree on, never from a rank's own token
+        counts)."""
+        if key not in self._keys_met:
+            self._keys_met.add(key)
+            compile_then_meet(self.group, self.device, enqueue, fn)
+        enqueue()
+
+    def warmup_low_latency(self, shape: tuple) -> None:
+        """Collective: size the low-latency storage for calls of ``shape`` (``low_latency.call_shape``) and compile
+        every kernel variant they can launch (any token count, plain or hook), then meet the other ranks. Nothing
+        to do for transports without low-latency kernels."""
+
     def pending_errors(self) -> list[str]:
-        """Errors recorded on the device without a host sync (for example an overflowing
-        ``num_worst_tokens``), as messages; reading them synchronises. Clears them."""
-        return []
+        """Errors recorded on the device (for example a timeout, or an overflowing ``num_worst_tokens``) and those
+        already seen, as messages; reading them synchronises. They stay (``DeviceErrors``: sticky)."""
+        return self.errors.read()
+
+    def clean_low_latency(self) -> None:
+        """Collective: reset the low-latency state (flags, call counters, error words) as after construction;
+        pending low-latency results are abandoned. Every rank calls it with no low-latency call in flight."""
+        self.errors.clear(LOW_LATENCY)
+
+    def memory_usage(self) -> dict:
+        """Bytes this transport holds between calls, by part (symmetric storage, buffers it keeps, pinned host
+        memory); the Buffer adds them up."""
+        return {"pinned_host": self.errors.nbytes_pinned}
 
     def destroy(self) -> None:
         """Release communication resources (collective where the transport holds shared memory)."""
+
+
+# How long the ranks wait for each other at a first call's meeting point beyond EPCOMM_TIMEOUT_S: a peer may
+# still be compiling that call's kernels (seconds each without Triton's cache, more on a loaded host).
+COMPILE_ALLOWANCE_S = 300.0
+
+
+def compile_then_meet(group: Any, device: torch.device, enqueue: Callable[[], None], what: str,
+                      threads: int = 1) -> None:
+    """Compile every kernel ``enqueue()`` launches without running any (``epcomm.kernels.launch.compile_only``;
+    ``threads`` variants at once), then meet the other ranks of ``group`` at a host barrier; the caller runs
+    ``enqueue()`` for real afterwards. Every rank must get here at the same call: compilation takes different
+    times on different ranks, and no rank's kernel may start a timed wait while a peer still compiles. While a
+    CUDA graph is being captured only the compilation happens (a capture must not synchronise). The barrier
+    waits at most ``EPCOMM_TIMEOUT_S + COMPILE_ALLOWANCE_S`` and then raises ``EpcommTimeoutError`` (``what``:
+    the call, for the message)."""
+    from ..kernels.launch import compile_only
+
+    with compile_only(threads):
+        enqueue()
+    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        meet(group, what)
+
+
+def meet(group: Any, what: str) -> None:
+    """Host barrier of ``group`` that raises ``EpcommTimeoutError`` after ``EPCOMM_TIMEOUT_S +
+    COMPILE_ALLOWANCE_S`` instead of waiting for torch.distributed's own timeout."""
+    import time
+
+    import torch.distributed as dist
+
+    from .. import env
+    from ..errors import EpcommTimeoutError
+
+    limit = env.timeout_s() + COMPILE_ALLOWANCE_S
+    work = dist.barrier(group=group, async_op=True)
+    deadline = time.monotonic() + limit
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            raise EpcommTimeoutError(
+                f"{what}: rank {dist.get_rank(group)} waited {limit:g} s at a host barrier for the other ranks to "
+                f"reach the first call of this kind (each compiles its kernels first, so that compilation does not "
+                f"count against the device timeout): a rank is stuck, died or did not make the same call")
+        time.sleep(1e-3)
+    work.wait()

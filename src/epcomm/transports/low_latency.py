@@ -40,10 +40,11 @@ or combine) reuses the storage of call ``j - 2`` of that kind, and every rank mu
 ``j - 2`` (run its hook) before any rank sends call ``j``. Plain calls, hooks run before the next call of
 the same kind, and two micro-batches per layer (``D0 D1``, hooks, ``C0 C1``, hooks: two dispatch and two
 combine results pending) satisfy this through the calls' own data dependencies; a third pending result of
-one kind does not. All calls of one instance must be issued on one CUDA stream (call and arrival counters
-are per instance). A receive whose peer never sends records a timeout (``EPCOMM_TIMEOUT_S``);
-``pending_errors()`` names the rank, the peer and the call, later receives of the instance fail fast, and
-the instance must be destroyed.
+one kind does not. All calls of one instance must be issued in one stream order (call and arrival counters are
+per instance; the Buffer orders its calls across streams). A receive whose peer never sends records a timeout
+(``EPCOMM_TIMEOUT_S``) into the error words of ``ctl`` (``describe_errors`` names the rank, the peer and the call);
+later receives of the instance fail fast, and the owner raises (``transports.device_errors``) until ``reset()``
+(collective) puts every rank's flags and counters back to their state after construction.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ from ..kernels.launch import next_pow2
 from ..errors import BufferTooSmallError, EpcommError
 from ..fp8 import FP8_DTYPE, GROUP
 from .base import (LowLatencyCombineRequest, LowLatencyCombineResult, LowLatencyDispatchRequest,
-                   LowLatencyDispatchResult)
+                   LowLatencyDispatchResult, compile_then_meet)
 
 
 log = logging.getLogger(__name__)
@@ -100,10 +101,12 @@ class OneSidedLowLatency:
         heap: carve the storage from this ``SymmetricHeap`` (``nbytes`` of it, fixed) instead of owning one.
         nbytes: bytes of storage to create now (0: size it at the first call and grow as needed).
         fused: one kernel per plain call (default on CUDA); False launches send and receive halves apart.
+        ctl: the int64 ``[CTL_WORDS]`` control words (``epcomm.kernels.low_latency``) to use, e.g. a view into the
+            owner's block of error words (default: made here).
     Collective: construction (when it allocates), every call and ``destroy``, on every rank of the group."""
 
     def __init__(self, group, device: torch.device, buffer_id: int = 0, name: str = "nvlink", heap=None,
-                 nbytes: int = 0, fused: Optional[bool] = None) -> None:
+                 nbytes: int = 0, fused: Optional[bool] = None, ctl: Optional[torch.Tensor] = None) -> None:
         from ..kernels import low_latency as K
         from ..kernels.shmem import num_sms
 
@@ -115,7 +118,7 @@ class OneSidedLowLatency:
         self.buffer_id = buffer_id
         self.name = name
         self._on_gpu = self.device.type == "cuda"
-        self._ctl = torch.zeros(K.CTL_WORDS, dtype=torch.int64, device=self.device)
+        self._ctl = ctl if ctl is not None else torch.zeros(K.CTL_WORDS, dtype=torch.int64, device=self.device)
         self._fused = self._on_gpu if fused is None else bool(fused)
         self._sms = num_sms(self.device)
         self._heaps: list = []  # heaps created here, kept until destroy (pending results may use an old one)
@@ -128,6 +131,7 @@ class OneSidedLowLatency:
         self._needs: dict = {}
         self._zero_copy: dict = {}
         self._calls = [0, 0]  # host-side dispatch / combine counts: info ring slot, zero-copy buffer choice
+        self._ready: set = set()  # (shape, kind) whose first call on the present storage was made (_first)
         self._destroyed = False
         if heap is not None:
             self._attach(heap, int(nbytes))
@@ -149,6 +153,7 @@ class OneSidedLowLatency:
         self._off_area = heap.offset_of(area)
         self._local_base = flags.data_ptr() - self._off_flag
         self._geoms.clear()
+        self._ready.clear()
 
     def _grow(self, nbytes: int, why: str) -> None:
         from ..shmem import SymmetricHeap
@@ -200,7 +205,8 @@ class OneSidedLowLatency:
 
     def _set_part(self, d: int, c: int) -> None:
         self._part = (d, c)
-        self._geoms.clear()
+        self._geoms.clear()  # the kernels' offsets change: every variant compiles anew, first calls meet again
+        self._ready.clear()
 
     # ------------------------------------------------------------------ geometry
     def _geometry(self, shape: tuple, n_tokens: int, why: str) -> _Geometry:
@@ -295,12 +301,11 @@ class OneSidedLowLatency:
         fn = "Buffer.low_latency_dispatch"
         self._alive(fn)
         x, idx = req.x, req.topk_idx
-        if not idx.is_contiguous():
-            idx = idx.contiguous()
+        if idx.dtype != torch.int64 or not idx.is_contiguous():  # one kernel variant (what warmup compiles)
+            idx = idx.to(torch.int64).contiguous()
         n, hidden = x.shape
         t_max, num_experts, topk = req.num_max_dispatch_tokens_per_rank, req.num_experts, idx.size(1)
-        shape = (t_max, hidden, topk, num_experts, bool(req.use_fp8), bool(req.round_scale or req.use_ue8m0),
-                 bool(req.use_fp8 and req.use_ue8m0), x.dtype)
+        shape = call_shape(t_max, hidden, topk, num_experts, req.use_fp8, req.round_scale, req.use_ue8m0, x.dtype)
         geo = self._geometry(shape, n, fn)
         dev, e_local, rt = self.device, geo.e_local, self.num_ranks * t_max
         recv_x = torch.empty((e_local, rt, hidden), dtype=geo.payload_dtype, device=dev)
@@ -312,8 +317,8 @@ class OneSidedLowLatency:
         hmeta = torch.empty(geo.hmeta_words, dtype=torch.int32, device=dev)
         calls = self._calls[0]
         self._calls[0] = calls + 1
-        args = (x if n else self._ctl, idx if n else self._ctl, recv_x, scales, hmeta, self._heap.peer_bases,
-                self._ctl, n, calls % self._K.INFO_RING, self._local_base, self._timeout())
+        args = self._dispatch_args(n, x, idx, recv_x, scales, hmeta, calls % self._K.INFO_RING)
+        self._first(shape, "dispatch", geo.dispatch, args)
         hook = self._run(geo.dispatch, args, req.return_recv_hook)
         m_src = e_local + 2 * e_local * self.num_ranks
         handle = LowLatencyHandle(
@@ -349,12 +354,67 @@ class OneSidedLowLatency:
         target = out if out.is_contiguous() else torch.empty((n, hidden), dtype=torch.bfloat16, device=dev)
         calls = self._calls[1]
         self._calls[1] = calls + 1
-        args = (y, req.topk_idx.contiguous() if n else self._ctl, req.topk_weights.contiguous() if n else self._ctl,
-                target if n else self._ctl, st.hmeta, self._heap.peer_bases, self._ctl, n,
-                calls % self._K.INFO_RING, self._local_base, self._timeout())
+        args = self._combine_args(n, y, req.topk_idx.to(torch.int64).contiguous(), req.topk_weights.contiguous(),
+                                  target, st.hmeta, calls % self._K.INFO_RING)
+        self._first(st.shape, "combine", geo.combine, args)
         after = None if target is out else (lambda: out.copy_(target))
         hook = self._run(geo.combine, args, req.return_recv_hook, after)
         return LowLatencyCombineResult(out, hook)
+
+    def _dispatch_args(self, n: int, x, idx, recv_x, scales, hmeta, info_slot: int) -> tuple:
+        """``ll_dispatch_kernel``'s runtime arguments (a ``torch.dtype`` may stand for a tensor: compile_only)."""
+        ctl = self._ctl
+        return (x if n else ctl, idx if n else ctl, recv_x, scales, hmeta, self._heap.peer_bases, ctl, n, info_slot,
+                self._local_base, self._timeout())
+
+    def _combine_args(self, n: int, y, idx, w, out, hmeta, info_slot: int) -> tuple:
+        """``ll_combine_kernel``'s runtime arguments (as ``_dispatch_args``)."""
+        ctl = self._ctl
+        return (y, idx if n else ctl, w if n else ctl, out if n else ctl, hmeta, self._heap.peer_bases, ctl, n,
+                info_slot, self._local_base, self._timeout())
+
+    def _halves(self) -> tuple:
+        """The ``(send, receive)`` launches a call can make: the fused kernel (plain calls on GPUs) and the halves
+        (hooks, and plain calls elsewhere)."""
+        return ((True, True),) * self._fused + ((True, False), (False, True))
+
+    def _first(self, shape: tuple, kind: str, launch, args: tuple) -> None:
+        """Before the first ``kind`` call of ``shape`` on this storage (the same call on every rank): compile the
+        kernels it can launch (plain or hook) and meet the other ranks, so that no receive starts its timeout
+        while a peer compiles. A variant only some ranks need later (a token count in another tuning range, an
+        empty rank) compiles at its first launch, inside the timeout; ``warmup`` compiles them all ahead."""
+        if (shape, kind) in self._ready:
+            return
+        self._ready.add((shape, kind))
+        compile_then_meet(self.group, self.device,
+                          lambda: [launch(self._grid(s and r), args, s, r) for s, r in self._halves()],
+                          f"Buffer.low_latency_{kind}")
+
+    def warmup(self, shape: tuple) -> None:
+        """Collective: make the storage hold calls of ``shape`` (``call_shape``) and compile every kernel variant
+        they can launch: every token count (its tuning range, and an empty rank), dispatch and combine, plain and
+        hook; then meet the other ranks."""
+        import os
+
+        t_max, topk = shape[0], shape[2]
+        counts = {}  # one token count per tuning range, and 0 (an empty rank passes other argument types)
+        for n in range(t_max, -1, -1):
+            counts.setdefault(self._tuning(n, topk) if n else None, n)
+
+        def compile_all() -> None:
+            for n in counts.values():
+                geo = self._geometry(shape, n, "Buffer.warmup")
+                scales = geo.scale_dtype or self._ctl
+                d_args = self._dispatch_args(n, shape[7], torch.int64, geo.payload_dtype, scales, torch.int32, 0)
+                c_args = self._combine_args(n, torch.bfloat16, torch.int64, torch.float32, torch.bfloat16,
+                                            torch.int32, 0)
+                for launch, args in ((geo.dispatch, d_args), (geo.combine, c_args)):
+                    for s, r in self._halves():
+                        launch(self._grid(s and r), args, s, r)
+
+        self._geometry(shape, t_max, "Buffer.warmup")  # storage first: it fixes the kernels' offsets
+        compile_then_meet(self.group, self.device, compile_all, "Buffer.warmup", threads=min(16, os.cpu_count() or 1))
+        self._ready.update({(shape, "dispatch"), (shape, "combine")})
 
     def _run(self, launch, args: tuple, hook: bool, after=None):
         """Launch a call: the send half now and the receive half in the returned hook, or both now (one fused
@@ -377,21 +437,16 @@ class OneSidedLowLatency:
             after()
 
     # ------------------------------------------------------------------ errors, lifecycle
-    def pending_errors(self) -> list[str]:
-        """Timeouts and dropped rows recorded on the device, as messages (synchronises); clears them."""
+    def describe_errors(self, words: list) -> list[str]:
+        """Messages for the error words ``ctl[CTL_ERR:CTL_BAD + 1]`` (as ints; all zero: none)."""
         K = self._K
-        words = self._ctl[K.CTL_ERR:K.CTL_BAD + 1].tolist()
-        if not any(words):
-            return []
-        self._ctl[K.CTL_ERR:K.CTL_BAD + 1].zero_()
         code, rank, peer, _slot, expected, seen = words[:6]
         errors = []
         if code:
             what = {K.ERR_LL_DISPATCH: "dispatch rows", K.ERR_LL_COMBINE: "combine rows"}.get(code, f"code {code}")
             errors.append(f"rank {rank}: low-latency receive timed out after {env.timeout_s():g} s waiting for rank "
                           f"{peer}'s {what} of call {expected - 1} (its flag holds epoch {seen}, expected >= "
-                          f"{expected}); rank {peer} is stuck, died or did not make the same low_latency_* call. "
-                          f"The Buffer's low-latency state is out of step: destroy it")
+                          f"{expected}); rank {peer} is stuck, died or did not make the same low_latency_* call")
         overflow, bad = words[K.CTL_OVERFLOW - K.CTL_ERR], words[K.CTL_BAD - K.CTL_ERR]
         if bad:
             errors.append(f"rank {self.rank}: {bad} low-latency top-k entries were outside [-1, num_experts) and were "
@@ -400,6 +455,27 @@ class OneSidedLowLatency:
             errors.append(f"rank {self.rank}: {overflow} low-latency rows did not fit their slots and were dropped; "
                           f"expert ids within a token must be distinct")
         return errors
+
+    def reset(self) -> None:
+        """Collective, with no call of this instance in flight on any rank: zero the arrival flags of the present
+        storage and the control words (call and arrival counters, error record, call ring), as after
+        construction. Results still pending (hooks not run) are abandoned."""
+        if self._on_gpu:
+            torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)  # no rank still reads or releases flags
+        if self._heap is not None:  # older storage is only read by results pending from before its replacement
+            self._flags.zero_()
+        self._ctl.zero_()
+        self._calls = [0, 0]
+        if self._on_gpu:
+            torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)  # every flag is zero before any rank releases into it again
+
+    def memory_bytes(self) -> dict:
+        """Bytes held: symmetric storage (every heap made here, old ones kept for pending results) and the
+        zero-copy input buffers."""
+        return {"low_latency_symmetric": sum(h.layout.total_bytes for h in self._heaps),
+                "low_latency_zero_copy": sum(t.numel() * t.element_size() for t in self._zero_copy.values())}
 
     def destroy(self) -> None:
         """Release the storage this instance created (collective)."""
@@ -414,6 +490,14 @@ class OneSidedLowLatency:
     def _alive(self, fn: str) -> None:
         if self._destroyed:
             raise EpcommError(f"{fn}: the low-latency storage was destroyed")
+
+
+def call_shape(t_max: int, hidden: int, topk: int, num_experts: int, use_fp8: bool, round_scale: bool,
+               use_ue8m0: bool, x_dtype: torch.dtype) -> tuple:
+    """What decides the storage and the kernels of a low-latency call: ``(T, hidden, topk, experts, fp8, round,
+    ue8m0, x dtype)`` (UE8M0 scales are rounded; without FP8 neither applies)."""
+    return (t_max, hidden, topk, num_experts, bool(use_fp8), bool(round_scale or use_ue8m0),
+            bool(use_fp8 and use_ue8m0), x_dtype)
 
 
 class _Once:
@@ -431,4 +515,4 @@ class _Once:
             fn(*args)
 
 
-__all__ = ["OneSidedLowLatency"]
+__all__ = ["OneSidedLowLatency", "call_shape"]

@@ -42,14 +42,15 @@ from ..core.handles import DispatchHandle
 from ..core.layout import align_up
 from ..core.validate import raise_if_bad_topk
 from ..kernels.launch import launch, next_pow2
-from ..errors import BufferTooSmallError, EpcommError, EpcommTimeoutError
+from ..errors import BufferTooSmallError, EpcommError
+from .device_errors import LOW_LATENCY, NORMAL, DeviceErrors
 from .base import (Capabilities, CombineRequest, DispatchRequest, DispatchResult, LowLatencyCombineRequest,
                    LowLatencyCombineResult, LowLatencyDispatchRequest, LowLatencyDispatchResult, Transport)
 
 log = logging.getLogger(__name__)
 
 MAX_LOCAL_EXPERTS = 1024
-DEFAULT_AREA_BYTES = 1 << 30
+_LL_CTL = 16  # where the low-latency control words start in the error block (int64 words)
 
 
 @dataclass(frozen=True)
@@ -116,49 +117,92 @@ class NVLinkTransport(Transport):
                  num_rdma_bytes: int = 0) -> None:
         super().__init__(group, device, buffer_id)
         from ..kernels import triton_available
-        from ..shmem import SymmetricHeap
 
         if device.type != "cuda" and not _interpreted():
             raise EpcommError(f"{type(self).__name__}: needs CUDA devices (or the Triton interpreter for tests)")
         if not triton_available():
             raise EpcommError(f"{type(self).__name__}: needs Triton")
         r = self.num_ranks
-        self.area_bytes = align_up(int(num_nvl_bytes) or DEFAULT_AREA_BYTES, 1 << 12)
         self.table_words = 2 + MAX_LOCAL_EXPERTS
-        from ..kernels.ep import PROGRESS_SLOTS
+        self.heap = None  # normal-mode storage: made now when num_nvl_bytes is given, else sized by the first call
+        self.area_bytes = 0
+        self._offsets: dict = {}
+        self._sized_by_call = not num_nvl_bytes
+        if num_nvl_bytes:
+            self._make_storage(align_up(int(num_nvl_bytes), 1 << 12))
+        self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
+        self.counters = torch.zeros(4, dtype=torch.int32, device=device)
+        from ..kernels import low_latency as LLK
+        from .low_latency import OneSidedLowLatency
 
+        # one int64 block holds every error record, so that one copy brings them all to the host:
+        # [err (8) | deferred (int32 in word 8) | 7 free | low-latency ctl (CTL_WORDS, errors at CTL_ERR..CTL_BAD)]
+        block = torch.zeros(_LL_CTL + LLK.CTL_WORDS, dtype=torch.int64, device=device)
+        self.err = block[:8]
+        self.deferred = block[8:9].view(torch.int32)[:1]  # sync-free calls' bad inputs (the word's low half)
+        ll_err = (_LL_CTL + LLK.CTL_ERR, _LL_CTL + LLK.CTL_BAD + 1)
+        self._ll = OneSidedLowLatency(group, device, buffer_id, name=self.name, nbytes=int(num_rdma_bytes),
+                                      ctl=block[_LL_CTL:])
+        self.errors = DeviceErrors(block[:ll_err[1]], ((0, 9, NORMAL), ll_err + (LOW_LATENCY,)), self._describe_errors)
+        self.r_pow2 = max(2, next_pow2(r))
+        self.flags_kw = dict(USE_PTX=device.type == "cuda")
+        self.timer_kw = dict(USE_TIMER=device.type == "cuda")
+        self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+
+    def _make_storage(self, area_bytes: int) -> None:
+        """Collective: the symmetric heap of normal mode, ``area_bytes`` of receive area plus control words
+        (count matrix, flags, progress words), zeroed on every rank before any rank may write into a peer's."""
+        from ..kernels.ep import PROGRESS_SLOTS
+        from ..shmem import SymmetricHeap
+
+        r, device = self.num_ranks, self.device
         ctrl = r * r * self.table_words * 4 + 4 * 8 * r + 8 * r * 2 + r * (PROGRESS_SLOTS + 2) * 16 + 4096
         try:
-            self.heap = SymmetricHeap(group, self.area_bytes + ctrl, device)
+            h = SymmetricHeap(self.group, area_bytes + ctrl, device)
         except torch.cuda.OutOfMemoryError as exc:
-            raise BufferTooSmallError(f"{type(self).__name__}: could not allocate {self.area_bytes} bytes of "
-                                      f"symmetric memory ({exc}); pass a smaller num_nvl_bytes") from exc
-        h = self.heap
-        self._offsets: dict = {}
+            raise BufferTooSmallError(f"{type(self).__name__}: could not allocate {area_bytes} bytes of symmetric "
+                                      f"memory ({exc}); pass a smaller num_nvl_bytes") from exc
         self.mat = h.empty((r, r, self.table_words), torch.int32)
         self.flags = h.empty((r,), torch.int64)
         self.arrive = h.empty((r,), torch.int64)
         self.hdr = h.empty((r, 2), torch.int32)
         self.prog = h.empty((r, PROGRESS_SLOTS + 2, 2), torch.int64)
-        self.area = h.empty((self.area_bytes,), torch.uint8)
+        self.area = h.empty((area_bytes,), torch.uint8)
         for t in (self.flags, self.arrive, self.hdr, self.prog):
             t.zero_()
-        self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
-        self.counters = torch.zeros(4, dtype=torch.int32, device=device)
-        self.err = torch.zeros(8, dtype=torch.int64, device=device)
-        self.deferred = torch.zeros(1, dtype=torch.int32, device=device)  # sync-free calls' bad inputs
-        from .low_latency import OneSidedLowLatency
-
-        self._ll = OneSidedLowLatency(group, device, buffer_id, name=self.name, nbytes=int(num_rdma_bytes))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         import torch.distributed as dist
 
-        dist.barrier(group=group)
-        self.r_pow2 = max(2, next_pow2(r))
-        self.flags_kw = dict(USE_PTX=device.type == "cuda")
-        self.timer_kw = dict(USE_TIMER=device.type == "cuda")
-        self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+        dist.barrier(group=self.group)
+        self.heap, self.area_bytes = h, area_bytes
+
+    def _size_storage(self, req: DispatchRequest, fn: str) -> None:
+        """With ``num_nvl_bytes=0``, at the first normal-mode dispatch (every rank makes it): storage for what
+        this call can need, each rank sending all of its tokens to one rank (the largest token count in the
+        group, one collective; ``num_worst_tokens`` rows per source when given), in rows wide enough for the
+        dispatch and a BF16 combine, rounded up to a power of two (at least 1 MiB). Later calls that need more
+        move in rounds (``num_worst_tokens`` calls cannot, and raise): pass ``num_nvl_bytes``
+        (``Buffer.get_normal_size_hint``) or warm up with the largest token count first (``Buffer.warmup``)."""
+        import torch.distributed as dist
+
+        from ..kernels.ep import record_words
+
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise BufferTooSmallError(f"{fn}: this Buffer's normal-mode storage is made by its first dispatch, and "
+                                      f"storage cannot be allocated while a CUDA graph is being captured: make one "
+                                      f"dispatch (or Buffer.warmup) before capturing, or pass num_nvl_bytes")
+        x = req.x
+        k = req.topk_idx.size(1) if req.topk_idx is not None else 0
+        ns = req.x_scales.size(1) if req.x_scales is not None else 0
+        most = torch.tensor([x.size(0)], dtype=torch.int64, device=self.device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.group)
+        rows = req.num_worst_tokens or max(int(most.item()), 1)
+        row = max(4 * (_words(x) + record_words(ns, k, req.topk_weights is not None)), 2 * x.size(1) + 4 * k)
+        self._make_storage(max(next_pow2(self.num_ranks * rows * row), 1 << 20))
+        if self.rank == 0:
+            log.info("%s: %d bytes of normal-mode storage sized by the first dispatch (%d rows of %d bytes per "
+                     "rank)", fn, self.area_bytes, rows, row)
 
     @classmethod
     def capabilities(cls) -> Capabilities:
@@ -198,18 +242,31 @@ class NVLinkTransport(Transport):
         if not code:
             return None
         return (f"rank {self.rank}: {ERROR_NAMES.get(code, code)} waiting for rank {peer} (its flag still said "
-                f"{seen}) after {env.timeout_s():.0f} s: a peer is stuck, died, or did not make the same call")
+                f"{seen}) after {env.timeout_s():g} s: a peer is stuck, died, or did not make the same call")
 
-    def pending_errors(self) -> list[str]:
-        words = self.err.tolist()
-        deferred = int(self.deferred.item())
-        self.err.zero_()
-        self.deferred.zero_()
-        msgs = [m for m in [self._timeout_message(words[0], words[2], words[5])] if m]
+    def _describe_errors(self, words: list) -> list:
+        """``DeviceErrors.describe`` of this transport's block (see ``__init__``)."""
+        found = []
+        msg = self._timeout_message(words[0], words[2], words[5])
+        if msg:
+            found.append((NORMAL, msg))
+        deferred = words[8] & 0xFFFFFFFF
         if deferred:
-            msgs.append(f"rank {self.rank}: a call without host synchronisation got invalid input ({deferred} bad "
-                        f"expert ids, an inconsistent layout or more rows than num_worst_tokens)")
-        return msgs + self._ll.pending_errors()
+            found.append((NORMAL, f"rank {self.rank}: a call without host synchronisation got invalid input "
+                                  f"({deferred} bad expert ids, an inconsistent layout or more rows than "
+                                  f"num_worst_tokens)"))
+        from ..kernels.low_latency import CTL_BAD, CTL_ERR
+
+        ll = words[_LL_CTL + CTL_ERR:_LL_CTL + CTL_BAD + 1]
+        return found + [(LOW_LATENCY, m) for m in self._ll.describe_errors(ll)]
+
+    def clean_low_latency(self) -> None:
+        self._ll.reset()
+        self.errors.clear(LOW_LATENCY)
+
+    def memory_usage(self) -> dict:
+        return {"normal_symmetric": self.heap.layout.total_bytes if self.heap is not None else 0,
+                **self._ll.memory_bytes(), **super().memory_usage()}
 
     # ------------------------------------------------------------------ normal mode
     def dispatch(self, req: DispatchRequest) -> DispatchResult:
@@ -218,6 +275,8 @@ class NVLinkTransport(Transport):
         fn = "Buffer.dispatch"
         if req.handle is not None:
             return self._cached_dispatch(req)
+        if self.heap is None:
+            self._size_storage(req, fn)
         num_ranks, rank, dev = self.num_ranks, self.rank, self.device
         x = req.x
         n = x.size(0)
@@ -229,13 +288,14 @@ class NVLinkTransport(Transport):
         has_experts = req.num_tokens_per_expert is not None
         pos = torch.empty(n, num_ranks, dtype=torch.int32, device=dev)
         summary = torch.empty(SUMMARY_HEAD + 3 * num_ranks + max(e_local, 1), dtype=torch.int32, device=dev)
-        launch(exchange_kernel, (1,),
+        self.first_call(fn, ("exchange", req.num_experts, k, has_experts), lambda: launch(
+            exchange_kernel, (1,),
             req.num_tokens_per_rank, req.num_tokens_per_expert if has_experts else summary, itr.view(torch.int8),
             req.topk_idx if k else summary, pos, summary, self.mat, self.heap.peer_bases, self._off(self.mat),
             self._off(self.flags), self.epoch, self.err, n, req.num_experts, rank, num_ranks, self._timeout(),
             E_LOCAL=e_local, TW=self.table_words, K=max(k, 1), R=num_ranks, R_POW2=self.r_pow2,
             HAS_EXPERTS=has_experts, HAS_TOPK=k > 0, BLOCK_T=256, BLOCK_E=pow2_block(e_local), BLOCK_K=pow2_block(k),
-            **self.flags_kw, **self.timer_kw)
+            **self.flags_kw, **self.timer_kw))
         worst = req.num_worst_tokens
         if worst:
             num_recv, per_expert_list, n_max, max_pair = worst, [], None, None
@@ -246,8 +306,8 @@ class NVLinkTransport(Transport):
             num_recv, max_pair, n_max, bad_topk, bad_layout, code, peer, seen = host[:SUMMARY_HEAD]
             msg = self._timeout_message(code, peer, seen)
             if msg:
-                self.err.zero_()
-                raise EpcommTimeoutError(f"{fn}: {msg}")
+                self.errors.record(NORMAL, msg)
+                raise self.errors.error(fn)
             raise_if_bad_topk(fn, bad_topk, req.num_experts)
             if bad_layout:
                 raise ValueError(f"{fn}: num_tokens_per_rank does not match is_token_in_rank; pass both from the "
@@ -287,8 +347,34 @@ class NVLinkTransport(Transport):
         return recv_x, recv_scales, recv_idx, recv_w, recv_src
 
     def _run_dispatch(self, req: DispatchRequest, itr, state: _NVLinkState, outs, num_recv: int, worst: int) -> None:
-        from ..kernels.ep import (PROGRESS_SLOTS, ReceiveSide, dispatch_copyout_kernel, launch_push, pow2_block,
-                                  record_words)
+        from ..kernels.ep import PROGRESS_SLOTS, record_words
+
+        x, scales = req.x, req.x_scales
+        xw = _words(x)
+        ns = scales.size(1) if scales is not None else 0
+        k = req.topk_idx.size(1) if req.topk_idx is not None else 0
+        has_w = req.topk_weights is not None
+        mw = record_words(ns, k, has_w)
+        rounds = state.rounds((xw + mw) * 4, self.area_bytes, self.num_ranks, worst, "Buffer.dispatch")
+        grid = self._num_sms(req.config, x.size(0) * (min(self.num_ranks, k) if k else self.num_ranks), (xw + mw) * 4)
+        strict = _strict(req)
+        if not strict:  # streaming: receiving programs copy rows out while the pushes run
+            grid = min(grid, PROGRESS_SLOTS)
+        if rounds.num_rounds > 1 and self._sized_by_call and self.rank == 0:
+            self._sized_by_call = False  # say it once
+            log.warning("Buffer.dispatch: this call's rows do not fit the normal-mode storage its first dispatch "
+                        "sized (%d bytes); they move in %d rounds. Pass num_nvl_bytes (Buffer.get_normal_size_hint) "
+                        "or Buffer.warmup with the largest num_tokens first", self.area_bytes, rounds.num_rounds)
+        # the first dispatch of a kind compiles its kernels before any rank waits (Transport.first_call)
+        key = ("dispatch", x.dtype, x.size(1), ns, k, has_w, req.num_experts, bool(worst), rounds.num_rounds == 1)
+        self.first_call("Buffer.dispatch", key,
+                        lambda: self._push_rounds(req, itr, state, rounds, outs, num_recv, grid, strict))
+
+    def _push_rounds(self, req: DispatchRequest, itr, state: _NVLinkState, rounds: _Rounds, outs, num_recv: int,
+                     grid: int, strict: bool) -> None:
+        """The dispatch's launches, round by round, with ``grid`` pushing programs (see the module docstring);
+        ``strict``: push, then copy out on the same programs."""
+        from ..kernels.ep import ReceiveSide, dispatch_copyout_kernel, launch_push, pow2_block, record_words
 
         num_ranks, rank, dev = self.num_ranks, self.rank, self.device
         x, scales = req.x, req.x_scales
@@ -296,22 +382,15 @@ class NVLinkTransport(Transport):
         xw = _words(x)
         ns = scales.size(1) if scales is not None else 0
         k = req.topk_idx.size(1) if req.topk_idx is not None else 0
-        has_w = req.topk_weights is not None
-        mw = record_words(ns, k, has_w)
-        rounds = state.rounds((xw + mw) * 4, self.area_bytes, num_ranks, worst, "Buffer.dispatch")
+        mw = record_words(ns, k, req.topk_weights is not None)
         cap = rounds.cap
         area_off = self._off(self.area)
         meta_rel = align_up(num_ranks * cap * xw * 4, 256)
         area_rows = self.area[:num_ranks * cap * xw * 4].view(torch.int32).view(num_ranks * cap, xw)
         meta_rows = self.area[meta_rel:meta_rel + num_ranks * cap * mw * 4].view(torch.int32).view(num_ranks * cap, mw)
         dummy = self.counters
-        grid = self._num_sms(req.config, n * (min(num_ranks, k) if k else num_ranks), (xw + mw) * 4)
         tok = _tokens_per_step(req.config)
-        strict = _strict(req)
-        if strict:  # the copy-out stays on the push's SMs too: push, then copy
-            copy_grid, copy_rows, copy_warps = grid, 8, 16
-        else:  # streaming: receiving programs copy rows out while the pushes run
-            grid = min(grid, PROGRESS_SLOTS)
+        copy_grid, copy_rows, copy_warps = grid, 8, 16
         single = rounds.num_rounds == 1
         cum = None if single else torch.cat([torch.zeros(1, num_ranks, dtype=torch.int64, device=dev),
                                              torch.cumsum(itr, dim=0, dtype=torch.int64)])
@@ -354,7 +433,7 @@ class NVLinkTransport(Transport):
     def _cached_dispatch(self, req: DispatchRequest) -> DispatchResult:
         h: DispatchHandle = req.handle
         st: _NVLinkState = h.state
-        self._barrier()
+        self.first_call("Buffer.dispatch", ("barrier",), self._barrier)
         plan_req = DispatchRequest(req.x, req.x_scales, None, None, st.num_tokens_per_rank, h.is_token_in_rank, None,
                                    h.num_experts, 1, h.num_worst_tokens, None, req.config, None, req.overlapped)
         outs = self._alloc_recv(h.num_recv_tokens, req.x, req.x_scales, None, False, bool(h.num_worst_tokens))
@@ -362,8 +441,30 @@ class NVLinkTransport(Transport):
         return DispatchResult(outs[0], outs[1], None, None, None, h)
 
     def combine(self, req: CombineRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        from ..kernels.reduce import OwnRows
+
+        h: DispatchHandle = req.handle
+        st: _NVLinkState = h.state
+        x, dev = req.x, self.device
+        m, n = x.size(0), h.num_tokens
+        xw = _words(x)
+        k = req.topk_weights.size(1) if req.topk_weights is not None else 0
+        geometry = st.rounds((xw + k) * 4, self.area_bytes, self.num_ranks, h.num_worst_tokens, "Buffer.combine")
+        out = torch.empty(n, x.size(1), dtype=x.dtype, device=dev)
+        out_w = torch.empty(n, k, dtype=torch.float32, device=dev) if k else None
+        grid = self._num_sms(req.config, m, (xw + k) * 4)
+        own_x = x if m else self.area[:xw * 4].view(x.dtype).view(1, -1)  # nothing to read when no rows came
+        own = OwnRows(own_x, req.topk_weights.contiguous() if k else None, st.recv_prefix[self.rank:self.rank + 1],
+                      self.rank)
+        # the first combine of a kind compiles its kernels before any rank waits (Transport.first_call)
+        self.first_call("Buffer.combine", ("combine", x.dtype, x.size(1), k, len(req.bias), bool(h.num_worst_tokens),
+                         geometry.num_rounds == 1), lambda: self._combine_rounds(req, geometry, out, out_w, grid, own))
+        return out, out_w
+
+    def _combine_rounds(self, req: CombineRequest, geometry: _Rounds, out, out_w, grid: int, own) -> None:
+        """The combine's launches, round by round: push (barrier, rows, arrival) and reduce."""
         from ..kernels.ep import PUSH_WARPS, chunk_block, combine_push_kernel, pow2_block
-        from ..kernels.reduce import OwnRows, reduce_from_layout
+        from ..kernels.reduce import reduce_from_layout
 
         h: DispatchHandle = req.handle
         st: _NVLinkState = h.state
@@ -372,18 +473,14 @@ class NVLinkTransport(Transport):
         m, n = x.size(0), h.num_tokens
         xw = _words(x)
         k = req.topk_weights.size(1) if req.topk_weights is not None else 0
-        geometry = st.rounds((xw + k) * 4, self.area_bytes, num_ranks, h.num_worst_tokens, "Buffer.combine")
         cap, num_rounds = geometry.cap, geometry.num_rounds
         area_off = self._off(self.area)
         w_rel = align_up(num_ranks * cap * xw * 4, 256)
         buf = self.area[:num_ranks * cap * xw * 4].view(x.dtype).view(num_ranks * cap, -1)
         wbuf = self.area[w_rel:w_rel + num_ranks * cap * k * 4].view(torch.float32).view(num_ranks * cap, k) if k else None
-        out = torch.empty(n, x.size(1), dtype=x.dtype, device=dev)
-        out_w = torch.empty(n, k, dtype=torch.float32, device=dev) if k else None
         recv_src = st.recv_src if m else self.counters
         x_words = x.view(torch.int32) if m else torch.empty(1, xw, dtype=torch.int32, device=dev)
         w_in = req.topk_weights.contiguous() if k else self.counters
-        grid = self._num_sms(req.config, x.size(0), (xw + k) * 4)
         tok = _tokens_per_step(req.config)
         single = num_rounds == 1
         cum = None
@@ -395,7 +492,6 @@ class NVLinkTransport(Transport):
             valid = src_rank >= 0
             src_safe = src_rank.clamp(min=0)
             k_in_src = torch.arange(m, device=dev) - st.recv_prefix.long()[src_safe]
-        own = OwnRows(x if m else buf, w_in if k else None, st.recv_prefix[rank:rank + 1], rank)
         for j in range(num_rounds):
             lo, hi = (0, n) if single else (min(j * cap, n), min((j + 1) * cap, n))
             dst_row = self.counters
@@ -417,7 +513,6 @@ class NVLinkTransport(Transport):
                 first = None if single else cum[lo].to(torch.int32)
                 reduce_from_layout(buf, h.is_token_in_rank, st.pos, cap, lo, hi, req.bias, out, first, wbuf, out_w,
                                    programs=grid if _strict(req) else None, own=own)
-        return out, out_w
 
     # ------------------------------------------------------------------ low-latency mode (epcomm.transports.low_latency)
     def low_latency_dispatch(self, req: LowLatencyDispatchRequest) -> LowLatencyDispatchResult:
@@ -429,9 +524,13 @@ class NVLinkTransport(Transport):
     def low_latency_combine_buffer(self, handle):
         return self._ll.combine_buffer(handle)
 
+    def warmup_low_latency(self, shape: tuple) -> None:
+        self._ll.warmup(shape)
+
     def destroy(self) -> None:
         self._ll.destroy()
-        self.heap.destroy()
+        if self.heap is not None:
+            self.heap.destroy()
 
 
 class P2PTransport(NVLinkTransport):
