@@ -266,7 +266,8 @@ def _errors(ctx) -> list:
 
     from epcomm.testing.routing import make_inputs
 
-    buf = deep_ep.Buffer(ctx.group, low_latency_mode=True)
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(4, 128, ctx.world_size, 4 * ctx.world_size)
+    buf = deep_ep.Buffer(ctx.group, num_rdma_bytes=hint, low_latency_mode=True)
     mine = make_inputs(3, ctx.world_size, 4, 128, 4 * ctx.world_size, 2)[ctx.rank]
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(mine.topk_idx, 4 * ctx.world_size)
     _, _, _, _, handle, _ = buf.dispatch(mine.x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,

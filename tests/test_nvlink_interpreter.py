@@ -3,6 +3,7 @@ shared memory, so the same push/copy-out/combine code paths run without a GPU, c
 the reference (normal mode; several rounds; num_worst_tokens; FP8; cached handles; bias and weights)."""
 
 import os
+import time
 
 import pytest
 
@@ -100,15 +101,19 @@ def _peer_skips_push(ctx, op):
     buf = Buffer(ctx.group, transport=NVLinkTransport, num_nvl_bytes=1 << 20)
     mine = make_inputs(5, 2, 4, 64, 4, 2, "uniform", torch.bfloat16)[ctx.rank]
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(mine.topk_idx, 4)
-    if op != "first":  # both ranks make each call once (the first calls of a kind meet on the host)
+    if op not in ("first", "first-dead"):  # both ranks make each call once (the first calls of a kind meet on the host)
         short, os.environ["EPCOMM_TIMEOUT_S"] = os.environ["EPCOMM_TIMEOUT_S"], "30"  # these must not time out
         recv_x, _, recv_w, _, handle, _ = buf.dispatch(mine.x, num_tokens_per_rank=per_rank,
                                                       is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                                                       topk_idx=mine.topk_idx, topk_weights=mine.topk_weights)
         buf.combine(recv_x, handle, topk_weights=recv_w)
         os.environ["EPCOMM_TIMEOUT_S"] = short
-    if ctx.rank == 1 and op in ("dispatch", "first"):
+    if ctx.rank == 1 and op in ("dispatch", "first", "first-dead"):
         buf.runtime._run_dispatch = lambda *args, **kwargs: None
+    if ctx.rank == 1 and op == "first-dead":  # leaves the group at once: rank 0's barrier fails
+        return []
+    if op == "first-dead":
+        os.environ["EPCOMM_TIMEOUT_S"] = "60"  # rank 0 sees the failure, not its own timeout
     messages = []
     later = [lambda: buf.get_dispatch_layout(mine.topk_idx, 4), buf.check_errors, buf.check_errors,
              lambda: buf.low_latency_dispatch(mine.x, mine.topk_idx, 4, 4)]
@@ -124,6 +129,8 @@ def _peer_skips_push(ctx, op):
         later.insert(0, buf.check_errors)
     except EpcommError as exc:  # on CPUs the failing call itself raises (its kernels ran to the end)
         messages.append(str(exc))
+    if ctx.rank == 1 and op == "first":  # stays in the group until rank 0's wait has timed out
+        time.sleep(3)
     if ctx.rank == 0:
         for call in later:
             try:
@@ -136,7 +143,9 @@ def _peer_skips_push(ctx, op):
 
 @pytest.mark.parametrize("op,what", [("dispatch", "data arrival timeout waiting for rank 1"),
                                      ("combine", "barrier timeout waiting for rank 1"),
-                                     ("first", "rank 0 waited 0.2 s at a host barrier for the other ranks")])
+                                     ("first", "rank 0 waited 0.2 s at a host barrier for the other ranks"),
+                                     ("first-dead", "rank 0 waited at a host barrier for the other ranks to reach "
+                                                    "the first call of this kind, and the barrier failed")])
 def test_missing_push_times_out(monkeypatch, op, what):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("EPCOMM_TIMEOUT_S", "0.2")

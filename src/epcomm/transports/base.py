@@ -234,13 +234,20 @@ def meet(group: Any, what: str) -> None:
     from ..errors import EpcommTimeoutError
 
     limit = env.timeout_s() + COMPILE_ALLOWANCE_S
-    work = dist.barrier(group=group, async_op=True)
-    deadline = time.monotonic() + limit
-    while not work.is_completed():
-        if time.monotonic() > deadline:
-            raise EpcommTimeoutError(
-                f"{what}: rank {dist.get_rank(group)} waited {limit:g} s at a host barrier for the other ranks to "
-                f"reach the first call of this kind (each compiles its kernels first, so that compilation does not "
-                f"count against the device timeout): a rank is stuck, died or did not make the same call")
-        time.sleep(1e-3)
-    work.wait()
+    rank = dist.get_rank(group)
+    why = ("(each compiles its kernels first, so that compilation does not count against the device timeout): a "
+           "rank is stuck, died or did not make the same call")
+    try:
+        work = dist.barrier(group=group, async_op=True)
+        deadline = time.monotonic() + limit
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                raise EpcommTimeoutError(f"{what}: rank {rank} waited {limit:g} s at a host barrier for the other "
+                                         f"ranks to reach the first call of this kind {why}")
+            time.sleep(1e-3)
+        work.wait()
+    except RuntimeError as exc:  # the group's backend failed the barrier: a peer closed its connection or died
+        if isinstance(exc, EpcommTimeoutError):
+            raise
+        raise EpcommTimeoutError(f"{what}: rank {rank} waited at a host barrier for the other ranks to reach the "
+                                 f"first call of this kind, and the barrier failed {why} ({exc})") from exc
