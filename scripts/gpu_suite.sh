@@ -57,7 +57,7 @@ for stage in "${STAGES[@]}"; do
   case "$stage" in
     info) run_stage info bash -c "nvidia-smi; nvidia-smi topo -m; python3 -c 'import torch,triton;print(torch.__version__,triton.__version__,torch.cuda.nccl.version())'; if [ $SHARE -gt 1 ]; then CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / SHARE)) python3 -c 'import torch; print(\"SMs seen by a rank sharing its GPU:\", torch.cuda.get_device_properties(0).multi_processor_count)'; fi; true" ;;
     tests) KARGS=(); [ -n "${TEST_FILTER:-}" ] && KARGS=(-k "$TEST_FILTER")
-           run_stage tests python3 -m pytest ${TESTS:-tests} -m gpu -v -p no:cacheprovider --timeout=${TEST_TIMEOUT:-300} -rfEs "${KARGS[@]}" ${PYTEST_ARGS:-} ;;
+           run_stage tests python3 -m pytest ${TESTS:-tests} -m gpu -v -p no:cacheprovider --timeout=${TEST_TIMEOUT:-300} -rfEs --instafail "${KARGS[@]}" ${PYTEST_ARGS:-} ;;
     bench-dispatch) run_stage bench-dispatch python3 -m epcomm bench dispatch --world-size "$WS" --out "$RES" ${DISPATCH_ARGS:-} ;;
     bench-low-latency) run_stage bench-low-latency python3 -m epcomm bench low-latency --world-size "$WS" --out "$RES" ${LL_ARGS:-} ;;
     bench-p2p) run_stage bench-p2p python3 -m epcomm bench p2p --world-size "$WS" --out "$RES" ;;

@@ -35,3 +35,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--instafail", action="store_true", default=False,
+                     help="print each failure's traceback as soon as the test fails (GPU runs that a time limit may "
+                          "stop before pytest's final summary)")
+
+
+def pytest_runtest_logreport(report):
+    if report.failed and getattr(report, "_instafail", None) is None:
+        config = getattr(pytest_runtest_logreport, "config", None)
+        if config is not None and config.getoption("--instafail"):
+            import sys
+
+            report._instafail = True
+            sys.stderr.write(f"\n===== FAILED {report.nodeid} ({report.when}) =====\n{report.longreprtext}\n")
+            sys.stderr.flush()
+
+
+def pytest_configure(config):
+    pytest_runtest_logreport.config = config

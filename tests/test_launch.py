@@ -155,3 +155,20 @@ def test_compile_only_compiles_without_launching(monkeypatch):
         with L.compile_only():
             with L.compile_only():
                 pass
+
+
+def test_waiting_kernels_do_not_specialise_on_per_call_counts():
+    """A kernel that waits for peers must run the variant every rank compiled ahead (``compile_then_meet``,
+    ``Buffer.warmup``): an integer that differs between ranks or calls (token and row counts, chunk bounds, the
+    timeout) must not select a new variant, or a rank would compile inside the device timeout."""
+    pytest.importorskip("triton")
+    from epcomm.kernels import ep, reduce, shmem
+
+    per_call = {"n", "t_begin", "t_end", "cap", "num_push", "num_recv_progs", "out_rows", "num_rows", "timeout",
+                "value", "slot"}  # (an all-gather's shard size is the same on every rank)
+    kernels = [ep.exchange_kernel, ep.dispatch_push_kernel, ep.dispatch_copyout_kernel, ep.dispatch_kernel,
+               ep.combine_push_kernel, reduce._reduce_kernel, shmem._wait_kernel, shmem._barrier_kernel,
+               shmem._allgather_kernel, shmem._allgather_lines_kernel]
+    for kernel in kernels:
+        specialised = [p.name for p in kernel.params if p.name in per_call and not p.do_not_specialize]
+        assert not specialised, f"{kernel.fn.__name__} specialises on {specialised}"

@@ -10,6 +10,7 @@ Values are read at call time (not cached at import) so that tests and launchers 
 | ``EPCOMM_TIMEOUT_S`` | seconds any host or device wait may last before it raises | ``60`` |
 | ``EPCOMM_LOG_LEVEL`` | level of the ``epcomm`` logger (``INFO``, ``DEBUG`` ...) | ``WARNING`` |
 | ``EPCOMM_COMMIT`` | the commit recorded in benchmark results where the checkout has no git metadata | unset: ``git rev-parse`` |
+| ``EPCOMM_RANKS_PER_NODE`` | ranks per node (NVLink domain) of every ``Buffer``, instead of what the topology probe finds (consecutive ranks form a node); on one machine it splits the ranks into simulated nodes, and the test launcher then gives each simulated node its own ``NCCL_HOSTID`` | unset: the probe's |
 | ``EPCOMM_RANKS_PER_GPU`` | how many ranks the launcher may place on one GPU (more than 1: testing the one-sided kernels on a machine with fewer GPUs than ranks; see ``epcomm.testing.launcher``) | ``1`` |
 """
 
@@ -74,6 +75,18 @@ def ranks_per_gpu() -> int:
     return _number("EPCOMM_RANKS_PER_GPU", 1, int, lambda n: 1 <= n <= 8, "a whole number from 1 to 8")
 
 
+def ranks_per_node() -> int | None:
+    """Ranks per node (domain) forced by ``EPCOMM_RANKS_PER_NODE``, or None (the topology probe decides)."""
+    return _number("EPCOMM_RANKS_PER_NODE", None, int, lambda n: n >= 1, "a positive whole number")
+
+
+def set_simulated_host(node: int) -> None:
+    """For a worker of simulated node ``node`` (``EPCOMM_RANKS_PER_NODE`` on one machine): unless the user chose
+    otherwise, a per-node ``NCCL_HOSTID``, so that NCCL treats the simulated nodes as separate hosts and connects
+    them through its network transport. Must run before the process creates NCCL communicators."""
+    os.environ.setdefault("NCCL_HOSTID", f"epcomm-simulated-node-{node}")
+
+
 def set_gpu_share(ranks_on_gpu: int) -> None:
     """For a worker that shares its GPU with ``ranks_on_gpu - 1`` other ranks: unless the user chose otherwise,
     an MPS server (if one runs) gives each of them an equal share of the SMs
@@ -114,7 +127,7 @@ def set_safe_gpu_defaults() -> None:
 
 # Variables that belong to CUDA and NCCL, not to epcomm: read here only to report them (topology probe, doctor).
 _NCCL_REPORTED = ("NCCL_P2P_DISABLE", "NCCL_P2P_LEVEL", "NCCL_SHM_DISABLE", "NCCL_IB_DISABLE", "NCCL_NVLS_ENABLE",
-                  "NCCL_SOCKET_IFNAME", "NCCL_NET")
+                  "NCCL_SOCKET_IFNAME", "NCCL_NET", "NCCL_HOSTID")
 
 
 def cuda_visible_devices() -> str | None:

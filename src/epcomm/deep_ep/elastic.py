@@ -313,7 +313,18 @@ class ElasticBuffer:
             x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
             topk_idx=topk_idx, topk_weights=topk_weights, expert_alignment=expert_alignment, num_worst_tokens=worst,
             **common)
-        psum_rank, psum_expert = _psums(h, expert_alignment)
+        comm = self.runtime.get_comm_stream() if ev.event is not None else None
+        if comm is None:
+            psum_rank, psum_expert = _psums(h, expert_alignment)
+        else:  # the dispatch ran on the communication stream: read its outputs there, after it
+            compute = torch.cuda.current_stream()
+            with torch.cuda.stream(comm):
+                psum_rank, psum_expert = _psums(h, expert_alignment)
+            for t in (psum_rank, psum_expert):
+                t.record_stream(compute)
+            ev.event.record(comm)  # the call's event now also covers the sums
+            if not async_with_compute_stream:
+                compute.wait_event(ev.event)
         out = EPHandle(h, num_experts, expert_alignment, num_max_tokens_per_rank, num_sms,
                        topk_idx.clone() if do_handle_copy else topk_idx, h.num_recv_tokens, counts, psum_rank,
                        psum_expert)

@@ -107,7 +107,7 @@ def _positions_and_checks(per_rank_ptr, itr_ptr, topk_ptr, pos_ptr, n, num_exper
     return per_rank, bad_layout, bad_topk
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "timeout"])
 def exchange_kernel(per_rank_ptr, per_expert_ptr, itr_ptr, topk_ptr, pos_ptr, summary_ptr, mat_ptr, bases_ptr,
                     mat_off, flags_off, epoch_ptr, err_ptr, n, num_experts, rank, world, timeout,
                     E_LOCAL: tl.constexpr, TW: tl.constexpr, K: tl.constexpr, R: tl.constexpr,
@@ -163,7 +163,7 @@ def exchange_kernel(per_rank_ptr, per_expert_ptr, itr_ptr, topk_ptr, pos_ptr, su
         tl.store(summary_ptr + 8 + 3 * R + ecols, acc, mask=em)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def plan_kernel(per_rank_ptr, per_expert_ptr, itr_ptr, topk_ptr, pos_ptr, table_ptr, first_ptr, checks_ptr, errors_ptr,
                 n, num_experts, E_LOCAL: tl.constexpr, K: tl.constexpr, R: tl.constexpr, R_POW2: tl.constexpr,
                 HAS_EXPERTS: tl.constexpr, HAS_TOPK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
@@ -337,7 +337,7 @@ def _push_tokens(pid, nprog, x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr
         _progress(bases_ptr, prog_off, row, (2 + pid) * 2 + 1, last, rank, world, R_POW2, USE_PTX)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["t_begin", "t_end", "cap"])
 def dispatch_push_kernel(x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_ptr, itr_ptr, pos_ptr,
                          first_ptr, rows_ptr, bases_ptr, area_off, meta_off, hdr_off, arrive_off, epoch_ptr,
                          counter_ptr, t_begin, t_end, cap, rank, world, XW: tl.constexpr, W: tl.constexpr,
@@ -409,7 +409,7 @@ def _copy_rows(area_ptr, meta_ptr, out_x_ptr, out_scales_ptr, out_idx_ptr, out_w
         i0 += step
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["out_rows", "cap", "timeout"])
 def dispatch_copyout_kernel(area_ptr, meta_ptr, hdr_ptr, bases_ptr, arrive_off, epoch_ptr, err_ptr, prefix_ptr,
                             out_x_ptr, out_scales_ptr, out_idx_ptr, out_w_ptr, out_src_ptr, out_rows, cap, rank,
                             world, timeout, XW: tl.constexpr, W: tl.constexpr, NS: tl.constexpr, K: tl.constexpr,
@@ -456,7 +456,8 @@ def _await(ptr, value, timeout, err_ptr, rank, peer, slot, USE_TIMER: tl.constex
     return tl.where(ok, low, -1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["t_begin", "t_end", "cap", "num_push", "num_recv_progs", "out_rows",
+                                "timeout"])
 def dispatch_kernel(x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_ptr, itr_ptr, pos_ptr, first_ptr,
                     bases_ptr, area_off, meta_off, prog_off, epoch_ptr, t_begin, t_end, cap, rank, world, num_push,
                     num_recv_progs, area_ptr, meta_ptr, prog_ptr, err_ptr, prefix_ptr, out_x_ptr, out_scales_ptr,
@@ -543,7 +544,7 @@ def _push_rows(x_ptr, w_ptr, base, area_off, w_off, m, a, ok, kcols, XW: tl.cons
         tl.store(wd[:, None] + kcols[None, :], tl.load(w_ptr + m[:, None] * K + kcols[None, :], mask=km), mask=km)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows", "cap", "timeout"])
 def combine_push_kernel(x_ptr, w_ptr, src_ptr, prefix_ptr, dst_row_ptr, bases_ptr, area_off, w_off, flags_off,
                         arrive_off, epoch_ptr, counter_ptr, err_ptr, num_rows, cap, rank, world, timeout,
                         XW: tl.constexpr, K: tl.constexpr, R_POW2: tl.constexpr, TOK: tl.constexpr,

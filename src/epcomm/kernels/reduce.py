@@ -22,7 +22,7 @@ from .launch import cdiv, launch, next_pow2
 from .numerics import f32_to_bf16_rne
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["cap", "t_begin", "t_end"])
 def _reduce_kernel(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, t_begin, t_end, b0_ptr, b1_ptr, out_ptr,
                    wbuf_ptr, wout_ptr, hidden, buf_stride, b0_stride, b1_stride, out_stride, self_ptr, self_w_ptr,
                    self_base_ptr, self_rank, self_stride, NUM_SLOTS: tl.constexpr, FROM_LAYOUT: tl.constexpr,

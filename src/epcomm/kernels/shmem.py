@@ -401,20 +401,20 @@ def _signal_kernel(sig_addr, value, SIGNAL_OP: tl.constexpr, USE_PTX: tl.constex
     signal_flag(sig_addr, value, SIGNAL_OP, USE_PTX)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["value", "timeout", "slot"])
 def _wait_kernel(sig_addr, cmp, value, timeout, err_ptr, rank, slot, USE_TIMER: tl.constexpr):
     wait_until(addr_to_ptr(sig_addr, tl.int64), cmp, value, timeout, err_ptr, _K_ERR_WAIT, rank, -1, slot,
                USE_TIMER)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["timeout"])
 def _barrier_kernel(bases_ptr, flags_off, epoch_ptr, err_ptr, rank, world, timeout, R_POW2: tl.constexpr,
                     USE_PTX: tl.constexpr, USE_TIMER: tl.constexpr):
     block_barrier(bases_ptr, flags_off, epoch_ptr, err_ptr, rank, world, timeout, _K_ERR_BARRIER, R_POW2,
                   USE_PTX, USE_TIMER)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["timeout"])
 def _allgather_kernel(bases_ptr, src_addr, out_off, shard_bytes, ready_off, done_off, state_ptr, err_ptr,
                       rank, world, timeout, BLOCK: tl.constexpr, ALIGNED16: tl.constexpr, R_POW2: tl.constexpr,
                       USE_PTX: tl.constexpr, USE_TIMER: tl.constexpr):
@@ -456,7 +456,7 @@ def _allgather_kernel(bases_ptr, src_addr, out_off, shard_bytes, ready_off, done
         wait_all_ge(base_local, done_off, world, e, timeout, err_ptr, _K_ERR_DONE, rank, R_POW2, USE_PTX, USE_TIMER)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["timeout"])
 def _allgather_lines_kernel(bases_ptr, src_addr, out_addr, shard_bytes, stage_off, slot_words, state_ptr, err_ptr,
                             rank, world, timeout, BLOCK: tl.constexpr, VEC: tl.constexpr, USE_TIMER: tl.constexpr):
     """All-gather of small shards (``shard_bytes`` a multiple of 4, both addresses 4-byte aligned) with the

@@ -119,6 +119,9 @@ def init_worker(rank: int, world_size: int, device_kind: str, timeout_s: float) 
     # one process per rank on one host: share the cores instead of oversubscribing them (spinning OpenMP
     # threads of several processes on the same cores can slow CPU work by orders of magnitude)
     torch.set_num_threads(max(1, min(8, (os.cpu_count() or 1) // max(1, world_size))))
+    per_node = env.ranks_per_node()
+    if device_kind == "cuda" and per_node and per_node < world_size:
+        env.set_simulated_host(rank // per_node)  # simulated nodes: NCCL connects them through its network path
     if device_kind == "cuda":
         launched = env.distributed_env() or {}
         local_rank = int(launched.get("LOCAL_RANK") or rank)

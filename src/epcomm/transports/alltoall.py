@@ -73,6 +73,7 @@ class _NormalState:
     slot: torch.Tensor  # [N, R] int64: row of (token, rank) in the combine receive buffer, -1 if absent
     capacity: int  # padded mode: rows per peer (0 in exact mode)
     recv_dst: Optional[torch.Tensor]  # padded mode: [R * C] output row of every received slot (W = unused)
+    num_rows: int = 0  # padded mode: W, the rows of the outputs
     pos: Optional[torch.Tensor] = None  # GPU path: [N, R] int32 index among this rank's tokens to r
     first: Optional[torch.Tensor] = None  # GPU path: [R] int32, minus the first send row of each rank
 
@@ -209,7 +210,7 @@ class AllToAllTransport(Transport):
         recv_counts = torch.empty_like(counts)
         self._a2a(recv_counts, counts)
         recv_per_expert = recv_counts[:, 1:].sum(0, dtype=torch.int32)
-        capacity = req.num_worst_tokens
+        capacity = req.peer_capacity or req.num_worst_tokens  # padded mode: slots per peer
         # everything that needs no host value is enqueued before the one synchronisation below
         slot, send_idx, meta, _ = send_plan(req, counts, capacity, self.rank, self.num_ranks, self._errors)
         if capacity:
@@ -375,8 +376,10 @@ class AllToAllTransport(Transport):
 
     def _padded_dispatch(self, req: DispatchRequest, recv_counts: torch.Tensor, recv_per_expert: torch.Tensor,
                          slot: torch.Tensor, send_idx: torch.Tensor, meta: torch.Tensor) -> DispatchResult:
-        """``num_worst_tokens`` mode: fixed ``W`` rows per peer, compacted on the receiver; no host sync."""
-        num_ranks, cap, x = self.num_ranks, req.num_worst_tokens, req.x
+        """``num_worst_tokens`` mode: fixed ``C`` rows per peer (``peer_capacity``, else ``W``), compacted on the
+        receiver into ``W`` rows; no host sync."""
+        num_ranks, cap, x = self.num_ranks, req.peer_capacity or req.num_worst_tokens, req.x
+        num_out = req.num_worst_tokens
         dev = x.device
         if req.bad_topk is not None:
             self._errors[0] += req.bad_topk  # reported at the next check
@@ -386,10 +389,11 @@ class AllToAllTransport(Transport):
         j = torch.arange(cap, device=dev)
         out_row = prefix.unsqueeze(1) + j
         arrived = j < count.unsqueeze(1)
-        valid = arrived & (out_row < cap)
+        valid = arrived & (out_row < num_out)
         self._errors[0] += (arrived & ~valid).sum(dtype=torch.int32)
-        recv_dst = torch.where(valid, out_row, cap).flatten()  # [R * W]; W = discard row
-        state = _NormalState(send_idx=send_idx, send_counts=None, slot=slot, capacity=cap, recv_dst=recv_dst)
+        recv_dst = torch.where(valid, out_row, num_out).flatten()  # [R * C]; W = discard row
+        state = _NormalState(send_idx=send_idx, send_counts=None, slot=slot, capacity=cap, recv_dst=recv_dst,
+                             num_rows=num_out)
         recv_x = self._padded_rows(x, state)
         recv_scales = self._padded_rows(req.x_scales, state) if req.x_scales is not None else None
         recv_meta = torch.empty(num_ranks * cap, meta.size(1), dtype=torch.int32, device=dev)
@@ -399,14 +403,14 @@ class AllToAllTransport(Transport):
         k = req.topk_idx.size(1) if req.topk_idx is not None else 0
         first_idx = 2 + (req.x_scales.size(1) if req.x_scales is not None else 0)
         fill[0, first_idx:first_idx + k] = -1
-        recv_meta = _scatter_rows(recv_meta, recv_dst, cap, fill)
+        recv_meta = _scatter_rows(recv_meta, recv_dst, num_out, fill)
         recv_src_idx, recv_src_rank, _, recv_idx, recv_w = self._unpack_metadata(
             recv_meta, req.x_scales, req.topk_idx, req.topk_weights)
         handle = DispatchHandle(
             buffer_id=self.buffer_id, transport=self.name, num_ranks=num_ranks, num_experts=req.num_experts,
             num_tokens=x.size(0), hidden=x.size(1), is_token_in_rank=req.is_token_in_rank, num_tokens_per_rank=None,
-            num_recv_tokens=cap, num_recv_tokens_per_rank=None, num_recv_tokens_per_expert=recv_per_expert,
-            recv_src_rank=recv_src_rank, recv_src_idx=recv_src_idx, num_worst_tokens=cap, state=state)
+            num_recv_tokens=num_out, num_recv_tokens_per_rank=None, num_recv_tokens_per_expert=recv_per_expert,
+            recv_src_rank=recv_src_rank, recv_src_idx=recv_src_idx, num_worst_tokens=num_out, state=state)
         return DispatchResult(recv_x, recv_scales, recv_idx, recv_w, [], handle)
 
     def _padded_rows(self, t: torch.Tensor, st: "_NormalState") -> torch.Tensor:
@@ -415,7 +419,7 @@ class AllToAllTransport(Transport):
         recv = torch.empty(self.num_ranks * st.capacity, rows.size(1), dtype=torch.uint8, device=t.device)
         send = rows.index_select(0, st.send_idx) if rows.size(0) else torch.empty_like(recv)  # no tokens: all padding
         self._a2a(recv, send)
-        return _scatter_rows(recv, st.recv_dst, st.capacity, None).view(t.dtype)
+        return _scatter_rows(recv, st.recv_dst, st.num_rows, None).view(t.dtype)
 
     def combine(self, req: CombineRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         h: DispatchHandle = req.handle
@@ -425,7 +429,7 @@ class AllToAllTransport(Transport):
         back = []
         for t in parts:
             if st.capacity:  # padded: row j of peer s goes back to slot j of s
-                gather = torch.where(st.recv_dst < st.capacity, st.recv_dst, 0)
+                gather = torch.where(st.recv_dst < st.num_rows, st.recv_dst, 0)
                 send = t.index_select(0, gather) if t.size(0) else torch.zeros(
                     num_ranks * st.capacity, t.size(1), dtype=t.dtype, device=dev)
                 recv = torch.empty(num_ranks * st.capacity, t.size(1), dtype=t.dtype, device=dev)

@@ -47,6 +47,8 @@ class DispatchRequest:
     config: Config
     bad_topk: Optional[torch.Tensor]  # device count of invalid topk entries, checked at the next host sync
     overlapped: bool = False  # runs on the communication stream, meant to overlap the caller's kernels
+    # with num_worst_tokens, rows each peer may send (0: num_worst_tokens); the portable transport's padded slots
+    peer_capacity: int = 0
 
 
 @dataclass(frozen=True)

@@ -125,4 +125,44 @@ class DeviceErrors:
                 f"valid, and this Buffer raises until it is reset: {how}")
 
 
-__all__ = ["DeviceErrors", "NORMAL", "LOW_LATENCY"]
+class CombinedErrors:
+    """The ``DeviceErrors`` of several transports that serve one Buffer (the hierarchical path's legs) behind
+    ``DeviceErrors``' interface: a failure of any part is the Buffer's; host-found failures are kept apart."""
+
+    def __init__(self, parts: Sequence[DeviceErrors], device: torch.device) -> None:
+        self._own = DeviceErrors.none(device)  # failures the host records (timeouts of host waits)
+        self.parts = tuple(parts) + (self._own,)
+
+    @property
+    def reported(self) -> bool:
+        return any(p.reported for p in self.parts)
+
+    @property
+    def nbytes_pinned(self) -> int:
+        return sum(p.nbytes_pinned for p in self.parts)
+
+    def refresh(self) -> None:
+        for p in self.parts:
+            p.refresh()
+
+    def failure(self) -> Optional[str]:
+        return next((f for f in (p.failure() for p in self.parts) if f is not None), None)
+
+    def read(self) -> list:
+        return [m for p in self.parts for m in p.read()]
+
+    def record(self, kind: str, message: str) -> None:
+        self._own.record(kind, message)
+
+    def error(self, fn: str) -> EpcommDeviceError:
+        for p in self.parts:
+            if p.failure() is not None:
+                return p.error(fn)
+        return self._own.error(fn)
+
+    def clear(self, kind: str) -> None:
+        for p in self.parts:
+            p.clear(kind)
+
+
+__all__ = ["DeviceErrors", "CombinedErrors", "NORMAL", "LOW_LATENCY"]
