@@ -17,7 +17,11 @@ from ..core.layout import get_normal_buffer_size_hint
 from ..core.validate import check_expert_stats, check_num_experts, check_topk, split_x
 from ..errors import EpcommDeviceError, EpcommError, EpcommTimeoutError
 from ..fp8 import FP8_DTYPE, GROUP
+from .. import env
+from ..topology import probe
+from ..topology.domains import Domains, find_domains, host_ids_from_report
 from ..transports import create_transport
+from ..transports.hierarchical import HierarchicalTransport
 from ..transports.low_latency import call_shape
 from ..transports.base import (CombineRequest, DispatchRequest, LowLatencyCombineRequest,
                                LowLatencyDispatchRequest)
@@ -56,6 +60,11 @@ class Buffer:
         transport: ``auto`` (default), ``nvlink``, ``p2p`` or ``alltoall``; or a ``Transport`` subclass to use
             as given, without the topology checks (custom transports, interpreter tests).
         device: the device to communicate on (default: the current CUDA device for NCCL groups, else CPU).
+        ranks_per_node: ranks per domain (node), consecutive; default ``EPCOMM_RANKS_PER_NODE``, else one domain
+            per host as the topology probe finds them. Several domains make the Buffer hierarchical
+            (``epcomm.transports.hierarchical``): tokens cross between domains once per destination domain over
+            torch.distributed and ``transport`` names the transport within each domain. ``ranks_per_node`` equal
+            to the group size makes one domain (a flat call over the whole group, e.g. ``alltoall``).
 
     Errors: bad arguments raise at once (messages start with the function's name). What fails on the device (a
     wait that timed out, naming the rank, the peer and what was awaited; rows that did not fit
@@ -77,7 +86,7 @@ class Buffer:
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
                  explicitly_destroy: bool = False, *, transport: str = "auto",
-                 device: Optional[torch.device] = None) -> None:
+                 device: Optional[torch.device] = None, ranks_per_node: Optional[int] = None) -> None:
         if not dist.is_initialized():
             raise EpcommError("Buffer: torch.distributed is not initialised; call "
                               "torch.distributed.init_process_group first (or use epcomm.testing.run)")
@@ -94,9 +103,16 @@ class Buffer:
         self.explicitly_destroy = explicitly_destroy
         self.device = torch.device(device) if device is not None else default_device(self.group)
         self.id = next(_buffer_ids)
-        self.runtime, reason = create_transport(transport, self.group, self.device,
-                                                self.id, num_nvl_bytes=self.num_nvl_bytes,
-                                                num_rdma_bytes=self.num_rdma_bytes)
+        self.domains = self._find_domains(transport, ranks_per_node)
+        self.num_domains, self.local_size = self.domains.num_domains, self.domains.local_size
+        if self.num_domains > 1:
+            self.runtime = HierarchicalTransport(self.group, self.device, self.id, self.domains, transport,
+                                                 num_nvl_bytes=self.num_nvl_bytes, num_rdma_bytes=self.num_rdma_bytes)
+            reason = self.runtime.describe()
+        else:
+            self.runtime, reason = create_transport(transport, self.group, self.device,
+                                                    self.id, num_nvl_bytes=self.num_nvl_bytes,
+                                                    num_rdma_bytes=self.num_rdma_bytes)
         self.transport = self.runtime.name
         if self.rank == 0:
             log.info("epcomm.Buffer: transport %s on %s with %d ranks: %s", self.transport, self.device,
@@ -105,6 +121,26 @@ class Buffer:
         self._order = StreamOrder()
         self._errors = self.runtime.errors
         self._destroyed = False
+
+    def _find_domains(self, transport, ranks_per_node: Optional[int]) -> Domains:
+        """The group's domains (nodes): from the topology probe's hosts, or consecutive blocks of
+        ``ranks_per_node`` (this argument, else ``EPCOMM_RANKS_PER_NODE``). A Transport class given as
+        ``transport`` is used as given, over one domain."""
+        if isinstance(transport, type):
+            if ranks_per_node is not None:
+                raise ValueError("Buffer: ranks_per_node needs a transport name, not a Transport class")
+            return Domains(1, self.group_size, "transport class given")
+        if ranks_per_node is not None:
+            forced, source = ranks_per_node, f"Buffer(ranks_per_node={ranks_per_node})"
+        else:
+            forced, source = env.ranks_per_node(), "EPCOMM_RANKS_PER_NODE"
+        if forced is not None and (not isinstance(forced, int) or forced < 1 or self.group_size % forced):
+            raise ValueError(f"Buffer: ranks_per_node={forced!r} ({source}) must be a positive divisor of the group's "
+                             f"{self.group_size} ranks")
+        try:
+            return find_domains(host_ids_from_report(probe(self.group, self.device)), forced, source)
+        except ValueError as exc:
+            raise ValueError(f"Buffer: {exc}") from None
 
     # ------------------------------------------------------------------ static helpers (DeepEP names)
     @staticmethod
@@ -327,7 +363,8 @@ class Buffer:
 
         Returns:
             num_tokens_per_rank: ``[num_ranks]`` int32, tokens sent to each rank (a token counts once per rank).
-            num_tokens_per_rdma_rank: None (intranode).
+            num_tokens_per_rdma_rank: ``[num_domains]`` int32, tokens sent to each domain (node; a token counts once
+                per domain) when the group spans several, else None (DeepEP's ``num_tokens_per_rdma_rank``).
             num_tokens_per_expert: ``[num_experts]`` int32, (token, slot) pairs per expert.
             is_token_in_rank: ``[num_tokens, num_ranks]`` bool.
             event: EventOverlap (valid with ``async_finish``).
@@ -340,8 +377,11 @@ class Buffer:
         scope = self._scope(previous_event, async_finish, allocate_on_comm_stream)
         with scope:
             per_rank, per_expert, in_rank = self.runtime.get_dispatch_layout(topk_idx, num_experts)
-        event = scope.finish((per_rank, per_expert, in_rank), (topk_idx,))
-        return per_rank, None, per_expert, in_rank, event
+            per_rdma = None
+            if self.num_domains > 1:
+                per_rdma = in_rank.view(-1, self.num_domains, self.local_size).any(2).sum(0, dtype=torch.int32)
+        event = scope.finish((per_rank, per_expert, in_rank, per_rdma), (topk_idx,))
+        return per_rank, per_rdma, per_expert, in_rank, event
 
     def dispatch(self, x: Tensors, handle: Optional[DispatchHandle] = None,
                  num_tokens_per_rank: Optional[torch.Tensor] = None,
@@ -363,7 +403,7 @@ class Buffer:
                 also combine's backward). Then only ``x`` travels and the layout arguments must be None.
             num_tokens_per_rank ``[R]`` int32, is_token_in_rank ``[N, R]`` bool, num_tokens_per_expert ``[E]``
                 int32: from ``get_dispatch_layout`` (required without a handle; the last with ``topk_idx``).
-            num_tokens_per_rdma_rank: must be None (intranode).
+            num_tokens_per_rdma_rank: None, or across domains the ``[num_domains]`` int32 of ``get_dispatch_layout``.
             topk_idx: ``[N, K]`` int64 global expert ids (-1: none); topk_weights: ``[N, K]`` float32.
             expert_alignment: round each local expert's count up to a multiple of this.
             num_worst_tokens: if > 0, outputs have exactly this many rows and the call makes no host
@@ -391,7 +431,14 @@ class Buffer:
         data, scales = split_x(fn, x, self.device)
         n = data.size(0)
         if num_tokens_per_rdma_rank is not None:
-            raise ValueError(f"{fn}: num_tokens_per_rdma_rank must be None: epcomm is intranode only")
+            if self.num_domains == 1:
+                raise ValueError(f"{fn}: num_tokens_per_rdma_rank must be None: this Buffer's ranks form one domain "
+                                 f"(node); get_dispatch_layout returned None for it")
+            if (not isinstance(num_tokens_per_rdma_rank, torch.Tensor) or num_tokens_per_rdma_rank.dtype != torch.int32
+                    or num_tokens_per_rdma_rank.shape != (self.num_domains,)):
+                raise ValueError(f"{fn}: num_tokens_per_rdma_rank must be int32 [{self.num_domains}] (tokens per "
+                                 f"node) from get_dispatch_layout; got {getattr(num_tokens_per_rdma_rank, 'dtype', None)} "
+                                 f"{tuple(getattr(num_tokens_per_rdma_rank, 'shape', ()))}")
         if not isinstance(expert_alignment, int) or expert_alignment < 1:
             raise ValueError(f"{fn}: expert_alignment={expert_alignment!r} must be an integer >= 1")
         if not isinstance(num_worst_tokens, int) or num_worst_tokens < 0:

@@ -18,7 +18,7 @@ Every transport is tested against these functions. They are written to be obviou
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import torch
@@ -72,13 +72,20 @@ class DispatchOut:
     num_recv_tokens_per_expert: list
     recv_src_rank: torch.Tensor
     recv_src_idx: torch.Tensor
+    hierarchy: Optional[tuple] = None  # internode: (inter-domain leg output, domain leg output, ranks per domain)
 
 
 def dispatch(xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.Tensor], num_experts: int,
              topk_weights: Optional[Sequence[torch.Tensor]] = None,
-             x_scales: Optional[Sequence[torch.Tensor]] = None, expert_alignment: int = 1) -> list[DispatchOut]:
-    """Every rank's normal-dispatch result from every rank's ``x [N_s, H]``, ``topk_idx [N_s, K]``."""
+             x_scales: Optional[Sequence[torch.Tensor]] = None, expert_alignment: int = 1,
+             local_size: Optional[int] = None) -> list[DispatchOut]:
+    """Every rank's normal-dispatch result from every rank's ``x [N_s, H]``, ``topk_idx [N_s, K]``.
+    ``local_size`` < the number of ranks: the hierarchical path across domains of that many ranks (module
+    docstring)."""
     num_ranks = len(xs)
+    if local_size is not None and local_size < num_ranks:
+        return _hierarchical_dispatch(xs, topk_idxs, num_experts, topk_weights, x_scales, expert_alignment,
+                                      local_size)
     e_local = num_experts // num_ranks
     layouts = [dispatch_layout(t, num_experts, num_ranks) for t in topk_idxs]
     outs = []
@@ -113,10 +120,13 @@ def combine(recv_xs: Sequence[torch.Tensor], dispatched: Sequence[DispatchOut], 
             biases: Optional[Sequence[Sequence[torch.Tensor]]] = None,
             out_dtype: Optional[torch.dtype] = None) -> list[tuple[torch.Tensor, Optional[torch.Tensor]]]:
     """Every rank's normal-combine result. ``recv_xs[r] [M_r, H]`` are the rows rank ``r`` sends back
-    (aligned with ``dispatched[r]``); ``biases[s]`` is a list of 0-2 ``[N_s, H]`` tensors for rank ``s``."""
+    (aligned with ``dispatched[r]``); ``biases[s]`` is a list of 0-2 ``[N_s, H]`` tensors for rank ``s``.
+    Outputs of a hierarchical ``dispatch`` are combined the hierarchical way (module docstring)."""
     num_ranks = len(recv_xs)
     hidden = recv_xs[0].size(1)
     out_dtype = out_dtype or recv_xs[0].dtype
+    if dispatched[0].hierarchy is not None:
+        return _hierarchical_combine(recv_xs, dispatched, num_tokens, recv_topk_weights, biases, out_dtype)
     outs = []
     for s in range(num_ranks):
         acc = torch.zeros(num_tokens[s], hidden, dtype=torch.float32)
@@ -146,13 +156,28 @@ class LowLatencyOut:
     scales: list
     src_rank: list
     src_idx: list
+    hierarchy: Optional[tuple] = None  # internode: (inter-domain leg output, ranks per domain)
 
 
 def low_latency_dispatch(xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.Tensor], num_experts: int,
-                         use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False
-                         ) -> list[LowLatencyOut]:
-    """Every rank's low-latency dispatch result (only the valid rows of each expert)."""
+                         use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
+                         local_size: Optional[int] = None) -> list[LowLatencyOut]:
+    """Every rank's low-latency dispatch result (only the valid rows of each expert). ``local_size`` < the
+    number of ranks: the hierarchical path (module docstring; ``src_rank`` / ``src_idx`` then name the forwarding
+    rank's local index and its row)."""
     num_ranks = len(xs)
+    if local_size is not None and local_size < num_ranks:
+        L = local_size
+        D = _domains(num_ranks, L)
+        rail = _rail_dispatch(xs, topk_idxs, num_experts, L)
+        outs: list = [None] * num_ranks
+        for d in range(D):
+            members = list(range(d * L, (d + 1) * L))
+            inner = low_latency_dispatch([rail[r].recv_x for r in members], [rail[r].recv_topk_idx for r in members],
+                                         num_experts // D, use_fp8, round_scale, use_ue8m0)
+            for l, o in enumerate(inner):
+                outs[d * L + l] = LowLatencyOut(o.count, o.x, o.scales, o.src_rank, o.src_idx, (rail[d * L + l], L))
+        return outs
     e_local = num_experts // num_ranks
     casted = []
     for x in xs:
@@ -185,8 +210,31 @@ def low_latency_combine(ys: Sequence[Sequence[torch.Tensor]], dispatched: Sequen
                         topk_idxs: Sequence[torch.Tensor], topk_weights: Sequence[torch.Tensor],
                         num_experts: int, out_dtype: torch.dtype = torch.bfloat16) -> list[torch.Tensor]:
     """Every rank's low-latency combine. ``ys[r][e] [count, H]`` are rank ``r``'s expert-``e`` outputs for
-    the rows it received (in ``dispatched[r]`` order). Expert ids within a token must be distinct."""
+    the rows it received (in ``dispatched[r]`` order). Expert ids within a token must be distinct. Outputs of a
+    hierarchical dispatch: each forwarding rank combines its domain's rows (``out_dtype`` partials), then every
+    source adds its domains' partials in FP32 in domain order and casts once."""
     num_ranks = len(ys)
+    if dispatched[0].hierarchy is not None:
+        L = dispatched[0].hierarchy[1]
+        D = _domains(num_ranks, L)
+        rail = [d.hierarchy[0] for d in dispatched]
+        weights = _rail_dispatch(topk_weights, topk_idxs, num_experts, L)  # every token's weights at its forwarders
+        partial: list = [None] * num_ranks
+        for d in range(D):
+            members = list(range(d * L, (d + 1) * L))
+            inner = low_latency_combine([ys[r] for r in members], [replace(dispatched[r], hierarchy=None)
+                                                                   for r in members],
+                                        [rail[r].recv_topk_idx for r in members],
+                                        [weights[r].recv_x for r in members], num_experts // D, out_dtype)
+            for l, p in enumerate(inner):
+                partial[d * L + l] = p
+        out: list = [None] * num_ranks
+        for l in range(L):
+            members = [d * L + l for d in range(D)]
+            for d, (o, _) in enumerate(combine([partial[r] for r in members], [rail[r] for r in members],
+                                               [int(topk_idxs[r].size(0)) for r in members], out_dtype=out_dtype)):
+                out[d * L + l] = o
+        return out
     e_local = num_experts // num_ranks
     hidden = next(y.size(1) for yr in ys for y in yr)
     max_tokens = max(int(t.size(0)) for t in topk_idxs)
@@ -218,3 +266,85 @@ def low_latency_combine(ys: Sequence[Sequence[torch.Tensor]], dispatched: Sequen
                 acc[sel] = acc[sel] + prod
         outs.append(acc.to(out_dtype))
     return outs
+
+
+# ------------------------------------------------------------------------------------------------ internode
+def _domains(num_ranks: int, local_size: int) -> int:
+    if local_size < 1 or num_ranks % local_size:
+        raise ValueError(f"reference: local_size={local_size} must divide the {num_ranks} ranks")
+    return num_ranks // local_size
+
+
+def _rail_dispatch(xs, topk_idxs, num_experts, L):
+    """The inter-domain leg alone: per local index, a dispatch among that index's ranks (one per domain)."""
+    num_ranks = len(xs)
+    D = _domains(num_ranks, L)
+    out: list = [None] * num_ranks
+    for l in range(L):
+        members = [d * L + l for d in range(D)]
+        for d, o in enumerate(dispatch([xs[r] for r in members], [topk_idxs[r] for r in members], num_experts)):
+            out[d * L + l] = o
+    return out
+
+
+def _hierarchical_dispatch(xs, topk_idxs, num_experts, topk_weights, x_scales, expert_alignment, local_size):
+    """The inter-domain leg (a dispatch among the ranks with one local index, each domain's experts counting as
+    its rail peer's) and then, in every domain, a dispatch of the rows its ranks received (domain-local expert
+    ids) among the domain's ranks."""
+    num_ranks, L = len(xs), local_size
+    D = _domains(num_ranks, L)
+    rail: list = [None] * num_ranks
+    for l in range(L):
+        members = [d * L + l for d in range(D)]
+        pick = (lambda seq: None if seq is None else [seq[r] for r in members])
+        for d, out in enumerate(dispatch(pick(xs), pick(topk_idxs), num_experts, pick(topk_weights),
+                                         pick(x_scales))):
+            rail[d * L + l] = out
+    outs: list = [None] * num_ranks
+    for d in range(D):
+        members = list(range(d * L, (d + 1) * L))
+        fwd = [rail[r] for r in members]
+        inner = dispatch([f.recv_x for f in fwd], [f.recv_topk_idx for f in fwd], num_experts // D,
+                         [f.recv_topk_weights for f in fwd] if topk_weights is not None else None,
+                         [f.recv_scales for f in fwd] if x_scales is not None else None, expert_alignment)
+        for l, o in enumerate(inner):
+            src_rank = torch.tensor([int(fwd[lp].recv_src_rank[i]) * L + lp
+                                     for lp, i in zip(o.recv_src_rank.tolist(), o.recv_src_idx.tolist())],
+                                    dtype=torch.int64)
+            src_idx = torch.tensor([int(fwd[lp].recv_src_idx[i])
+                                    for lp, i in zip(o.recv_src_rank.tolist(), o.recv_src_idx.tolist())],
+                                   dtype=torch.int64)
+            outs[d * L + l] = DispatchOut(o.recv_x, o.recv_scales, o.recv_topk_idx, o.recv_topk_weights,
+                                          o.num_recv_tokens_per_expert, src_rank, src_idx, (rail[d * L + l], o, L))
+    return outs
+
+
+def _hierarchical_combine(recv_xs, dispatched, num_tokens, recv_topk_weights, biases, out_dtype):
+    """Each domain first adds the rows of its ranks per forwarded row (a combine within the domain, FP32 in rank
+    order, cast once to ``out_dtype``: the partial that crosses between domains), then every source adds its
+    domains' partials (FP32 in domain order), the biases, and casts once."""
+    num_ranks = len(recv_xs)
+    rail = [d.hierarchy[0] for d in dispatched]
+    inner = [d.hierarchy[1] for d in dispatched]
+    L = dispatched[0].hierarchy[2]
+    D = num_ranks // L
+    partial: list = [None] * num_ranks
+    partial_w: list = [None] * num_ranks
+    for d in range(D):
+        members = list(range(d * L, (d + 1) * L))
+        outs = combine([recv_xs[r] for r in members], [inner[r] for r in members],
+                       [rail[r].recv_x.size(0) for r in members],
+                       [recv_topk_weights[r] for r in members] if recv_topk_weights is not None else None,
+                       None, out_dtype)
+        for l, (p, pw) in enumerate(outs):
+            partial[d * L + l], partial_w[d * L + l] = p, pw
+    result: list = [None] * num_ranks
+    for l in range(L):
+        members = [d * L + l for d in range(D)]
+        outs = combine([partial[r] for r in members], [rail[r] for r in members], [num_tokens[r] for r in members],
+                       [partial_w[r] for r in members] if recv_topk_weights is not None else None,
+                       [biases[r] for r in members] if biases is not None else None, out_dtype)
+        for d, o in enumerate(outs):
+            result[d * L + l] = o
+    return result
+

@@ -114,14 +114,21 @@ def check_normal(ctx, buf, case: NormalCase) -> CaseResult:
     res.expect("num_tokens_per_rank", per_rank, ref_layout.num_tokens_per_rank)
     res.expect("num_tokens_per_expert", per_expert, ref_layout.num_tokens_per_expert)
     res.expect("is_token_in_rank", in_rank, ref_layout.is_token_in_rank)
-    res.expect_eq("num_tokens_per_rdma_rank", per_rdma, None)
+    local = getattr(buf, "local_size", num_ranks)
+    if local < num_ranks:  # tokens per domain (node): a token counts once per domain
+        want_rdma = ref_layout.is_token_in_rank.view(-1, num_ranks // local, local).any(2).sum(0, dtype=torch.int32)
+        res.expect("num_tokens_per_rdma_rank", per_rdma, want_rdma)
+    else:
+        res.expect_eq("num_tokens_per_rdma_rank", per_rdma, None)
 
     ref = reference.dispatch([c[0] if fp8 else i.x for c, i in zip(casted or [None] * num_ranks, inputs)],
                              [i.topk_idx for i in inputs], case.num_experts,
                              [i.topk_weights for i in inputs] if case.with_topk else None,
-                             [c[1] for c in casted] if fp8 else None, case.expert_alignment)
+                             [c[1] for c in casted] if fp8 else None, case.expert_alignment, local)
     max_recv = max(r.recv_x.size(0) for r in ref)
     worst = max(max_recv, 1) + 3 if case.worst else 0
+    if worst and local < num_ranks:  # across domains it also bounds each rank's tokens: N <= worst // R
+        worst = max(worst, num_ranks * max(i.x.size(0) for i in inputs))
     stream_kw = dict(previous_event=buf.capture(), async_finish=True) if case.overlap else {}
     if case.strict_sms is not None:
         stream_kw["config"] = replace(buf.get_dispatch_config(ctx.world_size), strict_sms=case.strict_sms)
@@ -161,7 +168,7 @@ def check_normal(ctx, buf, case: NormalCase) -> CaseResult:
         x2 = x2_all[rank].to(dev)
     cached = buf.dispatch(x2, handle=handle)
     ref2 = reference.dispatch([c[0] for c in c2] if fp8 else x2_all, [i.topk_idx for i in inputs],
-                              case.num_experts, None, [c[1] for c in c2] if fp8 else None)
+                              case.num_experts, None, [c[1] for c in c2] if fp8 else None, local_size=local)
     got2 = cached[0][0] if fp8 else cached[0]
     res.expect("cached recv_x", got2[:m], ref2[rank].recv_x)
     if fp8:
@@ -199,11 +206,14 @@ def check_normal(ctx, buf, case: NormalCase) -> CaseResult:
     if case.with_topk:
         res.expect("combined_topk_weights", combined_w, want[rank][1])
 
-    # round trip: sending back exactly what arrived gives x times the number of ranks the token went to
+    # round trip: sending back exactly what arrived (one domain: x times the number of ranks the token went to)
     if not fp8 and not worst:
         back, _, _ = buf.combine(recv_x, handle)
-        k = in_rank.sum(1, keepdim=True).float().cpu()
-        res.expect("round trip", back, (inputs[rank].x.float() * k).to(dtype))
+        want = reference.combine([r.recv_x for r in ref], ref, [i.x.size(0) for i in inputs], out_dtype=dtype)
+        res.expect("round trip", back, want[rank][0])
+        if local == num_ranks:
+            k = in_rank.sum(1, keepdim=True).float().cpu()
+            res.expect("round trip is x times the ranks", back, (inputs[rank].x.float() * k).to(dtype))
     return res
 
 
@@ -244,7 +254,8 @@ def check_low_latency(ctx, buf, case: LowLatencyCase) -> CaseResult:
     if hook is not None:
         hook()
     ref = reference.low_latency_dispatch([i.x for i in inputs], [i.topk_idx for i in inputs], case.num_experts,
-                                         case.use_fp8, case.round_scale, case.use_ue8m0)
+                                         case.use_fp8, case.round_scale, case.use_ue8m0,
+                                         getattr(buf, "local_size", num_ranks))
     mine_ref = ref[rank]
     data, scales = recv_x if case.use_fp8 else (recv_x, None)
     res.expect_eq("recv_x shape", tuple(data.shape), (e_local, num_ranks * case.max_tokens, case.hidden))
@@ -255,7 +266,7 @@ def check_low_latency(ctx, buf, case: LowLatencyCase) -> CaseResult:
         if scales is not None:
             res.expect(f"recv_scales[{e}]", scales[e, :c], mine_ref.scales[e])
         res.expect(f"src_info[{e}]", handle.src_info[e, :c].long(), mine_ref.src_idx[e])
-        for s in range(num_ranks):
+        for s in range(handle.layout_range.size(1)):  # source ranks (across domains: the forwarding ranks)
             begin = int((mine_ref.src_rank[e] < s).sum())
             cnt = int((mine_ref.src_rank[e] == s).sum())
             res.expect_eq(f"layout_range[{e}, {s}]", tuple(int(v) for v in handle.layout_range[e, s]), (begin, cnt))
@@ -348,21 +359,23 @@ def check_graph(ctx, buf, case: GraphCase) -> CaseResult:
         graph.replay()
         torch.cuda.synchronize()
         xs, idxs, ws = [d.x for d in data[i]], [d.topk_idx for d in data[i]], [d.topk_weights for d in data[i]]
+        local = getattr(buf, "local_size", num_ranks)
         if case.low_latency:
-            ref = reference.low_latency_dispatch(xs, idxs, case.num_experts, use_fp8=False)
+            ref = reference.low_latency_dispatch(xs, idxs, case.num_experts, use_fp8=False, local_size=local)
             for e in range(case.num_experts // num_ranks):
                 res.expect(f"replay {i} recv_x[{e}]", outs[0][e, :ref[rank].count[e]], ref[rank].x[e])
             ys = [[(xe.float() * 2).to(torch.bfloat16) for xe in r.x] for r in ref]
             want = reference.low_latency_combine(ys, ref, idxs, ws, case.num_experts)
             res.expect(f"replay {i} combined", outs[1], want[rank])
         else:
-            ref = reference.dispatch(xs, idxs, case.num_experts, ws)
+            ref = reference.dispatch(xs, idxs, case.num_experts, ws, local_size=local)
             m = ref[rank].recv_x.size(0)
             res.expect(f"replay {i} recv_x", outs[0][:m], ref[rank].recv_x)
             res.expect(f"replay {i} recv_topk_idx", outs[3][:m], ref[rank].recv_topk_idx)
-            k = outs[4].sum(1, keepdim=True).float().cpu()
-            res.expect(f"replay {i} combined", outs[1], (mine.x.float() * 2 * k).to(torch.bfloat16))
-            res.expect(f"replay {i} combined weights", outs[2], mine.topk_weights)
+            want = reference.combine([(r.recv_x.float() * 2).to(torch.bfloat16) for r in ref], ref,
+                                     [x.size(0) for x in xs], [r.recv_topk_weights for r in ref])[rank]
+            res.expect(f"replay {i} combined", outs[1], want[0])
+            res.expect(f"replay {i} combined weights", outs[2], want[1])
     return res
 
 

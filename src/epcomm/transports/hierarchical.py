@@ -1,0 +1,341 @@
+"""Beyond one machine: the hierarchical path, an inter-domain leg composed with an intranode transport.
+
+Where it sits::
+
+    topology probe (hosts)  ->  Domains (epcomm.topology.domains: consecutive ranks per node, or
+                                EPCOMM_RANKS_PER_NODE / Buffer(ranks_per_node=...))
+        ->  inter-domain leg: a Transport over the *rail* group (the ranks with this rank's local index, one per
+            domain), today ``AllToAllTransport`` = torch.distributed all_to_all (NCCL between hosts: InfiniBand,
+            RoCE, EFA through NCCL's plugins, sockets; gloo on CPUs)
+        ->  domain leg: the intranode transport the domain's hardware runs (nvlink, p2p or alltoall), over the
+            domain group, unchanged
+        ->  Buffer (the same API; ``Buffer.transport`` is ``hierarchical``)
+
+Normal mode. Dispatch: (1) every token crosses to each destination domain once, to the rank there with its own
+local index (the rail peer): a dispatch over the rail group in which a domain's experts count as its rail peer's
+(dedup: one copy per domain, however many of its experts the domain holds); (2) that rank forwards it within its
+domain to every rank holding one of its experts: a dispatch over the domain group with domain-local expert ids.
+Combine mirrors it: (1) each domain adds the expert outputs of a forwarded row over its ranks (FP32 in rank
+order, cast once to the dtype of ``x``: the *partial* that crosses back, BF16 for BF16 outputs, as in DeepEP);
+(2) every source adds its domains' partials in FP32 in domain order, then the biases, and casts once. The
+reference (``epcomm.reference`` with ``local_size``) composes its two oracles the same way, so every test is
+bit-exact.
+
+Order of the received rows: by the forwarding rank's local index (the source's local index), then source domain,
+then source token (rank-major order of the intranode path, with ranks enumerated local-index first).
+``handle.recv_src_rank`` / ``recv_src_idx`` hold each row's global source rank and token. ``num_worst_tokens``
+(no host synchronisation): each rank sends at most ``num_worst_tokens // num_ranks`` tokens to each domain (the
+inter-domain leg has fixed slots of that many rows per peer); more tokens raise at once.
+
+Low-latency mode: (1) the tokens cross to their domains as in normal mode with fixed slots of ``T`` rows per
+domain (no host synchronisation, CUDA-graph capturable over NCCL), in BF16 (the FP8 cast happens at the forwarding
+rank: the same values as a cast at the source); (2) a low-latency dispatch within the domain of the forwarded
+rows (``D * T`` per forwarding rank), which gives the receiver the usual ``[E_local, R * T, H]`` layout, rows of
+each expert ordered by forwarding rank, then its rows (source domain, token). The combine sends the top-k weights
+to the forwarding ranks (a small all_to_all), runs the domain's low-latency combine there (weighted, FP32, cast
+once to BF16: the partial), and adds the domains' partials at the source (FP32, domain order, cast once).
+``handle.src_info`` / ``layout_range`` describe the domain leg (forwarding rank and row).
+
+Faults: the leg's subgroups are created with ``EPCOMM_TIMEOUT_S`` as their timeout, so NCCL's watchdog (or gloo)
+ends a collective that a dead or stalled rank never joins; an exception of the leg is re-raised as
+``EpcommTimeoutError`` naming this rank, the rail peers and the phase. The domain leg keeps its own device
+timeouts. Bad input that differs between ranks (hidden size, top-k, experts, ``num_max_dispatch_tokens_per_rank``,
+dtypes) is caught at the first call of each kind, before any data moves: the ranks compare the call's shape.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import env
+from ..core.config import Config
+from ..core.handles import DispatchHandle, LowLatencyHandle
+from ..errors import EpcommError, EpcommTimeoutError
+from ..topology.domains import Domains
+from .alltoall import AllToAllTransport
+from .base import (Capabilities, CombineRequest, DispatchRequest, DispatchResult, LowLatencyCombineRequest,
+                   LowLatencyCombineResult, LowLatencyDispatchRequest, LowLatencyDispatchResult, Transport, meet)
+from .device_errors import CombinedErrors
+from .low_latency import _Once, call_shape
+
+# The inter-domain legs this build has, by name: a Transport class whose calls run between hosts. A
+# device-initiated leg (NCCL's GPU-initiated networking, NVSHMEM) would be one more entry.
+INTER_DOMAIN_LEGS = {"nccl": AllToAllTransport}
+
+_subgroups: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+
+def subgroups(group: Any, domains: Domains, rank: int) -> tuple:
+    """``(domain group, rail group)`` of ``rank`` (a rank of ``group``), made once per (group, domains) with
+    ``EPCOMM_TIMEOUT_S`` as their timeout. Only the members of a subgroup take part in making it."""
+    cache = _subgroups.setdefault(group, {})
+    key = (domains.num_domains, domains.local_size, env.timeout_s())
+    if key not in cache:
+        ranks = dist.get_process_group_ranks(group)
+        timeout = datetime.timedelta(seconds=env.timeout_s())
+        own = [ranks[r] for r in domains.domain_ranks(domains.domain_of(rank))]
+        rail = [ranks[r] for r in domains.rail_ranks(domains.local_index(rank))]
+        made = []
+        for members in (own, rail):
+            made.append(dist.new_group(members, timeout=timeout, use_local_synchronization=True))
+        cache[key] = tuple(made)
+    return cache[key]
+
+
+@dataclass(frozen=True)
+class _HandleState:
+    rail: DispatchHandle  # the inter-domain leg's handle (this rank as forwarder)
+    domain: DispatchHandle  # the domain leg's handle
+
+
+@dataclass(frozen=True)
+class _LowLatencyState:
+    rail: DispatchHandle
+    domain: LowLatencyHandle
+    forwarded_idx: torch.Tensor  # [D * T, K] int64 domain-local expert ids of the forwarded rows (-1: none)
+
+
+class HierarchicalTransport(Transport):
+    """The hierarchical path (module docstring). ``domain_transport`` names the intranode transport of the domain
+    leg (``auto``, ``nvlink``, ``p2p``, ``alltoall``, or a Transport class); ``leg`` the inter-domain leg."""
+
+    name = "hierarchical"
+
+    def __init__(self, group, device: torch.device, buffer_id: int, domains: Domains,
+                 domain_transport: Any = "auto", leg: str = "nccl", num_nvl_bytes: int = 0,
+                 num_rdma_bytes: int = 0) -> None:
+        from . import create_transport
+
+        super().__init__(group, device, buffer_id)
+        if domains.world_size != self.num_ranks or domains.num_domains < 2:
+            raise ValueError(f"HierarchicalTransport: {domains.describe()} does not split a group of "
+                             f"{self.num_ranks} ranks into several domains")
+        if leg not in INTER_DOMAIN_LEGS:
+            raise ValueError(f"HierarchicalTransport: leg={leg!r} is not one of {tuple(INTER_DOMAIN_LEGS)}")
+        self.domains = domains
+        self.num_domains, self.local_size = domains.num_domains, domains.local_size
+        self.local_index, self.domain_index = domains.local_index(self.rank), domains.domain_of(self.rank)
+        self.domain_group, self.rail_group = subgroups(group, domains, self.rank)
+        self.rail_ranks = domains.rail_ranks(self.local_index)
+        if self.local_size == 1:  # nothing to forward within a domain of one rank: a copy
+            domain_transport = "alltoall"
+        self.domain, self.domain_reason = create_transport(domain_transport, self.domain_group, device, buffer_id,
+                                                           num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes)
+        self.leg_name = leg
+        self.rail = INTER_DOMAIN_LEGS[leg](self.rail_group, device, buffer_id)
+        self.errors = CombinedErrors((self.domain.errors, self.rail.errors), device)
+        self._agreed: set = set()
+
+    @classmethod
+    def capabilities(cls) -> Capabilities:
+        return Capabilities(
+            name=cls.name, devices=("cpu", "cuda"), one_sided=False, sync_free_normal=True,
+            graph_capturable_low_latency=True, needs_p2p=False, needs_p2p_atomics=False,
+            description="tokens cross between domains (nodes) once per destination domain over torch.distributed, "
+                        "then the domain's intranode transport forwards them")
+
+    def describe(self) -> str:
+        return (f"{self.domains.describe()}; inter-domain leg: {self.leg_name} (torch.distributed all_to_all over "
+                f"{dist.get_backend(self.rail_group)}, rail peers {self.rail_ranks}); domain leg: "
+                f"{self.domain.name} ({self.domain_reason})")
+
+    # ------------------------------------------------------------------ helpers
+    @contextlib.contextmanager
+    def _leg(self, fn: str, phase: str, within: bool = False):
+        """Run a part of a call; failures of torch.distributed in it (a collective that timed out, a peer that
+        closed its connection) become ``EpcommTimeoutError`` naming this rank, the peers and the phase. ``within``:
+        the domain leg (its one-sided kernels report their own timeouts; the portable transport's do not)."""
+        try:
+            yield
+        except EpcommError:
+            raise
+        except RuntimeError as exc:
+            leg, peers = (("domain leg", f"the ranks of its domain {self.domains.domain_ranks(self.domain_index)}")
+                          if within else ("inter-domain leg", f"the rail peers {self.rail_ranks}"))
+            raise EpcommTimeoutError(
+                f"{fn}: rank {self.rank}: the {leg} ({phase}) with {peers} failed within EPCOMM_TIMEOUT_S="
+                f"{env.timeout_s():g} s: a rank is stuck, died, or did not make the same call "
+                f"({type(exc).__name__}: {exc})") from exc
+
+    def _agree(self, fn: str, key: tuple) -> None:
+        """At the first call of each kind, the ranks compare its shape (``key``) before any data moves; a rank
+        whose key differs makes every rank raise, naming the ranks and their values."""
+        if key in self._agreed or (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            return
+        meet(self.group, fn)
+        keys: list = [None] * self.num_ranks
+        dist.all_gather_object(keys, key, group=self.group)
+        if any(k != key for k in keys):
+            groups: dict = {}
+            for r, k in enumerate(keys):
+                groups.setdefault(repr(k), []).append(r)
+            raise ValueError(f"{fn}: the ranks disagree on this call's shape (each must pass the same hidden size, "
+                             f"dtypes, top-k, number of experts and token limits): "
+                             + "; ".join(f"ranks {v}: {k}" for k, v in groups.items()))
+        self._agreed.add(key)
+
+    def checks_topk(self, x: torch.Tensor, num_worst_tokens: int) -> bool:
+        return self.rail.checks_topk(x, num_worst_tokens)
+
+    # ------------------------------------------------------------------ normal mode
+    def dispatch(self, req: DispatchRequest) -> DispatchResult:
+        fn = "Buffer.dispatch"
+        if req.handle is not None:
+            return self._cached_dispatch(req)
+        if req.topk_idx is None:
+            raise ValueError(f"{fn}: across domains (nodes) the dispatch needs topk_idx (the forwarding rank routes "
+                             f"each token by its experts); pass topk_idx and num_tokens_per_expert")
+        x, n = req.x, req.x.size(0)
+        D, L, W = self.num_domains, self.local_size, req.num_worst_tokens
+        cap = W // self.num_ranks if W else 0
+        if W and n > cap:
+            raise ValueError(f"{fn}: across domains, num_worst_tokens bounds each rank's tokens by num_worst_tokens // "
+                             f"num_ranks = {cap} (the inter-domain leg has that many slots per domain); x has {n} "
+                             f"tokens: pass num_worst_tokens >= {n * self.num_ranks}")
+        self._agree(fn, ("dispatch", x.dtype, x.size(1), req.x_scales is not None, req.topk_idx.size(1),
+                         req.topk_weights is not None, req.num_experts, bool(W)))
+        in_domain = req.is_token_in_rank.view(n, D, L).any(2)
+        rail_req = DispatchRequest(x, req.x_scales, req.topk_idx, req.topk_weights,
+                                   in_domain.sum(0, dtype=torch.int32), in_domain, req.num_tokens_per_expert,
+                                   req.num_experts, 1, D * cap, None, req.config, req.bad_topk, req.overlapped,
+                                   peer_capacity=cap)
+        with self._leg(fn, "tokens to their domains"):
+            r1 = self.rail.dispatch(rail_req)
+        e_dom = req.num_experts // D
+        per_rank, per_expert, itr = self.domain.get_dispatch_layout(r1.recv_topk_idx, e_dom)
+        with self._leg(fn, "forwarding the tokens", within=True):
+            r2 = self.domain.dispatch(DispatchRequest(
+                r1.recv_x, r1.recv_scales, r1.recv_topk_idx, r1.recv_topk_weights, per_rank, itr, per_expert, e_dom,
+                req.expert_alignment, W, None, req.config, None, req.overlapped))
+            # every row's source: (domain, token) as the forwarding rank received it, sent along the domain leg
+            h1, h2 = r1.handle, r2.handle
+            src = torch.zeros(h1.num_recv_tokens, 4, dtype=torch.int32, device=x.device)
+            src[:, 0] = h1.recv_src_rank
+            src[:, 1] = h1.recv_src_idx
+            got = self.domain.dispatch(DispatchRequest(src.view(torch.float32), None, None, None, None, None, None,
+                                                       e_dom, 1, W, h2, req.config, None, req.overlapped)
+                                       ).recv_x.view(torch.int32)
+        fwd = h2.recv_src_rank
+        real = fwd >= 0
+        recv_src_rank = torch.where(real, got[:, 0] * L + fwd, -1).to(torch.int32)
+        recv_src_idx = torch.where(real, got[:, 1], -1).to(torch.int32)
+        handle = DispatchHandle(
+            buffer_id=self.buffer_id, transport=self.name, num_ranks=self.num_ranks, num_experts=req.num_experts,
+            num_tokens=n, hidden=x.size(1), is_token_in_rank=req.is_token_in_rank, num_tokens_per_rank=None,
+            num_recv_tokens=h2.num_recv_tokens, num_recv_tokens_per_rank=None,
+            num_recv_tokens_per_expert=h2.num_recv_tokens_per_expert, recv_src_rank=recv_src_rank,
+            recv_src_idx=recv_src_idx, num_worst_tokens=W, state=_HandleState(h1, h2))
+        return DispatchResult(r2.recv_x, r2.recv_scales, r2.recv_topk_idx, r2.recv_topk_weights,
+                              r2.num_recv_tokens_per_expert_list, handle)
+
+    def _cached_dispatch(self, req: DispatchRequest) -> DispatchResult:
+        st: _HandleState = req.handle.state
+        with self._leg("Buffer.dispatch", "cached tokens to their domains"):
+            r1 = self.rail.dispatch(_cached(req.x, req.x_scales, st.rail, req))
+        with self._leg("Buffer.dispatch", "forwarding the cached tokens", within=True):
+            r2 = self.domain.dispatch(_cached(r1.recv_x, r1.recv_scales, st.domain, req))
+        return DispatchResult(r2.recv_x, r2.recv_scales, None, None, None, req.handle)
+
+    def combine(self, req: CombineRequest) -> tuple:
+        st: _HandleState = req.handle.state
+        with self._leg("Buffer.combine", "sums within the domain", within=True):
+            partial, partial_w = self.domain.combine(CombineRequest(req.x, st.domain, req.topk_weights, (),
+                                                                    req.config, req.overlapped))
+        with self._leg("Buffer.combine", "partial sums back to their sources"):
+            return self.rail.combine(CombineRequest(partial, st.rail, partial_w, req.bias, req.config, req.overlapped))
+
+    # ------------------------------------------------------------------ low-latency mode
+    def low_latency_dispatch(self, req: LowLatencyDispatchRequest) -> LowLatencyDispatchResult:
+        fn = "Buffer.low_latency_dispatch"
+        x, t_max, D = req.x, req.num_max_dispatch_tokens_per_rank, self.num_domains
+        k = req.topk_idx.size(1)
+        self._agree(fn, ("low_latency", x.dtype, x.size(1), k, req.num_experts, t_max, req.use_fp8, req.round_scale,
+                         req.use_ue8m0))
+        per_domain, per_expert, in_domain = self.rail.get_dispatch_layout(req.topk_idx, req.num_experts)
+        with self._leg(fn, "tokens to their domains"):
+            r1 = self.rail.dispatch(DispatchRequest(x, None, req.topk_idx, None, per_domain, in_domain, per_expert,
+                                                    req.num_experts, 1, D * t_max, None, Config(), None,
+                                                    peer_capacity=t_max))
+        with self._leg(fn, "forwarding the tokens", within=True):
+            r2 = self.domain.low_latency_dispatch(LowLatencyDispatchRequest(
+                r1.recv_x, r1.recv_topk_idx, D * t_max, req.num_experts // D, req.use_fp8, req.round_scale,
+                req.use_ue8m0, req.return_recv_hook, req.bad_topk))
+        h2 = r2.handle
+        handle = LowLatencyHandle(
+            buffer_id=self.buffer_id, transport=self.name, num_max_dispatch_tokens_per_rank=t_max, hidden=x.size(1),
+            num_experts=req.num_experts, num_ranks=self.num_ranks, num_tokens=x.size(0), num_topk=k,
+            src_info=h2.src_info, layout_range=h2.layout_range, recv_count=h2.recv_count,
+            state=_LowLatencyState(r1.handle, h2, r1.recv_topk_idx))
+        return LowLatencyDispatchResult(r2.recv_x, r2.recv_scales, r2.recv_count, handle, r2.hook)
+
+    def low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
+        return self.domain.low_latency_combine_buffer(handle.state.domain)
+
+    def low_latency_combine(self, req: LowLatencyCombineRequest) -> LowLatencyCombineResult:
+        fn = "Buffer.low_latency_combine"
+        h: LowLatencyHandle = req.handle
+        st: _LowLatencyState = h.state
+        with self._leg(fn, "top-k weights to the forwarding ranks"):
+            w = self.rail.dispatch(DispatchRequest(req.topk_weights, None, None, None, None, None, None,
+                                                   h.num_experts, 1, 0, st.rail, Config(), None)).recv_x
+        w = torch.where(st.forwarded_idx >= 0, w, 0.0)
+        with self._leg(fn, "sums within the domain", within=True):
+            r2 = self.domain.low_latency_combine(LowLatencyCombineRequest(req.x, st.forwarded_idx, w, st.domain,
+                                                                          req.zero_copy, req.return_recv_hook, None))
+        out = req.out if req.out is not None else torch.empty(h.num_tokens, h.hidden, dtype=torch.bfloat16,
+                                                               device=self.device)
+
+        def finish(hook: Optional[Callable[[], None]]) -> None:
+            if hook is not None:
+                with self._leg(fn, "sums within the domain", within=True):
+                    hook()
+            with self._leg(fn, "partial sums back to their sources"):
+                combined, _ = self.rail.combine(CombineRequest(r2.combined_x, st.rail, None, (), Config()))
+            out.copy_(combined)
+
+        if req.return_recv_hook:
+            return LowLatencyCombineResult(out, _Once(finish, r2.hook))
+        finish(None)
+        return LowLatencyCombineResult(out, None)
+
+    # ------------------------------------------------------------------ lifecycle
+    def warmup_low_latency(self, shape: tuple) -> None:
+        t_max, hidden, topk, num_experts, fp8, round_scale, ue8m0, dtype = shape
+        D = self.num_domains
+        self.domain.warmup_low_latency(call_shape(D * t_max, hidden, topk, num_experts // D, fp8, round_scale, ue8m0,
+                                                  dtype))
+
+    def clean_low_latency(self) -> None:
+        self.domain.clean_low_latency()
+        self.rail.clean_low_latency()
+        self.errors.clear("low_latency")
+
+    def pending_errors(self) -> list:
+        return self.errors.read()
+
+    def memory_usage(self) -> dict:
+        usage: dict = {}
+        for part in (self.domain.memory_usage(), self.rail.memory_usage()):
+            for k, v in part.items():
+                usage[k] = usage.get(k, 0) + v
+        return usage
+
+    def destroy(self) -> None:
+        self.domain.destroy()
+        self.rail.destroy()
+
+
+def _cached(x: torch.Tensor, scales: Optional[torch.Tensor], handle: DispatchHandle,
+            req: DispatchRequest) -> DispatchRequest:
+    return DispatchRequest(x, scales, None, None, None, None, None, handle.num_experts, 1, 0, handle, req.config, None,
+                           req.overlapped)
+
+
+__all__ = ["HierarchicalTransport", "INTER_DOMAIN_LEGS", "subgroups"]

@@ -1,0 +1,106 @@
+"""The hierarchical (internode) path on CPU processes over gloo: ranks split into simulated nodes (domains) with
+``ranks_per_node``, every mode against the reference (which composes the same two legs), the domain finding, the
+agreement check of the first call and a rank that never joins the inter-domain leg."""
+
+import pytest
+
+from epcomm.testing import spawn
+from epcomm.testing.checks import NormalCase, run_cases
+from epcomm.topology.domains import find_domains
+from test_buffer import low_latency_cases, normal_cases
+
+
+def _assert_clean(results):
+    problems = [f"rank {r}: {label}: {fails}" for r, res in enumerate(results) for label, fails in res]
+    assert not problems, "\n".join(problems)
+
+
+def internode_cases(world_size: int) -> list:
+    """The Buffer suite's cases (uneven and empty ranks, FP8, bias, alignment, num_worst_tokens, skewed routing,
+    everything to one expert: domains that receive nothing, -1 slots), except dispatch without top-k ids."""
+    return [c for c in normal_cases(world_size) if c.with_topk] + low_latency_cases(world_size)
+
+
+@pytest.mark.parametrize("domains,local", [(2, 2), (3, 2), (2, 3), (4, 1)])
+def test_hierarchical_matches_reference(domains, local):
+    world = domains * local
+    _assert_clean(spawn(run_cases, world, internode_cases(world), "alltoall", {"ranks_per_node": local},
+                        device="cpu", timeout_s=600))
+
+
+def test_find_domains():
+    hosts = ["a", "a", "b", "b"]
+    d = find_domains(hosts)
+    assert (d.num_domains, d.local_size) == (2, 2)
+    assert d.rail_ranks(1) == [1, 3] and d.domain_ranks(1) == [2, 3]
+    assert (find_domains(["a"] * 6, 2, "test").num_domains, find_domains(["a"] * 6).num_domains) == (3, 1)
+    with pytest.raises(ValueError, match="same number of ranks.*ranks 0-2 on a, ranks 3-3 on b"):
+        find_domains(["a", "a", "a", "b"])
+    with pytest.raises(ValueError, match="must be consecutive.*host a has ranks 0, 2"):
+        find_domains(["a", "b", "a", "b"])
+    with pytest.raises(ValueError, match="puts ranks 0-3 into one domain, but they run on 2 hosts"):
+        find_domains(hosts, 4, "test")
+    with pytest.raises(ValueError, match="must be a positive divisor"):
+        find_domains(hosts, 3, "test")
+
+
+def _disagree(ctx):
+    import torch
+
+    from epcomm.buffer import Buffer
+
+    buf = Buffer(ctx.group, transport="alltoall", ranks_per_node=2)
+    hidden = 256 if ctx.rank != 3 else 128  # rank 3 was configured differently
+    x = torch.randn(4, hidden).to(torch.bfloat16)
+    idx = torch.zeros(4, 2, dtype=torch.int64)
+    idx[:, 1] = 5
+    try:
+        buf.low_latency_dispatch(x, idx, 4, 8)
+    except ValueError as exc:
+        return str(exc)
+    return "no exception"
+
+
+def test_ranks_that_disagree_raise_before_data_moves():
+    for message in spawn(_disagree, 4, device="cpu"):
+        assert message.startswith("Buffer.low_latency_dispatch: the ranks disagree on this call's shape"), message
+        assert "ranks [0, 1, 2]" in message and "ranks [3]" in message, message
+
+
+def _peer_missing(ctx, mode):
+    import os
+    import time
+
+    import torch
+
+    from epcomm.buffer import Buffer
+    from epcomm.errors import EpcommError
+    from epcomm.testing.routing import make_inputs
+
+    buf = Buffer(ctx.group, transport="alltoall", ranks_per_node=2)
+    mine = make_inputs(3, 4, 8, 128, 8, 2)[ctx.rank]
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(mine.topk_idx, 8)
+    call = (lambda: buf.dispatch(mine.x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                 num_tokens_per_expert=per_expert, topk_idx=mine.topk_idx)) if mode == "normal" \
+        else (lambda: buf.low_latency_dispatch(mine.x, mine.topk_idx, 8, 8))
+    call()  # every rank makes the first call of this kind
+    os.environ["EPCOMM_TIMEOUT_S"] = "2"
+    if ctx.rank == 3:  # a rank of the other domain stalls
+        time.sleep(8)
+        return "stalled"
+    try:
+        call()
+        buf.check_errors()
+    except EpcommError as exc:
+        return str(exc)
+    return "no exception"
+
+
+@pytest.mark.parametrize("mode", ["normal", "low_latency"])
+def test_stalled_rank_of_another_domain_is_an_error(mode, monkeypatch):
+    monkeypatch.setenv("EPCOMM_TIMEOUT_S", "3")  # the subgroups' timeout
+    out = spawn(_peer_missing, 4, mode, device="cpu", timeout_s=120)
+    assert out[3] == "stalled"
+    assert "inter-domain leg" in out[1] and "rail peers [1, 3]" in out[1], out[1]  # rank 3's rail peer
+    for rank in range(3):  # the others wait for rank 1 or rank 3, within their domain or across
+        assert "failed within EPCOMM_TIMEOUT_S=2 s" in out[rank] and f"rank {rank}:" in out[rank], out[rank]
