@@ -3,9 +3,11 @@
 #
 #   scripts/gpu_suite.sh [stage ...]      (no stage: all of them)
 #
-# Stages: info, tests, bench-dispatch, bench-low-latency, bench-p2p, bench-allgather, demo
+# Stages: info, tests, bench-dispatch, bench-low-latency, bench-p2p, bench-allgather, bench-internode, demo
 # Environment: TESTS (paths), TEST_FILTER (a pytest -k expression), PYTEST_ARGS, TEST_TIMEOUT (per test, s),
-# STAGE_TIMEOUT (per stage, s), DISPATCH_ARGS / LL_ARGS (extra benchmark arguments).
+# STAGE_TIMEOUT (per stage, s), DISPATCH_ARGS / LL_ARGS / INTERNODE_ARGS (extra benchmark arguments).
+# bench-internode splits the ranks into 2 simulated nodes (EPCOMM_RANKS_PER_NODE, default half the ranks), each
+# with its own NCCL_HOSTID and NCCL_NET=Socket, so that NCCL moves the bytes between them through its network path.
 # EPCOMM_RANKS_PER_GPU=N (N > 1; default 4 on a machine with one GPU): up to N ranks share each GPU (tests of
 # 2-8 ranks on fewer GPUs); an MPS server runs for the whole call so that the ranks' kernels run at the same
 # time. The benchmark stages then skip (their timings would not be NVLink's) unless BENCH_SHARED=1 (smoke runs,
@@ -33,7 +35,7 @@ if [ "$SHARE" -gt 1 ]; then
   fi
 fi
 STAGES=("$@")
-[ ${#STAGES[@]} -eq 0 ] && STAGES=(info tests bench-dispatch bench-low-latency bench-p2p bench-allgather demo)
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(info tests bench-dispatch bench-low-latency bench-p2p bench-allgather bench-internode demo)
 RES="$OUT/results"
 
 run_stage() {
@@ -62,6 +64,9 @@ for stage in "${STAGES[@]}"; do
     bench-low-latency) run_stage bench-low-latency python3 -m epcomm bench low-latency --world-size "$WS" --out "$RES" ${LL_ARGS:-} ;;
     bench-p2p) run_stage bench-p2p python3 -m epcomm bench p2p --world-size "$WS" --out "$RES" ;;
     bench-allgather) run_stage bench-allgather python3 -m epcomm bench allgather --world-size "$WS" --out "$RES" ;;
+    bench-internode) run_stage bench-internode env EPCOMM_RANKS_PER_NODE="${EPCOMM_RANKS_PER_NODE:-$(( WS / 2 ))}" \
+                       NCCL_NET="${NCCL_NET:-Socket}" python3 -m epcomm bench internode --world-size "$WS" \
+                       --out "$RES" ${INTERNODE_ARGS:-} ;;
     demo) run_stage demo python3 -m epcomm demo --world-size "$WS" ;;
     *) echo "unknown stage $stage" | tee -a "$OUT/summary.txt" ;;
   esac

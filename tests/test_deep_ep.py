@@ -186,8 +186,6 @@ def test_events_and_internode_on_cpu():
         drop_in.EventOverlap(None).current_stream_wait()
     with drop_in.EventOverlap(None):  # DeepEP's context manager tolerates an empty event
         pass
-    with pytest.raises(NotImplementedError, match="Buffer: internode communication .* 16"):
-        drop_in.buffer.not_internode("Buffer", 16)
 
 
 # ------------------------------------------------------------------------------------------------- install
@@ -297,7 +295,6 @@ def _errors(ctx) -> list:
         "raw buffer": (lambda: buf.get_local_buffer_tensor(torch.int8, use_rdma_buffer=True), NotImplementedError,
                        "get_local_buffer_tensor"),
         "masks": (lambda: buf.low_latency_clean_mask_buffer(), NotImplementedError, "masking failed ranks"),
-        "internode": (lambda: buf.internode_dispatch(mine.x), NotImplementedError, "internode communication"),
         "handle[5]": (lambda: handle[5], NotImplementedError, r"DispatchHandleTuple\[5\]: DeepEP's send_head"),
         "handle unpacking": (lambda: tuple(handle), NotImplementedError, "channel_prefix_matrix"),
         "wrong handle": (lambda: buf.combine(mine.x, ll_handle), TypeError, "Buffer.combine: handle must be"),
@@ -389,5 +386,21 @@ def _worker(ctx):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_framework_replays_match_reference(world_size):
     results = spawn(_worker, world_size, device="cpu")
+    problems = [f"rank {r}: {label}: {fails}" for r, res in enumerate(results) for label, fails in res]
+    assert not problems, "\n".join(problems)
+
+
+def _across_nodes(ctx):
+    from epcomm.testing.deep_ep import run_replays
+
+    names = ["vllm_ht", "vllm_ll", "sglang", "megatron", "deepep", "elastic"]
+    return run_replays(ctx, names=names)
+
+
+def test_framework_replays_across_simulated_nodes(monkeypatch):
+    """The frameworks' call sequences through the drop-in when the group spans 2 nodes of 2 ranks
+    (``EPCOMM_RANKS_PER_NODE``): every Buffer takes the hierarchical path, checked against its reference."""
+    monkeypatch.setenv("EPCOMM_RANKS_PER_NODE", "2")
+    results = spawn(_across_nodes, 4, device="cpu")
     problems = [f"rank {r}: {label}: {fails}" for r, res in enumerate(results) for label, fails in res]
     assert not problems, "\n".join(problems)

@@ -16,9 +16,9 @@ def _assert_clean(results):
 
 
 def internode_cases(world_size: int) -> list:
-    """The Buffer suite's cases (uneven and empty ranks, FP8, bias, alignment, num_worst_tokens, skewed routing,
-    everything to one expert: domains that receive nothing, -1 slots), except dispatch without top-k ids."""
-    return [c for c in normal_cases(world_size) if c.with_topk] + low_latency_cases(world_size)
+    """The Buffer suite's cases: uneven and empty ranks, FP8, bias, alignment, num_worst_tokens, skewed routing,
+    everything to one expert (domains that receive nothing), -1 slots, a dispatch without top-k ids."""
+    return normal_cases(world_size) + low_latency_cases(world_size)
 
 
 @pytest.mark.parametrize("domains,local", [(2, 2), (3, 2), (2, 3), (4, 1)])
@@ -104,3 +104,53 @@ def test_stalled_rank_of_another_domain_is_an_error(mode, monkeypatch):
     assert "inter-domain leg" in out[1] and "rail peers [1, 3]" in out[1], out[1]  # rank 3's rail peer
     for rank in range(3):  # the others wait for rank 1 or rank 3, within their domain or across
         assert "failed within EPCOMM_TIMEOUT_S=2 s" in out[rank] and f"rank {rank}:" in out[rank], out[rank]
+
+
+def test_bench_internode_and_its_model(tmp_path):
+    """The benchmark runs every row on CPU processes (tiny shape) and writes its tables; the model's dedup and
+    the published figures are in the notes."""
+    import csv
+
+    from epcomm.bench import internode
+    from epcomm.bench.traffic import expected_domains, internode_estimate
+
+    assert internode.main(["--world-size", "4", "--ranks-per-node", "2", "--tokens", "24", "--ll-tokens", "4",
+                           "--hidden", "256", "--experts", "16", "--topk", "4", "--iters", "2",
+                           "--out", str(tmp_path)]) == 0
+    rows = list(csv.DictReader(open(tmp_path / "bench_internode_4ranks.csv")))
+    impls = {(r["routing"], r["impl"]) for r in rows}
+    for routing in ("uniform", "group_limited"):
+        assert {(routing, i) for i in ("hierarchical", "flat alltoall", "nccl-baseline", "raw link")} <= impls
+    hier = [r for r in rows if r["impl"] == "hierarchical" and r["op"] == "dispatch BF16"]
+    flat = [r for r in rows if r["impl"] == "flat alltoall" and r["op"] == "dispatch BF16"]
+    # dedup: a token crosses once per remote domain, never more often than once per remote rank
+    assert all(float(h["crossing rows/token"]) <= float(f["crossing rows/token"]) for h, f in zip(hier, flat))
+    assert "DeepEP published" in open(tmp_path / "bench_internode_4ranks.md").read()
+    # the model: 2 domains, top-8 of 256: nearly every token needs both domains; 4 of 8 domains when limited
+    assert 1.99 < expected_domains(256, 2, 8) <= 2.0 and expected_domains(256, 8, 8, 4) < 4.0
+    e = internode_estimate(64, 8, 4096, 7168, 8, 256, "fp8", 50.0, 322.0)
+    assert e.sequential_us == e.network_us + e.forward_us and e.nic_share(50.0, True) > e.nic_share(50.0)
+
+
+def _layer_and_demo(ctx):
+    import torch
+
+    from epcomm.bench.demo import DemoOptions, demo_worker
+    from epcomm.layers.checks import run_layer_cases
+    from test_layers import CASES_4
+
+    torch.set_num_threads(1)
+    failed = run_layer_cases(ctx, CASES_4)
+    rows = demo_worker(ctx, DemoOptions(tokens=24, hidden=256, experts=16, topk=4, ll_tokens=8, iters=2, seed=3,
+                                        transport="auto"))
+    failed += [("demo " + r["op"], ["does not match the reference"]) for r in rows if r["correct"] != "yes"]
+    failed += [("demo transport", [r["transport"]]) for r in rows if r["transport"] != "hierarchical"]
+    return failed
+
+
+def test_layer_and_demo_across_simulated_nodes(monkeypatch):
+    """The MoE layer (against its dense reference) and the demo, unchanged, on 2 simulated nodes of 2 ranks."""
+    monkeypatch.setenv("EPCOMM_RANKS_PER_NODE", "2")
+    results = spawn(_layer_and_demo, 4, device="cpu", timeout_s=400)
+    problems = [f"rank {r}: {label}: {fails}" for r, res in enumerate(results) for label, fails in res]
+    assert not problems, "\n".join(problems)

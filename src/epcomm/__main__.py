@@ -6,6 +6,7 @@ Commands:
   bench low-latency    low-latency benchmark
   bench p2p            one-sided put/get vs NCCL send/recv and the copy engine
   bench allgather      one-sided all-gather vs NCCL
+  bench internode      the hierarchical path across (simulated) nodes vs a flat all_to_all, the raw link, a model
   doctor               which transport works on this machine, and why
   deep-ep SCRIPT ...   run a program with `import deep_ep` resolving to epcomm's drop-in (--status: which is active)
 
@@ -27,6 +28,7 @@ BENCHMARKS = {
     "low-latency": "epcomm.bench.low_latency",
     "p2p": "epcomm.bench.p2p",
     "allgather": "epcomm.bench.allgather",
+    "internode": "epcomm.bench.internode",
 }
 
 

@@ -7,6 +7,7 @@ dispatch ``H + 4 * H / 128 + 16`` bytes (FP8) or ``2 * H + 16`` (BF16) and combi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -50,3 +51,73 @@ def low_latency_pairs(topk_idxs: Sequence[torch.Tensor]) -> float:
 def low_latency_bytes(hidden: int, use_fp8: bool) -> tuple[int, int]:
     """(dispatch, combine) bytes per selected (token, expert) pair."""
     return (hidden + 4 * (hidden // 128) + 16) if use_fp8 else (2 * hidden + 16), 2 * hidden
+
+
+# ------------------------------------------------------------------------------------------------ internode
+def distinct_domains(topk_idx: torch.Tensor, num_experts: int, num_domains: int) -> torch.Tensor:
+    """``[N]`` int64: how many distinct domains each token's experts live in (ids < 0 ignored)."""
+    per = num_experts // num_domains
+    hit = torch.zeros(topk_idx.size(0), num_domains + 1, dtype=torch.bool)
+    idx = topk_idx.cpu().long()
+    hit.scatter_(1, torch.where(idx >= 0, idx // per, num_domains), True)
+    return hit[:, :num_domains].sum(1)
+
+
+def expected_domains(num_experts: int, num_domains: int, topk: int, max_groups: int = 0) -> float:
+    """Expected number of distinct domains among a token's ``topk`` distinct experts, uniform routing over all
+    experts or (``max_groups`` > 0) over ``max_groups`` random domains' experts."""
+    groups = max_groups if 0 < max_groups < num_domains else num_domains
+    pool, per = groups * (num_experts // num_domains), num_experts // num_domains
+    if topk > pool - per:  # every chosen domain is hit
+        return float(groups)
+    return groups * (1.0 - math.comb(pool - per, topk) / math.comb(pool, topk))
+
+
+@dataclass(frozen=True)
+class InternodeEstimate:
+    """What the traffic model predicts for one normal-mode call of the hierarchical path at ``ranks`` GPUs."""
+
+    ranks: int
+    domains: int
+    crossing_rows_per_token: float
+    crossing_bytes: float  # per GPU, through its NIC
+    network_us: float
+    forward_us: float
+    sequential_us: float  # the network leg, then the forwarding (what epcomm does today)
+    overlapped_us: float  # the bound of a pipelined path: the slower leg
+
+    def nic_share(self, nic_gbps: float, overlapped: bool = False) -> float:
+        """Crossing bytes over the call's time, as a fraction of the NIC's rate."""
+        t = self.overlapped_us if overlapped else self.sequential_us
+        return self.crossing_bytes / (t * 1e-6) / (nic_gbps * 1e9)
+
+
+def internode_estimate(ranks: int, gpus_per_node: int, num_tokens: int, hidden: int, topk: int, num_experts: int,
+                       kind: str, nic_gbps: float, nvlink_gbps: float, max_groups: int = 0) -> InternodeEstimate:
+    """Model of one dispatch (``kind`` fp8 or bf16; a combine moves the BF16 bytes the other way) of the
+    hierarchical path: every token crosses once to each remote domain holding one of its experts (at
+    ``nic_gbps`` per GPU), then each forwarding rank copies the rows it received to the ranks of its domain
+    that hold their experts (at ``nvlink_gbps``, the intranode dispatch's measured rate in DeepEP's convention:
+    received bytes per rank over time)."""
+    domains = ranks // gpus_per_node
+    rows = expected_domains(num_experts, domains, topk, max_groups)
+    crossing = num_tokens * rows * (domains - 1) / domains * row_bytes(hidden, kind)
+    # a forwarding rank receives as many rows as a rank sends (symmetry) and forwards each to the ranks of its
+    # domain that hold one of the token's experts there
+    local_experts = num_experts // domains
+    per_domain_k = topk / rows  # a token's experts in one of its domains, on average
+    ranks_hit = gpus_per_node * (1.0 - (1.0 - 1.0 / gpus_per_node) ** per_domain_k) if gpus_per_node > 1 else 1.0
+    del local_experts
+    forwarded = num_tokens * rows * ranks_hit * row_bytes(hidden, kind)
+    network_us = crossing / (nic_gbps * 1e9) * 1e6
+    forward_us = forwarded / (nvlink_gbps * 1e9) * 1e6
+    return InternodeEstimate(ranks, domains, rows * (domains - 1) / domains, crossing, network_us, forward_us,
+                             network_us + forward_us, max(network_us, forward_us))
+
+
+# DeepEP's published internode figures (its README; H800, ConnectX-7 400 Gb/s InfiniBand, ~50 GB/s per GPU), for
+# the benchmark's model table: normal-mode RDMA GB/s per GPU (dispatch, combine) and low-latency us (dispatch,
+# combine) at 128 tokens.
+DEEPEP_PUBLISHED_NORMAL = {16: (43, 43), 32: (58, 57), 64: (51, 50)}
+DEEPEP_PUBLISHED_LOW_LATENCY = {8: (163, 318), 16: (173, 329), 32: (182, 350), 64: (186, 353), 128: (192, 369),
+                                256: (194, 360)}

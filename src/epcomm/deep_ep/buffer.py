@@ -2,7 +2,7 @@
 
 Every call is a thin adapter: it converts DeepEP's events and tuple handles and forwards to
 ``epcomm.Buffer``, which holds the semantics (and their checks) in one place. What epcomm does not implement
-raises NotImplementedError naming the feature: internode groups (more than 8 ranks), an mpi4py communicator,
+raises NotImplementedError naming the feature: an mpi4py communicator,
 fabric memory, masking failed ranks (``enable_shrink``), the raw buffer tensor, the wait-time statistics
 and LogFMT. The signatures are DeepEP's at its last V1 release (``deep_ep/buffer.py`` before V2, which keeps
 this class as its legacy ``Buffer`` minus ``use_fabric``)."""
@@ -33,14 +33,6 @@ _COMBINE_CONFIGS = {2: (10, 256, 6, 128), 4: (9, 256, 6, 128), 8: (4, 256, 6, 12
                     96: (1, 480, 8, 128), 128: (1, 560, 8, 128), 144: (2, 720, 8, 128), 160: (2, 720, 8, 128)}
 
 Tensors = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
-
-
-def not_internode(fn: str, num_ranks: int) -> None:
-    """DeepEP takes its internode (RDMA) path for groups larger than one NVLink domain; epcomm has none yet."""
-    if num_ranks > NUM_MAX_NVL_PEERS:
-        raise NotImplementedError(f"{fn}: internode communication (DeepEP's RDMA path, taken by groups of more than "
-                                  f"{NUM_MAX_NVL_PEERS} ranks; this group has {num_ranks}) is not implemented in "
-                                  f"epcomm yet; use groups of at most {NUM_MAX_NVL_PEERS} ranks")
 
 
 def communication_device(group) -> torch.device:
@@ -98,7 +90,8 @@ class Buffer:
         """Create the buffer (collective: every rank of ``group`` calls it with the same arguments).
 
         Arguments:
-            group: the process group of the expert-parallel ranks (at most 8: internode groups raise).
+            group: the process group of the expert-parallel ranks; across nodes epcomm's Buffer takes its
+                hierarchical path (nodes as the topology probe or ``EPCOMM_RANKS_PER_NODE`` finds them).
             num_nvl_bytes, num_rdma_bytes: bytes for normal and low-latency mode (``Config.get_nvl_buffer_size_hint``,
                 ``Buffer.get_low_latency_rdma_size_hint``); forwarded to epcomm's Buffer.
             low_latency_mode, num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl,
@@ -123,7 +116,6 @@ class Buffer:
         self.rank = dist.get_rank(group)
         self.group = group
         self.group_size = dist.get_world_size(group)
-        not_internode(fn, self.group_size)
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
         self.low_latency_mode = low_latency_mode
@@ -304,8 +296,11 @@ class Buffer:
                            num_worst_tokens: int = 0, config: Optional[Config] = None,
                            previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
                            allocate_on_comm_stream: bool = False):
-        """DeepEP's internode dispatch (called by ``dispatch`` for groups of more than 8 ranks): not implemented."""
-        not_internode("Buffer.internode_dispatch", NUM_MAX_NVL_PEERS + 1)
+        """DeepEP's internode dispatch (its ``dispatch`` calls it for groups of more than 8 ranks): epcomm's
+        ``dispatch`` serves both (the epcomm Buffer takes its hierarchical path across nodes)."""
+        return self.dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                             num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
+                             previous_event, async_finish, allocate_on_comm_stream)
 
     def internode_combine(self, x: torch.Tensor, handle: Union[tuple, list],
                           topk_weights: Optional[torch.Tensor] = None,
@@ -313,8 +308,9 @@ class Buffer:
                           config: Optional[Config] = None,
                           previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
                           allocate_on_comm_stream: bool = False):
-        """DeepEP's internode combine: not implemented."""
-        not_internode("Buffer.internode_combine", NUM_MAX_NVL_PEERS + 1)
+        """DeepEP's internode combine: ``combine`` (see ``internode_dispatch``)."""
+        return self.combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
+                            allocate_on_comm_stream)
 
     # ------------------------------------------------------------------ low-latency mode
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:

@@ -16,7 +16,8 @@ area), ``dispatch`` (``x`` BF16 or an FP8 pair, ``topk_idx``, ``topk_weights``,
 ``get_buffer_size_hint``, ``get_theoretical_num_sms`` / ``get_theoretical_num_qps``, the domain sizes,
 ``destroy``. Not implemented (NotImplementedError naming it): the expanded expert-major layout
 (``do_expand``, with ``do_zero_padding`` and TMA-aligned scales), Engram, pipeline-parallel send/recv,
-all-gather/reduce-scatter sessions, CPU buffer memory, and groups of more than 8 ranks (internode)."""
+all-gather/reduce-scatter sessions and CPU buffer memory. Across nodes the epcomm Buffer takes its hierarchical
+path; the scale-out/scale-up sizes then describe its domains."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from ..core.config import model_num_sms
 from ..core.handles import DispatchHandle
 from ..core.layout import align_up, get_normal_buffer_size_hint
 from ..fp8 import GROUP
-from .buffer import Buffer, communication_device, not_internode
+from .buffer import Buffer, communication_device
 from .utils import EventHandle, EventOverlap, from_epcomm_event, to_epcomm_event
 
 _BUFFER_ALIGNMENT = 2 << 20  # V2 sizes its buffers in 2 MiB steps
@@ -140,7 +141,6 @@ class ElasticBuffer:
         self.group = group
         self.rank_idx = dist.get_rank(group)
         self.num_ranks = dist.get_world_size(group)
-        not_internode(fn, self.num_ranks)
         self.deterministic = deterministic
         self.allow_hybrid_mode = allow_hybrid_mode
         self.allow_multiple_reduction = allow_multiple_reduction
@@ -151,11 +151,12 @@ class ElasticBuffer:
         if num_bytes is None:
             num_bytes = self.get_buffer_size_hint(group, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch)
         self.num_bytes = num_bytes
-        self.num_scaleout_ranks, self.num_scaleup_ranks = 1, self.num_ranks
-        self.scaleout_rank_idx, self.scaleup_rank_idx = 0, self.rank_idx
-        self.num_rdma_ranks, self.num_nvlink_ranks = 1, self.num_ranks
         self.runtime = _EpcommBuffer(group, num_bytes, 0, explicitly_destroy=explicitly_destroy,
                                      transport=Buffer.transport, device=communication_device(group))
+        domains, local = self.runtime.num_domains, self.runtime.local_size
+        self.num_scaleout_ranks, self.num_scaleup_ranks = domains, local
+        self.scaleout_rank_idx, self.scaleup_rank_idx = self.rank_idx // local, self.rank_idx % local
+        self.num_rdma_ranks, self.num_nvlink_ranks = domains, local
 
     def destroy(self) -> None:
         """Release the buffer (collective; epcomm's ``Buffer.destroy``)."""

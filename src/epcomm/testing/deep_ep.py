@@ -18,7 +18,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .. import reference
+from .. import env, reference
 from ..fp8 import per_token_cast_back, per_token_cast_to_fp8
 from .checks import CaseResult
 from .routing import make_inputs
@@ -37,6 +37,9 @@ class Scenario:
         self.rank, self.num_ranks, self.device = ctx.rank, ctx.world_size, ctx.device
         self.num_experts = 4 * ctx.world_size
         self.e_local = 4
+        # ranks per node (EPCOMM_RANKS_PER_NODE splits the group into simulated nodes: the drop-in's Buffers are then
+        # hierarchical, and the reference models that path)
+        self.local_size = env.ranks_per_node() or ctx.world_size
         # vLLM hands DeepEP its CPU (gloo) group while the tensors are on the GPU
         self.cpu_group = dist.new_group(backend="gloo") if ctx.device.type == "cuda" else ctx.group
 
@@ -52,7 +55,7 @@ class Scenario:
         ref = reference.dispatch([c[0] for c in casts] if fp8 else [i.x for i in inputs],
                                  [i.topk_idx for i in inputs], self.num_experts,
                                  [i.topk_weights for i in inputs] if with_weights else None,
-                                 [c[1] for c in casts] if fp8 else None, alignment)
+                                 [c[1] for c in casts] if fp8 else None, alignment, self.local_size)
         return ref, casts
 
     def combine_reference(self, ys, ref, inputs, weights=None, biases=None):
@@ -211,7 +214,7 @@ def vllm_low_latency(sc: Scenario, deep_ep) -> list:
 
 def _ll_reference(sc: Scenario, inputs, use_fp8: bool, round_scale: bool = False, use_ue8m0: bool = False):
     return reference.low_latency_dispatch([i.x for i in inputs], [i.topk_idx for i in inputs], sc.num_experts,
-                                          use_fp8, round_scale, use_ue8m0)
+                                          use_fp8, round_scale, use_ue8m0, sc.local_size)
 
 
 def low_latency_expert_outputs(sc: Scenario, ref, use_fp8: bool) -> list:
@@ -449,7 +452,8 @@ def megatron(sc: Scenario, deep_ep) -> list:
         loss = ((combined.float() * gs[sc.rank].to(sc.device).float()).sum()
                 + (recv_probs * cs[sc.rank].to(sc.device)).sum())
         loss.backward()
-        back = reference.dispatch([g for g in gs], [i.topk_idx for i in inputs], sc.num_experts)
+        back = reference.dispatch([g for g in gs], [i.topk_idx for i in inputs], sc.num_experts,
+                                  local_size=sc.local_size)
         grad_recv = [(b.recv_x.float() * (0.5 * (1 + s))).to(torch.bfloat16) for s, b in enumerate(back)]
         want_x, want_w = sc.combine_reference(grad_recv, ref, inputs, weights=cs)
         res.expect("grad x", x.grad, want_x)
@@ -507,7 +511,7 @@ def xorl(sc: Scenario, deep_ep) -> list:
                                                      config=dispatch_config, previous_event=EventOverlap(EventHandle()),
                                                      async_finish=True, allocate_on_comm_stream=True)
     event.current_stream_wait()
-    back = reference.dispatch(grads, [i.topk_idx for i in inputs], sc.num_experts)
+    back = reference.dispatch(grads, [i.topk_idx for i in inputs], sc.num_experts, local_size=sc.local_size)
     res.expect("backward cached dispatch", grad_gather, back[sc.rank].recv_x)
     buffer.destroy()
     return [res]
@@ -583,7 +587,8 @@ def deepep_readme(sc: Scenario, deep_ep) -> list:
                                                     allocate_on_comm_stream=previous_event is not None)
         event.current_stream_wait()
         res.expect("combine_backward", grad_x, reference.dispatch(grads, [i.topk_idx for i in inputs],
-                                                                  sc.num_experts)[sc.rank].recv_x)
+                                                                  sc.num_experts, local_size=sc.local_size
+                                                                  )[sc.rank].recv_x)
         out.append(res)
     return out + deepep_tests(sc, deep_ep, buffer)
 
@@ -645,12 +650,13 @@ def deepep_tests(sc: Scenario, deep_ep, buffer) -> list:
         int_mask = (2 ** 32) - 1
         layout = handle[1]
         ll_ref = _ll_reference(sc, ll_inputs, use_fp8, round_scale, use_ue8m0)[sc.rank]
+        sources = layout.size(1)  # the source ranks; across nodes, the forwarding ranks of this rank's node
         for i in range(sc.e_local):
-            begins = [int(layout[i][j] >> 32) for j in range(sc.num_ranks)]
-            lens = [int(layout[i][j] & int_mask) for j in range(sc.num_ranks)]
-            want = [int((ll_ref.src_rank[i] == j).sum()) for j in range(sc.num_ranks)]
+            begins = [int(layout[i][j] >> 32) for j in range(sources)]
+            lens = [int(layout[i][j] & int_mask) for j in range(sources)]
+            want = [int((ll_ref.src_rank[i] == j).sum()) for j in range(sources)]
             res.expect_eq(f"handle[1][{i}] counts", lens, want)
-            res.expect_eq(f"handle[1][{i}] begins", begins, [sum(want[:j]) for j in range(sc.num_ranks)])
+            res.expect_eq(f"handle[1][{i}] begins", begins, [sum(want[:j]) for j in range(sources)])
         res.expect_eq("handle[2:]", tuple(handle[2:]), (MAX_TOKENS, HIDDEN, sc.num_experts))
         ll_buffer.get_next_low_latency_combine_buffer(handle)[:, :, :] = ys[sc.rank]
         out_t = torch.empty((mine.x.size(0), HIDDEN), dtype=torch.bfloat16, device=sc.device)
@@ -713,7 +719,8 @@ def elastic(sc: Scenario, deep_ep) -> list:
                                              num_sms=num_comm_sms, async_with_compute_stream=True)
     event.current_stream_wait()
     res.expect("combine_backward (cached)", grad_x,
-               reference.dispatch(grad_combined, [i.topk_idx for i in inputs], sc.num_experts)[sc.rank].recv_x)
+               reference.dispatch(grad_combined, [i.topk_idx for i in inputs], sc.num_experts,
+                                  local_size=sc.local_size)[sc.rank].recv_x)
     out.append(res)
     res = CaseResult("DeepEP V2 ElasticBuffer decode (vLLM's CUDA-graph mode, then a cached handle)")
     inputs = sc.inputs(101, "skewed")
@@ -739,7 +746,8 @@ def elastic(sc: Scenario, deep_ep) -> list:
                                                     async_with_compute_stream=True)
     event.current_stream_wait()
     res.expect("cached decode dispatch", recv_x2[:m],
-               reference.dispatch(step, [i.topk_idx for i in inputs], sc.num_experts)[sc.rank].recv_x)
+               reference.dispatch(step, [i.topk_idx for i in inputs], sc.num_experts,
+                                  local_size=sc.local_size)[sc.rank].recv_x)
     res.expect_eq("cached handle returned", handle2 is handle, True)
     out.append(res)
     buffer.destroy()

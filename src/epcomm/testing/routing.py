@@ -54,6 +54,22 @@ def make_topk(num_tokens: int, num_experts: int, topk: int, routing: str = "unif
     return idx
 
 
+def group_limited_topk(num_tokens: int, num_experts: int, topk: int, num_groups: int, max_groups: int, *,
+                       generator: torch.Generator) -> torch.Tensor:
+    """DeepSeek-V3's node-limited routing: each token picks ``max_groups`` of the ``num_groups`` equal blocks of
+    experts (nodes) at random, then ``topk`` distinct experts uniformly among those blocks' experts.
+    ``[num_tokens, topk]`` int64."""
+    if num_experts % num_groups or not 1 <= max_groups <= num_groups:
+        raise ValueError(f"group_limited_topk: num_experts={num_experts} must split into num_groups={num_groups} "
+                         f"blocks and 1 <= max_groups={max_groups} <= num_groups")
+    per = num_experts // num_groups
+    if topk > max_groups * per:
+        raise ValueError(f"group_limited_topk: topk={topk} > the {max_groups * per} experts of max_groups blocks")
+    groups = torch.rand(num_tokens, num_groups, generator=generator).topk(max_groups, dim=1).indices
+    pick = torch.rand(num_tokens, max_groups * per, generator=generator).topk(topk, dim=1).indices
+    return (groups.gather(1, pick // per) * per + pick % per).to(torch.int64)
+
+
 @dataclass(frozen=True)
 class RankInputs:
     """One rank's inputs: ``x [N, H]`` (float dtype), ``topk_idx [N, K]`` int64, ``topk_weights [N, K]``

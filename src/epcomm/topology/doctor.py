@@ -26,6 +26,7 @@ from .. import env
 from ..bench.report import format_table
 from ..errors import TransportUnavailableError
 from .choice import PREFERENCE, choose_transport, transport_failures
+from .domains import find_domains, host_ids_from_report
 from .probe import probe
 from .report import TopologyReport
 
@@ -123,15 +124,29 @@ def _worker(ctx, requested: str, bandwidth_bytes: int) -> dict:
 
     report = probe(ctx.group, ctx.device)
     requested = env.transport_override() or requested
-    chosen, reason, failures, memory = None, "", [], {}
+    chosen, reason, failures, memory, path = None, "", [], {}, {}
     try:
-        chosen, reason = choose_transport(report, requested, available=tuple(TRANSPORTS))
-    except TransportUnavailableError as exc:
-        reason = str(exc)
+        domains = find_domains(host_ids_from_report(report), env.ranks_per_node(), "EPCOMM_RANKS_PER_NODE")
+    except ValueError as exc:
+        domains, reason = None, f"the ranks cannot be split into domains: {exc}"
+    if domains is not None and domains.num_domains > 1:  # the Buffer picks each domain's transport itself
+        chosen, buffer_transport = "hierarchical", requested
+    elif domains is not None:
+        try:
+            chosen, reason = choose_transport(report, requested, available=tuple(TRANSPORTS))
+        except TransportUnavailableError as exc:
+            reason = str(exc)
+        buffer_transport = chosen
+
+    def keep(buf) -> None:
+        memory.update(buf.memory_usage)
+        path["reason"] = buf.runtime.describe() if chosen == "hierarchical" else reason
+
     if chosen is not None:
         try:
-            failures = run_cases(ctx, selftest_cases(ctx.world_size), transport=chosen,
-                                 before_destroy=lambda buf: memory.update(buf.memory_usage))
+            failures = run_cases(ctx, selftest_cases(ctx.world_size), transport=buffer_transport,
+                                 before_destroy=keep)
+            reason = path.get("reason", reason)
         except Exception as exc:  # noqa: BLE001 - e.g. the transport's constructor; reported, exit code 1
             failures = [("Buffer", [f"raised {type(exc).__name__}: {exc}"])]
     all_failures: list = [None] * ctx.world_size
@@ -141,6 +156,7 @@ def _worker(ctx, requested: str, bandwidth_bytes: int) -> dict:
     from ..deep_ep import status as deep_ep_status
 
     return {"rank": ctx.rank, "report": report, "requested": requested, "chosen": chosen, "reason": reason,
+            "domains": domains.describe() if domains is not None else "not found",
             "available": tuple(TRANSPORTS), "selftest": all_failures, "bandwidth": bandwidth,
             "bandwidth_bytes": bandwidth_bytes, "nccl": env.nccl_settings(), "memory": memory,
             "deep_ep": deep_ep_status()}
@@ -247,6 +263,7 @@ def format_result(result: dict) -> str:
         notes = [f"  put {k}: {e['note']}" for k, e in bw.items() if e.get("note")]
         out += notes
     out += ["", "Transports", format_table(transport_rows(report, result["available"]))]
+    out += ["", f"domains (nodes): {result.get('domains', 'not found')}"]
     chosen = result["chosen"]
     out += ["", f"chosen: {chosen} ({result['reason']})" if chosen else f"no transport: {result['reason']}"]
     failed = [(r, label, f) for r, fails in enumerate(result["selftest"]) for label, f in (fails or [])]

@@ -48,7 +48,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
 import torch
@@ -57,6 +57,7 @@ import torch.distributed as dist
 from .. import env
 from ..core.config import Config
 from ..core.handles import DispatchHandle, LowLatencyHandle
+from ..core.layout import align_up
 from ..errors import EpcommError, EpcommTimeoutError
 from ..topology.domains import Domains
 from .alltoall import AllToAllTransport
@@ -190,8 +191,7 @@ class HierarchicalTransport(Transport):
         if req.handle is not None:
             return self._cached_dispatch(req)
         if req.topk_idx is None:
-            raise ValueError(f"{fn}: across domains (nodes) the dispatch needs topk_idx (the forwarding rank routes "
-                             f"each token by its experts); pass topk_idx and num_tokens_per_expert")
+            return self._dispatch_by_rank(req)
         x, n = req.x, req.x.size(0)
         D, L, W = self.num_domains, self.local_size, req.num_worst_tokens
         cap = W // self.num_ranks if W else 0
@@ -234,6 +234,27 @@ class HierarchicalTransport(Transport):
             recv_src_idx=recv_src_idx, num_worst_tokens=W, state=_HandleState(h1, h2))
         return DispatchResult(r2.recv_x, r2.recv_scales, r2.recv_topk_idx, r2.recv_topk_weights,
                               r2.num_recv_tokens_per_expert_list, handle)
+
+    def _dispatch_by_rank(self, req: DispatchRequest) -> DispatchResult:
+        """A dispatch without expert ids (``is_token_in_rank`` alone): the forwarding ranks route by ranks, so each
+        rank counts as one expert here; the per-expert counts of ``num_tokens_per_expert`` (when given) are
+        exchanged on their own, as the intranode transports exchange them."""
+        r, dev = self.num_ranks, req.x.device
+        by_rank = torch.where(req.is_token_in_rank, torch.arange(r, device=dev).unsqueeze(0), -1)
+        res = self.dispatch(replace(req, topk_idx=by_rank, topk_weights=None, num_experts=r, expert_alignment=1,
+                                    num_tokens_per_expert=req.num_tokens_per_rank, bad_topk=None))
+        e_local = req.num_experts // r
+        per_expert = torch.zeros(e_local, dtype=torch.int32, device=dev)
+        counts = []
+        if req.num_tokens_per_expert is not None:
+            recv = torch.empty(r, e_local, dtype=torch.int32, device=dev)
+            with self._leg("Buffer.dispatch", "per-expert counts"):
+                dist.all_to_all_single(recv, req.num_tokens_per_expert.view(r, e_local).contiguous(), group=self.group)
+            per_expert = recv.sum(0, dtype=torch.int32)
+            if not req.num_worst_tokens:
+                counts = [align_up(c, req.expert_alignment) for c in per_expert.tolist()]
+        handle = replace(res.handle, num_experts=req.num_experts, num_recv_tokens_per_expert=per_expert)
+        return DispatchResult(res.recv_x, res.recv_scales, None, None, counts, handle)
 
     def _cached_dispatch(self, req: DispatchRequest) -> DispatchResult:
         st: _HandleState = req.handle.state

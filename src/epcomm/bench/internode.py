@@ -1,0 +1,228 @@
+"""``python -m epcomm bench internode``: the hierarchical path across domains (nodes) against a flat all_to_all.
+
+The ranks are split into domains of ``--ranks-per-node`` (default: ``EPCOMM_RANKS_PER_NODE``, else what the
+probe finds, else half the ranks: simulated nodes on one machine; run it with a per-node ``NCCL_HOSTID`` and
+``NCCL_NET=Socket``, which the launcher sets for simulated nodes, or ``NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1``, so
+that NCCL connects the domains through its network path). In one run, for each routing (``uniform``, and
+``group_limited``: each token's experts within at most ``--max-groups`` domains, DeepSeek-V3's node-limited
+routing), at DeepSeek's shape (4096 tokens per rank, hidden 7168, top-8, 256 experts) and the low-latency shape
+(128 tokens):
+
+* ``hierarchical``: epcomm's Buffer over the domains (``--domain-transport`` within each);
+* ``flat alltoall``: epcomm's portable transport over the whole group as one domain (one all_to_all_single of
+  the rows, NCCL between every pair of ranks);
+* ``nccl-baseline``: the plain NCCL pipeline a framework writes (``epcomm.bench.baseline``);
+* ``raw link``: one all_to_all_single over the rail group (the ranks with this rank's local index) of exactly
+  the bytes the hierarchical path sends across domains: the inter-domain link's rate on that traffic.
+
+Every call is timed isolated (a barrier before each; the median over iterations of the slowest rank). Columns:
+crossing rows per token (rows that leave the domain per token: distinct remote domains for the hierarchical path,
+distinct remote ranks for the flat ones), crossing MB per rank, and link GB/s (crossing bytes over the call's
+time). Then the traffic model (``epcomm.bench.traffic.internode_estimate``) at EP16, EP32 and EP64 from
+``--nic-gbps`` (default 50 GB/s per GPU, ConnectX-7 400 Gb/s) and ``--nvlink-gbps`` (the intranode dispatch's
+measured rate), beside DeepEP's published internode figures."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..testing import run
+from .report import bench_parser, finish, format_table
+from .timing import time_op
+from .traffic import (DEEPEP_PUBLISHED_LOW_LATENCY, DEEPEP_PUBLISHED_NORMAL, distinct_domains, internode_estimate,
+                      row_bytes)
+
+
+@dataclass(frozen=True)
+class InternodeBenchOptions:
+    tokens: int
+    ll_tokens: int
+    hidden: int
+    topk: int
+    experts: int
+    ranks_per_node: Optional[int]
+    routings: tuple
+    max_groups: int
+    domain_transport: str
+    iters: int
+
+
+def _inputs(ctx, opts, routing: str, num_tokens: int, num_domains: int):
+    """Every rank's ``(x bf16, topk_idx, topk_weights)`` for ``routing`` (same seed on every rank)."""
+    from ..testing.routing import group_limited_topk, make_inputs
+
+    inputs = make_inputs(23, ctx.world_size, num_tokens, opts.hidden, opts.experts, opts.topk)
+    if routing == "group_limited":
+        gen = torch.Generator().manual_seed(29)
+        idxs = [group_limited_topk(num_tokens, opts.experts, opts.topk, num_domains,
+                                   min(opts.max_groups, num_domains), generator=gen) for _ in inputs]
+    else:
+        idxs = [i.topk_idx for i in inputs]
+    return [(i.x, idx, i.topk_weights) for i, idx in zip(inputs, idxs)]
+
+
+def bench_worker(ctx, opts: InternodeBenchOptions) -> list:
+    import torch.distributed as dist
+
+    from ..buffer import Buffer
+    from ..fp8 import per_token_cast_to_fp8
+    from .baseline import baseline_combine, baseline_dispatch
+
+    world = ctx.world_size
+    hier = Buffer(ctx.group, transport=opts.domain_transport, ranks_per_node=opts.ranks_per_node)
+    if hier.num_domains < 2:
+        raise ValueError(f"bench internode: the {world} ranks form one domain; pass --ranks-per-node (a divisor of "
+                         f"{world} smaller than it) to split them into simulated nodes")
+    D, L = hier.num_domains, hier.local_size
+    flat = Buffer(ctx.group, transport="alltoall", ranks_per_node=world)
+    rail_group = hier.runtime.rail_group
+    rows = []
+    base = {"ranks": world, "domains": f"{D}x{L}", "domain leg": hier.runtime.domain.name}
+
+    def t(fn):
+        return time_op(fn, ctx.group, ctx.device, iters=opts.iters, warmup=3)
+
+    def add(routing, impl, op, timing, crossing_rows, kind, n):
+        crossing = crossing_rows * n * row_bytes(opts.hidden, kind)
+        rows.append({**base, "routing": routing, "impl": impl, "op": op, "time_us": timing.median_us,
+                     "crossing rows/token": round(crossing_rows, 3), "crossing MB/rank": round(crossing / 1e6, 2),
+                     "link GB/s": timing.gbps(crossing)})
+
+    for routing in opts.routings:
+        data = _inputs(ctx, opts, routing, opts.tokens, D)
+        idxs = [d[1] for d in data]
+        # the traffic, from the routing: remote domains per token (hierarchical), remote ranks per token (flat)
+        own_domain, per_domain = ctx.rank // L, opts.experts // D
+        hier_cross = sum(float((distinct_domains(i, opts.experts, D)).sum()) -
+                         float(((i >= 0) & (i // per_domain == s // L)).any(1).sum())
+                         for s, i in enumerate(idxs)) / (world * opts.tokens)
+        flat_cross = sum(float(distinct_domains(i, opts.experts, world).sum()) -
+                         float(_same_domain_ranks(i, opts.experts, world, L, s // L).sum())
+                         for s, i in enumerate(idxs)) / (world * opts.tokens)
+        x, idx, w = (v.to(ctx.device) for v in data[ctx.rank])
+        x8 = per_token_cast_to_fp8(x)
+        for name, buf in (("hierarchical", hier), ("flat alltoall", flat)):
+            cross = hier_cross if buf is hier else flat_cross
+            per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, opts.experts)
+            layout = dict(num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma,
+                          is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+            recv_x, _, _, _, handle, _ = buf.dispatch(x, **layout)
+            add(routing, name, "dispatch FP8", t(lambda: buf.dispatch(x8, **layout)), cross, "fp8", opts.tokens)
+            add(routing, name, "dispatch BF16", t(lambda: buf.dispatch(x, **layout)), cross, "bf16", opts.tokens)
+            add(routing, name, "combine BF16", t(lambda: buf.combine(recv_x, handle)), cross, "bf16", opts.tokens)
+            del recv_x, handle
+        add(routing, "nccl-baseline", "dispatch FP8",
+            t(lambda: baseline_dispatch(x8[0], x8[1], idx, w, opts.experts, ctx.group)), flat_cross, "fp8",
+            opts.tokens)
+        add(routing, "nccl-baseline", "dispatch BF16",
+            t(lambda: baseline_dispatch(x, None, idx, w, opts.experts, ctx.group)), flat_cross, "bf16", opts.tokens)
+        b_recv, _, _, _, b_handle = baseline_dispatch(x, None, idx, w, opts.experts, ctx.group)
+        add(routing, "nccl-baseline", "combine BF16", t(lambda: baseline_combine(b_recv, b_handle, ctx.group)),
+            flat_cross, "bf16", opts.tokens)
+        del b_recv, b_handle
+        # the raw inter-domain link: this rank's crossing rows to each rail peer, in one all_to_all
+        hit = torch.zeros(idx.size(0), D + 1, dtype=torch.bool, device=idx.device)
+        hit.scatter_(1, torch.where(idx >= 0, idx // per_domain, D), True)
+        to_domain = hit[:, :D].sum(0).cpu()
+        to_domain[own_domain] = 0
+        for kind in ("fp8", "bf16"):
+            rb = row_bytes(opts.hidden, kind)
+            send = [int(c) * rb for c in to_domain.tolist()]
+            recv = torch.tensor(send, dtype=torch.int64, device=ctx.device)
+            got = torch.empty_like(recv)
+            dist.all_to_all_single(got, recv, group=rail_group)
+            recv_splits = got.tolist()
+            src = torch.empty(sum(send), dtype=torch.uint8, device=ctx.device)
+            dst = torch.empty(sum(recv_splits), dtype=torch.uint8, device=ctx.device)
+            add(routing, "raw link", f"all_to_all {kind.upper()} bytes",
+                t(lambda: dist.all_to_all_single(dst, src, recv_splits, send, group=rail_group)), hier_cross, kind,
+                opts.tokens)
+        # low latency (FP8 dispatch, BF16 combine)
+        ll = _inputs(ctx, opts, routing, opts.ll_tokens, D)
+        lx, lidx, lw = (v.to(ctx.device) for v in ll[ctx.rank])
+        ll_cross = sum(float(distinct_domains(i, opts.experts, D).sum()) for _, i, _ in ll) / (world * opts.ll_tokens)
+        for name, buf in (("hierarchical", hier), ("flat alltoall", flat)):
+            recv, _, handle, _, _ = buf.low_latency_dispatch(lx, lidx, opts.ll_tokens, opts.experts, use_fp8=True)
+            y = torch.randn(recv[0].shape, device=ctx.device).to(torch.bfloat16)
+            add(routing, name, f"low-latency dispatch FP8 ({opts.ll_tokens} tokens)",
+                t(lambda: buf.low_latency_dispatch(lx, lidx, opts.ll_tokens, opts.experts, use_fp8=True)),
+                ll_cross * (D - 1) / D, "bf16", opts.ll_tokens)
+            add(routing, name, f"low-latency combine BF16 ({opts.ll_tokens} tokens)",
+                t(lambda: buf.low_latency_combine(y, lidx, lw, handle)), ll_cross * (D - 1) / D, "bf16",
+                opts.ll_tokens)
+            del recv, handle, y
+    hier.destroy()
+    flat.destroy()
+    return rows
+
+
+def _same_domain_ranks(idx: torch.Tensor, num_experts: int, world: int, local: int, domain: int) -> torch.Tensor:
+    """``[N]``: how many distinct ranks of ``domain`` each token's experts live on (rows that stay in the domain
+    on the flat path)."""
+    per_rank = num_experts // world
+    idx = idx.cpu().long()
+    hit = torch.zeros(idx.size(0), world + 1, dtype=torch.bool)
+    hit.scatter_(1, torch.where(idx >= 0, idx // per_rank, world), True)
+    return hit[:, domain * local:(domain + 1) * local].sum(1)
+
+
+def model_rows(opts, nic_gbps: float, nvlink_gbps: float, gpus_per_node: int = 8) -> list:
+    """The traffic model at EP16/32/64 (normal mode, FP8 dispatch and BF16 combine, uniform and group-limited
+    routing) beside DeepEP's published figures."""
+    rows = []
+    for ranks in (16, 32, 64):
+        for routing, groups in (("uniform", 0), ("group_limited", opts.max_groups)):
+            for op, kind in (("dispatch FP8", "fp8"), ("combine BF16", "bf16")):
+                e = internode_estimate(ranks, gpus_per_node, opts.tokens, opts.hidden, opts.topk, opts.experts, kind,
+                                       nic_gbps, nvlink_gbps, groups)
+                pub = DEEPEP_PUBLISHED_NORMAL.get(ranks)
+                rows.append({"EP": ranks, "routing": routing, "op": op,
+                             "crossing rows/token": round(e.crossing_rows_per_token, 2),
+                             "network us": round(e.network_us), "forward us": round(e.forward_us),
+                             "epcomm us (sequential legs)": round(e.sequential_us),
+                             "NIC share": round(e.nic_share(nic_gbps), 3),
+                             "pipelined bound us": round(e.overlapped_us),
+                             "NIC share pipelined": round(e.nic_share(nic_gbps, True), 3),
+                             "DeepEP published RDMA GB/s": (pub[0] if "dispatch" in op else pub[1]) if pub else ""})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .. import env
+
+    parser = bench_parser("python -m epcomm bench internode", __doc__, experts=256, iters=10)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--ll-tokens", type=int, default=128)
+    parser.add_argument("--ranks-per-node", type=int, default=None,
+                        help="ranks per domain (default: EPCOMM_RANKS_PER_NODE, else half the ranks)")
+    parser.add_argument("--routings", default="uniform,group_limited")
+    parser.add_argument("--max-groups", type=int, default=4, help="group-limited routing: domains per token")
+    parser.add_argument("--domain-transport", default="auto")
+    parser.add_argument("--nic-gbps", type=float, default=50.0, help="the model's NIC rate per GPU (GB/s)")
+    parser.add_argument("--nvlink-gbps", type=float, default=None,
+                        help="the model's intranode rate (default: the measured intranode FP8 dispatch of "
+                             "benchmarks/results/bench_dispatch_8ranks.md, 322 GB/s)")
+    args = parser.parse_args(argv)
+    per_node = args.ranks_per_node or env.ranks_per_node() or max(1, args.world_size // 2)
+    opts = InternodeBenchOptions(args.tokens, args.ll_tokens, args.hidden, args.topk, args.experts, per_node,
+                                 tuple(args.routings.split(",")), args.max_groups, args.domain_transport, args.iters)
+    rows = run(bench_worker, args.world_size, opts)[0]
+    name = args.name or f"bench_internode_{rows[0]['ranks']}ranks"
+    nvlink = args.nvlink_gbps or 322.0
+    model = model_rows(opts, args.nic_gbps, nvlink)
+    notes = ("Isolated calls (a barrier before each), the median over iterations of the slowest rank. Crossing rows per "
+             "token: rows that leave their domain per source token (hierarchical: distinct remote domains of the "
+             "token's experts; flat: distinct remote ranks; low-latency rows of the hierarchical path travel in BF16). "
+             "Link GB/s: those bytes (BF16 2H, FP8 H + 4H/128 per row) per rank over the time. The raw link row moves "
+             "exactly the hierarchical path's crossing bytes in one all_to_all over the rail group.\n\n"
+             f"Traffic model (NIC {args.nic_gbps:g} GB/s per GPU, intranode {nvlink:g} GB/s, 8 GPUs per node; "
+             "DeepEP's published internode figures: H800 + ConnectX-7 400 Gb/s, group-limited routing):\n\n"
+             + format_table(model, list(model[0].keys())) +
+             "\n\nDeepEP published low latency (128 tokens, us, dispatch / combine): "
+             + ", ".join(f"EP{k} {v[0]} / {v[1]}" for k, v in DEEPEP_PUBLISHED_LOW_LATENCY.items()))
+    print(format_table(model, list(model[0].keys())))
+    return finish(rows, name, args.out, "bench internode", notes, None,
+                  ["routing", "impl", "op", "time_us", "crossing rows/token", "link GB/s"])

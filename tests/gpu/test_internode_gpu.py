@@ -1,0 +1,41 @@
+"""The hierarchical (internode) path on GPUs: ranks split into simulated nodes (``ranks_per_node``), the real
+intranode transports within each domain (one-sided kernels over NVLink or CUDA IPC) and NCCL (or gloo, for ranks
+sharing a GPU) between the domains; the CPU suite's cases, DeepSeek-sized ones and CUDA-graph replays (where the
+inter-domain leg is NCCL) against the reference. With ``EPCOMM_RANKS_PER_NODE`` set, the launcher gives each
+simulated node its own ``NCCL_HOSTID`` (NCCL then connects the nodes through its network path)."""
+
+import pytest
+
+from conftest import gpu_count, gpu_ranks
+from epcomm.testing import spawn
+from epcomm.testing.checks import GraphCase, LowLatencyCase, NormalCase, run_cases
+from test_internode import _assert_clean, internode_cases
+
+
+def large_cases():
+    return [
+        NormalCase(num_tokens=4096, hidden=7168, num_experts=256, topk=8, dtype="fp8", seed=31),
+        NormalCase(num_tokens=(2048, 1, 0, 1500), hidden=7168, num_experts=256, topk=8, dtype="bf16",
+                   routing="skewed", bias=1, seed=32),
+        NormalCase(num_tokens=512, hidden=2048, num_experts=64, topk=6, dtype="bf16", worst=True, bias=2, seed=33),
+        LowLatencyCase(num_tokens=(1, 128, 0, 77), max_tokens=128, hidden=7168, num_experts=288, topk=8,
+                       round_scale=True, use_ue8m0=True, hook=True, seed=34),
+    ]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("suite", ["small", "large", "graph"])
+@pytest.mark.parametrize("transport", ["nvlink", "p2p", "alltoall"])
+@pytest.mark.parametrize("world_size,local", [(4, 2), (8, 4), (8, 2)])
+def test_gpu_hierarchical_matches_reference(world_size, local, transport, suite):
+    if gpu_ranks() < world_size:
+        pytest.skip(f"needs {world_size} GPU rank slots")
+    if suite == "graph":
+        if world_size > gpu_count():
+            pytest.skip("ranks sharing a GPU talk over gloo, whose all_to_all cannot be captured in a CUDA graph")
+        cases = [GraphCase(low_latency=False), GraphCase(low_latency=True, num_tokens=32, hidden=1024,
+                                                         num_experts=32, topk=8)]
+    else:
+        cases = internode_cases(world_size) if suite == "small" else large_cases()
+    _assert_clean(spawn(run_cases, world_size, cases, transport, {"ranks_per_node": local}, device="cuda",
+                        timeout_s=600))
