@@ -21,11 +21,19 @@ def internode_cases(world_size: int) -> list:
     return normal_cases(world_size) + low_latency_cases(world_size)
 
 
-@pytest.mark.parametrize("domains,local", [(2, 2), (3, 2), (2, 3), (4, 1)])
-def test_hierarchical_matches_reference(domains, local):
+def _cases_in_chunks(ctx, cases, local, chunks):
+    from epcomm.transports.hierarchical import HierarchicalTransport
+
+    HierarchicalTransport.pipeline_chunks = chunks
+    return run_cases(ctx, cases, "alltoall", {"ranks_per_node": local})
+
+
+@pytest.mark.parametrize("domains,local,chunks", [(2, 2, 4), (3, 2, 4), (2, 3, 3), (4, 1, 4), (2, 2, 1)])
+def test_hierarchical_matches_reference(domains, local, chunks):
+    """Every case at several splits, and with the normal-mode calls moved in 1, 3 or 4 pipelined chunks."""
     world = domains * local
-    _assert_clean(spawn(run_cases, world, internode_cases(world), "alltoall", {"ranks_per_node": local},
-                        device="cpu", timeout_s=600))
+    _assert_clean(spawn(_cases_in_chunks, world, internode_cases(world), local, chunks, device="cpu",
+                        timeout_s=600))
 
 
 def test_find_domains():
@@ -128,8 +136,9 @@ def test_bench_internode_and_its_model(tmp_path):
     assert "DeepEP published" in open(tmp_path / "bench_internode_4ranks.md").read()
     # the model: 2 domains, top-8 of 256: nearly every token needs both domains; 4 of 8 domains when limited
     assert 1.99 < expected_domains(256, 2, 8) <= 2.0 and expected_domains(256, 8, 8, 4) < 4.0
-    e = internode_estimate(64, 8, 4096, 7168, 8, 256, "fp8", 50.0, 322.0)
-    assert e.sequential_us == e.network_us + e.forward_us and e.nic_share(50.0, True) > e.nic_share(50.0)
+    e = internode_estimate(64, 8, 4096, 7168, 8, 256, "fp8", 50.0, 322.0, chunks=4)
+    assert e.sequential_us == e.network_us + e.forward_us and e.nic_share(50.0) > e.nic_share(50.0, False)
+    assert e.pipelined_us == e.network_us + e.forward_us / 4 + e.reorder_us
 
 
 def _layer_and_demo(ctx):

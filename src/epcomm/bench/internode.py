@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 
 from ..testing import run
+from ..transports.hierarchical import HierarchicalTransport
 from .report import bench_parser, finish, format_table
 from .timing import time_op
 from .traffic import (DEEPEP_PUBLISHED_LOW_LATENCY, DEEPEP_PUBLISHED_NORMAL, distinct_domains, internode_estimate,
@@ -140,6 +141,16 @@ def bench_worker(ctx, opts: InternodeBenchOptions) -> list:
             add(routing, "raw link", f"all_to_all {kind.upper()} bytes",
                 t(lambda: dist.all_to_all_single(dst, src, recv_splits, send, group=rail_group)), hier_cross, kind,
                 opts.tokens)
+        # what a chunk costs besides its bytes (host synchronisations, launches): one chunk of a few tokens
+        small = _inputs(ctx, opts, routing, 8, D)
+        sx, sidx, sw = (v.to(ctx.device) for v in small[ctx.rank])
+        chunks, HierarchicalTransport.pipeline_chunks = HierarchicalTransport.pipeline_chunks, 1
+        s_rank, s_rdma, s_expert, s_in, _ = hier.get_dispatch_layout(sidx, opts.experts)
+        add(routing, "hierarchical", "dispatch BF16 (8 tokens, one chunk)",
+            t(lambda: hier.dispatch(sx, num_tokens_per_rank=s_rank, num_tokens_per_rdma_rank=s_rdma,
+                                    is_token_in_rank=s_in, num_tokens_per_expert=s_expert, topk_idx=sidx,
+                                    topk_weights=sw)), 0.0, "bf16", 8)
+        HierarchicalTransport.pipeline_chunks = chunks
         # low latency (FP8 dispatch, BF16 combine)
         ll = _inputs(ctx, opts, routing, opts.ll_tokens, D)
         lx, lidx, lw = (v.to(ctx.device) for v in ll[ctx.rank])
@@ -169,7 +180,7 @@ def _same_domain_ranks(idx: torch.Tensor, num_experts: int, world: int, local: i
     return hit[:, domain * local:(domain + 1) * local].sum(1)
 
 
-def model_rows(opts, nic_gbps: float, nvlink_gbps: float, gpus_per_node: int = 8) -> list:
+def model_rows(opts, nic_gbps: float, nvlink_gbps: float, fixed_us: float, gpus_per_node: int = 8) -> list:
     """The traffic model at EP16/32/64 (normal mode, FP8 dispatch and BF16 combine, uniform and group-limited
     routing) beside DeepEP's published figures."""
     rows = []
@@ -177,15 +188,16 @@ def model_rows(opts, nic_gbps: float, nvlink_gbps: float, gpus_per_node: int = 8
         for routing, groups in (("uniform", 0), ("group_limited", opts.max_groups)):
             for op, kind in (("dispatch FP8", "fp8"), ("combine BF16", "bf16")):
                 e = internode_estimate(ranks, gpus_per_node, opts.tokens, opts.hidden, opts.topk, opts.experts, kind,
-                                       nic_gbps, nvlink_gbps, groups)
+                                       nic_gbps, nvlink_gbps, groups, HierarchicalTransport.pipeline_chunks,
+                                       fixed_us=fixed_us)
                 pub = DEEPEP_PUBLISHED_NORMAL.get(ranks)
                 rows.append({"EP": ranks, "routing": routing, "op": op,
                              "crossing rows/token": round(e.crossing_rows_per_token, 2),
                              "network us": round(e.network_us), "forward us": round(e.forward_us),
-                             "epcomm us (sequential legs)": round(e.sequential_us),
+                             "legs in sequence us": round(e.sequential_us),
+                             "NIC share (sequence)": round(e.nic_share(nic_gbps, False), 3),
+                             f"epcomm us ({e.chunks} chunks)": round(e.pipelined_us),
                              "NIC share": round(e.nic_share(nic_gbps), 3),
-                             "pipelined bound us": round(e.overlapped_us),
-                             "NIC share pipelined": round(e.nic_share(nic_gbps, True), 3),
                              "DeepEP published RDMA GB/s": (pub[0] if "dispatch" in op else pub[1]) if pub else ""})
     return rows
 
@@ -212,13 +224,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = run(bench_worker, args.world_size, opts)[0]
     name = args.name or f"bench_internode_{rows[0]['ranks']}ranks"
     nvlink = args.nvlink_gbps or 322.0
-    model = model_rows(opts, args.nic_gbps, nvlink)
+    fixed = min(r["time_us"] for r in rows if r["op"].startswith("dispatch BF16 (8 tokens"))
+    model = model_rows(opts, args.nic_gbps, nvlink, fixed)
     notes = ("Isolated calls (a barrier before each), the median over iterations of the slowest rank. Crossing rows per "
              "token: rows that leave their domain per source token (hierarchical: distinct remote domains of the "
              "token's experts; flat: distinct remote ranks; low-latency rows of the hierarchical path travel in BF16). "
              "Link GB/s: those bytes (BF16 2H, FP8 H + 4H/128 per row) per rank over the time. The raw link row moves "
              "exactly the hierarchical path's crossing bytes in one all_to_all over the rail group.\n\n"
-             f"Traffic model (NIC {args.nic_gbps:g} GB/s per GPU, intranode {nvlink:g} GB/s, 8 GPUs per node; "
+             f"Traffic model (NIC {args.nic_gbps:g} GB/s per GPU, intranode {nvlink:g} GB/s, 8 GPUs per node, "
+             f"{fixed:.0f} us per chunk besides its bytes (this run's 8-token dispatch); "
              "DeepEP's published internode figures: H800 + ConnectX-7 400 Gb/s, group-limited routing):\n\n"
              + format_table(model, list(model[0].keys())) +
              "\n\nDeepEP published low latency (128 tokens, us, dispatch / combine): "

@@ -79,40 +79,46 @@ class InternodeEstimate:
 
     ranks: int
     domains: int
+    chunks: int
     crossing_rows_per_token: float
     crossing_bytes: float  # per GPU, through its NIC
     network_us: float
     forward_us: float
-    sequential_us: float  # the network leg, then the forwarding (what epcomm does today)
-    overlapped_us: float  # the bound of a pipelined path: the slower leg
+    reorder_us: float  # the gather that puts the received rows in source order, and the chunks' fixed costs
+    sequential_us: float  # the network leg, then the forwarding (one chunk)
+    pipelined_us: float  # chunk c + 1 on the network while chunk c is forwarded (what epcomm does)
 
-    def nic_share(self, nic_gbps: float, overlapped: bool = False) -> float:
+    def nic_share(self, nic_gbps: float, pipelined: bool = True) -> float:
         """Crossing bytes over the call's time, as a fraction of the NIC's rate."""
-        t = self.overlapped_us if overlapped else self.sequential_us
+        t = self.pipelined_us if pipelined else self.sequential_us
         return self.crossing_bytes / (t * 1e-6) / (nic_gbps * 1e9)
 
 
 def internode_estimate(ranks: int, gpus_per_node: int, num_tokens: int, hidden: int, topk: int, num_experts: int,
-                       kind: str, nic_gbps: float, nvlink_gbps: float, max_groups: int = 0) -> InternodeEstimate:
+                       kind: str, nic_gbps: float, nvlink_gbps: float, max_groups: int = 0, chunks: int = 4,
+                       hbm_gbps: float = 4000.0, fixed_us: float = 0.0) -> InternodeEstimate:
     """Model of one dispatch (``kind`` fp8 or bf16; a combine moves the BF16 bytes the other way) of the
     hierarchical path: every token crosses once to each remote domain holding one of its experts (at
     ``nic_gbps`` per GPU), then each forwarding rank copies the rows it received to the ranks of its domain
     that hold their experts (at ``nvlink_gbps``, the intranode dispatch's measured rate in DeepEP's convention:
-    received bytes per rank over time)."""
+    received bytes per rank over time). With ``chunks`` pipelined chunks only the last chunk's forwarding is not
+    hidden behind the network; the received rows are then gathered into source order once (read and write at
+    ``hbm_gbps``). ``fixed_us``: what one chunk costs besides its bytes (host synchronisations, launches; the
+    benchmark measures it as a call with a handful of tokens), paid once per chunk."""
     domains = ranks // gpus_per_node
     rows = expected_domains(num_experts, domains, topk, max_groups)
     crossing = num_tokens * rows * (domains - 1) / domains * row_bytes(hidden, kind)
     # a forwarding rank receives as many rows as a rank sends (symmetry) and forwards each to the ranks of its
     # domain that hold one of the token's experts there
-    local_experts = num_experts // domains
     per_domain_k = topk / rows  # a token's experts in one of its domains, on average
     ranks_hit = gpus_per_node * (1.0 - (1.0 - 1.0 / gpus_per_node) ** per_domain_k) if gpus_per_node > 1 else 1.0
-    del local_experts
     forwarded = num_tokens * rows * ranks_hit * row_bytes(hidden, kind)
     network_us = crossing / (nic_gbps * 1e9) * 1e6
     forward_us = forwarded / (nvlink_gbps * 1e9) * 1e6
-    return InternodeEstimate(ranks, domains, rows * (domains - 1) / domains, crossing, network_us, forward_us,
-                             network_us + forward_us, max(network_us, forward_us))
+    reorder_us = 2 * forwarded / (hbm_gbps * 1e9) * 1e6 + fixed_us * chunks
+    return InternodeEstimate(ranks, domains, chunks, rows * (domains - 1) / domains, crossing, network_us, forward_us,
+                             reorder_us, network_us + forward_us + fixed_us,
+                             max(network_us, forward_us) + min(network_us, forward_us) / chunks + reorder_us)
 
 
 # DeepEP's published internode figures (its README; H800, ConnectX-7 400 Gb/s InfiniBand, ~50 GB/s per GPU), for

@@ -29,6 +29,13 @@ def count_bad_topk(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
     return ((topk_idx < -1) | (topk_idx >= num_experts)).sum(dtype=torch.int32)
 
 
+def chunk_bounds(num_tokens: int, chunks: int) -> list:
+    """``chunks`` consecutive ``(first, end)`` token ranges of ``ceil(num_tokens / chunks)`` tokens (the last ones
+    shorter or empty): how a pipelined call splits a rank's tokens."""
+    per = -(-num_tokens // chunks) if chunks else 0
+    return [(min(c * per, num_tokens), min((c + 1) * per, num_tokens)) for c in range(chunks)]
+
+
 def align_up(value: int, alignment: int) -> int:
     """``value`` rounded up to a multiple of ``alignment``."""
     return (value + alignment - 1) // alignment * alignment

@@ -72,7 +72,9 @@ class DispatchOut:
     num_recv_tokens_per_expert: list
     recv_src_rank: torch.Tensor
     recv_src_idx: torch.Tensor
-    hierarchy: Optional[tuple] = None  # internode: (inter-domain leg output, domain leg output, ranks per domain)
+    # internode: (inter-domain leg output, domain leg output, ranks per domain, the order that sorts the domain leg's
+    # rows by source rank and token)
+    hierarchy: Optional[tuple] = None
 
 
 def dispatch(xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.Tensor], num_experts: int,
@@ -314,8 +316,12 @@ def _hierarchical_dispatch(xs, topk_idxs, num_experts, topk_weights, x_scales, e
             src_idx = torch.tensor([int(fwd[lp].recv_src_idx[i])
                                     for lp, i in zip(o.recv_src_rank.tolist(), o.recv_src_idx.tolist())],
                                    dtype=torch.int64)
-            outs[d * L + l] = DispatchOut(o.recv_x, o.recv_scales, o.recv_topk_idx, o.recv_topk_weights,
-                                          o.num_recv_tokens_per_expert, src_rank, src_idx, (rail[d * L + l], o, L))
+            # the rows in the order of the intranode path: by source rank, then source token
+            order = torch.argsort(src_rank * (1 << 32) + src_idx)
+            pick = (lambda t: None if t is None else t[order])
+            outs[d * L + l] = DispatchOut(o.recv_x[order], pick(o.recv_scales), pick(o.recv_topk_idx),
+                                          pick(o.recv_topk_weights), o.num_recv_tokens_per_expert, src_rank[order],
+                                          src_idx[order], (rail[d * L + l], o, L, order))
     return outs
 
 
@@ -332,10 +338,15 @@ def _hierarchical_combine(recv_xs, dispatched, num_tokens, recv_topk_weights, bi
     partial_w: list = [None] * num_ranks
     for d in range(D):
         members = list(range(d * L, (d + 1) * L))
-        outs = combine([recv_xs[r] for r in members], [inner[r] for r in members],
+        def legs_order(t, r):  # the domain leg's row order from the intranode order
+            out = torch.empty_like(t)
+            out[dispatched[r].hierarchy[3]] = t
+            return out
+
+        outs = combine([legs_order(recv_xs[r], r) for r in members], [inner[r] for r in members],
                        [rail[r].recv_x.size(0) for r in members],
-                       [recv_topk_weights[r] for r in members] if recv_topk_weights is not None else None,
-                       None, out_dtype)
+                       [legs_order(recv_topk_weights[r], r) for r in members] if recv_topk_weights is not None
+                       else None, None, out_dtype)
         for l, (p, pw) in enumerate(outs):
             partial[d * L + l], partial_w[d * L + l] = p, pw
     result: list = [None] * num_ranks

@@ -21,8 +21,11 @@ order, cast once to the dtype of ``x``: the *partial* that crosses back, BF16 fo
 reference (``epcomm.reference`` with ``local_size``) composes its two oracles the same way, so every test is
 bit-exact.
 
-Order of the received rows: by the forwarding rank's local index (the source's local index), then source domain,
-then source token (rank-major order of the intranode path, with ranks enumerated local-index first).
+Pipelining: an exact-mode call moves its tokens in ``pipeline_chunks`` chunks (each rank's tokens split evenly, the
+same count on every rank); the inter-domain leg of chunk ``c + 1`` runs on a network stream while chunk ``c`` is
+forwarded within the domain, so the forwarding hides behind the network for all but the last chunk. Received rows
+are then put in the intranode path's order (by source rank, then source token; one gather of the outputs, and one
+of the combine's input back), so the order does not depend on the chunks or the domains, and
 ``handle.recv_src_rank`` / ``recv_src_idx`` hold each row's global source rank and token. ``num_worst_tokens``
 (no host synchronisation): each rank sends at most ``num_worst_tokens // num_ranks`` tokens to each domain (the
 inter-domain leg has fixed slots of that many rows per peer); more tokens raise at once.
@@ -57,7 +60,7 @@ import torch.distributed as dist
 from .. import env
 from ..core.config import Config
 from ..core.handles import DispatchHandle, LowLatencyHandle
-from ..core.layout import align_up
+from ..core.layout import align_up, chunk_bounds
 from ..errors import EpcommError, EpcommTimeoutError
 from ..topology.domains import Domains
 from .alltoall import AllToAllTransport
@@ -92,8 +95,14 @@ def subgroups(group: Any, domains: Domains, rank: int) -> tuple:
 
 @dataclass(frozen=True)
 class _HandleState:
-    rail: DispatchHandle  # the inter-domain leg's handle (this rank as forwarder)
-    domain: DispatchHandle  # the domain leg's handle
+    """Per pipelined chunk of the dispatch: the legs' handles, this rank's token bounds, the rows it received."""
+
+    rail: tuple  # the inter-domain leg's handles (this rank as forwarder)
+    domain: tuple  # the domain leg's handles
+    bounds: tuple  # (first, end) token of each chunk of this rank's x
+    rows: tuple  # rows of the outputs from each chunk, in order
+    order: torch.Tensor  # [M] int64: output row i is row order[i] of the chunks' rows, one after the other
+    back: torch.Tensor  # [M] int64: the inverse of order
 
 
 @dataclass(frozen=True)
@@ -108,6 +117,9 @@ class HierarchicalTransport(Transport):
     leg (``auto``, ``nvlink``, ``p2p``, ``alltoall``, or a Transport class); ``leg`` the inter-domain leg."""
 
     name = "hierarchical"
+    # a normal-mode call moves its tokens in this many chunks (the same on every rank): chunk c + 1 crosses the
+    # network while chunk c is forwarded within the domain. num_worst_tokens and low-latency calls use one.
+    pipeline_chunks: int = 4
 
     def __init__(self, group, device: torch.device, buffer_id: int, domains: Domains,
                  domain_transport: Any = "auto", leg: str = "nccl", num_nvl_bytes: int = 0,
@@ -133,6 +145,7 @@ class HierarchicalTransport(Transport):
         self.rail = INTER_DOMAIN_LEGS[leg](self.rail_group, device, buffer_id)
         self.errors = CombinedErrors((self.domain.errors, self.rail.errors), device)
         self._agreed: set = set()
+        self._net: Optional[torch.cuda.Stream] = None  # the inter-domain leg's stream while a dispatch pipelines
 
     @classmethod
     def capabilities(cls) -> Capabilities:
@@ -193,7 +206,7 @@ class HierarchicalTransport(Transport):
         if req.topk_idx is None:
             return self._dispatch_by_rank(req)
         x, n = req.x, req.x.size(0)
-        D, L, W = self.num_domains, self.local_size, req.num_worst_tokens
+        W = req.num_worst_tokens
         cap = W // self.num_ranks if W else 0
         if W and n > cap:
             raise ValueError(f"{fn}: across domains, num_worst_tokens bounds each rank's tokens by num_worst_tokens // "
@@ -201,39 +214,128 @@ class HierarchicalTransport(Transport):
                              f"tokens: pass num_worst_tokens >= {n * self.num_ranks}")
         self._agree(fn, ("dispatch", x.dtype, x.size(1), req.x_scales is not None, req.topk_idx.size(1),
                          req.topk_weights is not None, req.num_experts, bool(W)))
+        chunks = 1 if W else self.pipeline_chunks
+        bounds = chunk_bounds(n, chunks)
+        subs = [req] if chunks == 1 else [self._chunk(req, a, b, c == 0) for c, (a, b) in enumerate(bounds)]
+        starts = self._chunk_starts(n, chunks) if chunks > 1 else None
+        parts = []
+        legs = [lambda r=r: self._rail(fn, r, cap) for r in subs]
+        for c, (r1, h1) in enumerate(self._pipelined(legs)):
+            r2, src_rank, src_idx = self._forward(fn, subs[c], r1, h1)
+            if starts is not None:  # the token index within the chunk -> within the source's x
+                src_idx = torch.where(src_rank >= 0, src_idx + starts[src_rank.clamp(min=0).long(), c], -1)
+            parts.append((r2, src_rank, src_idx.to(torch.int32), h1))
+        self._join()
+        r2s = [p[0] for p in parts]
+        handles = [r.handle for r in r2s]
+        # the rows in the order of the intranode path: by source rank, then source token (padding rows last)
+        src_rank, src_idx = _cat([p[1] for p in parts]), _cat([p[2] for p in parts])
+        order, back = _canonical_order(src_rank, src_idx)
+        per_expert = handles[0].num_recv_tokens_per_expert
+        for h in handles[1:]:
+            per_expert = per_expert + h.num_recv_tokens_per_expert
+        counts = []
+        if not W and req.num_tokens_per_expert is not None:  # the domain leg counted without alignment
+            totals = [sum(cs) for cs in zip(*(r.num_recv_tokens_per_expert_list for r in r2s))]
+            counts = [align_up(v, req.expert_alignment) for v in totals]
+        handle = DispatchHandle(
+            buffer_id=self.buffer_id, transport=self.name, num_ranks=self.num_ranks, num_experts=req.num_experts,
+            num_tokens=n, hidden=x.size(1), is_token_in_rank=req.is_token_in_rank, num_tokens_per_rank=None,
+            num_recv_tokens=sum(h.num_recv_tokens for h in handles), num_recv_tokens_per_rank=None,
+            num_recv_tokens_per_expert=per_expert, recv_src_rank=src_rank[order], recv_src_idx=src_idx[order],
+            num_worst_tokens=W, state=_HandleState(tuple(p[3] for p in parts), tuple(handles), tuple(bounds),
+                                                   tuple(h.num_recv_tokens for h in handles), order, back))
+        return DispatchResult(*(_take([getattr(r, f) for r in r2s], order) for f in
+                                ("recv_x", "recv_scales", "recv_topk_idx", "recv_topk_weights")), counts, handle)
+
+    def _chunk(self, req: DispatchRequest, a: int, b: int, first: bool) -> DispatchRequest:
+        """Tokens ``[a, b)`` of ``req`` as a request of their own (their layout computed on the device)."""
+        idx = req.topk_idx[a:b]
+        per_rank, per_expert, itr = self.get_dispatch_layout(idx, req.num_experts)
+        return replace(req, x=req.x[a:b], x_scales=None if req.x_scales is None else req.x_scales[a:b], topk_idx=idx,
+                       topk_weights=None if req.topk_weights is None else req.topk_weights[a:b],
+                       num_tokens_per_rank=per_rank, is_token_in_rank=itr, num_tokens_per_expert=per_expert,
+                       bad_topk=req.bad_topk if first else None)
+
+    def _chunk_starts(self, n: int, chunks: int) -> torch.Tensor:
+        """``[R, chunks]`` int64 on the device: the first token of each chunk of every rank (from every rank's
+        token count, gathered)."""
+        mine = torch.tensor([n], dtype=torch.int64, device=self.device)
+        every = [torch.empty_like(mine) for _ in range(self.num_ranks)]
+        with self._leg("Buffer.dispatch", "token counts of the pipelined chunks"):
+            dist.all_gather(every, mine, group=self.group)
+        per = (torch.cat(every) + chunks - 1) // chunks
+        return per.unsqueeze(1) * torch.arange(chunks, device=self.device)
+
+    def _rail(self, fn: str, req: DispatchRequest, cap: int) -> tuple:
+        """The inter-domain leg of (a chunk of) a dispatch: ``(result, handle)``."""
+        n, D, L = req.x.size(0), self.num_domains, self.local_size
         in_domain = req.is_token_in_rank.view(n, D, L).any(2)
-        rail_req = DispatchRequest(x, req.x_scales, req.topk_idx, req.topk_weights,
+        rail_req = DispatchRequest(req.x, req.x_scales, req.topk_idx, req.topk_weights,
                                    in_domain.sum(0, dtype=torch.int32), in_domain, req.num_tokens_per_expert,
                                    req.num_experts, 1, D * cap, None, req.config, req.bad_topk, req.overlapped,
                                    peer_capacity=cap)
         with self._leg(fn, "tokens to their domains"):
             r1 = self.rail.dispatch(rail_req)
-        e_dom = req.num_experts // D
+        return r1, r1.handle
+
+    def _forward(self, fn: str, req: DispatchRequest, r1: DispatchResult, h1: DispatchHandle) -> tuple:
+        """The domain leg of (a chunk of) a dispatch: ``(result, recv_src_rank, recv_src_idx)``, the source token
+        index within the source's chunk."""
+        e_dom, L, W = req.num_experts // self.num_domains, self.local_size, req.num_worst_tokens
         per_rank, per_expert, itr = self.domain.get_dispatch_layout(r1.recv_topk_idx, e_dom)
         with self._leg(fn, "forwarding the tokens", within=True):
             r2 = self.domain.dispatch(DispatchRequest(
                 r1.recv_x, r1.recv_scales, r1.recv_topk_idx, r1.recv_topk_weights, per_rank, itr, per_expert, e_dom,
-                req.expert_alignment, W, None, req.config, None, req.overlapped))
+                req.expert_alignment if W else 1, W, None, req.config, None, req.overlapped))
             # every row's source: (domain, token) as the forwarding rank received it, sent along the domain leg
-            h1, h2 = r1.handle, r2.handle
-            src = torch.zeros(h1.num_recv_tokens, 4, dtype=torch.int32, device=x.device)
+            src = torch.zeros(h1.num_recv_tokens, 4, dtype=torch.int32, device=req.x.device)
             src[:, 0] = h1.recv_src_rank
             src[:, 1] = h1.recv_src_idx
             got = self.domain.dispatch(DispatchRequest(src.view(torch.float32), None, None, None, None, None, None,
-                                                       e_dom, 1, W, h2, req.config, None, req.overlapped)
+                                                       e_dom, 1, W, r2.handle, req.config, None, req.overlapped)
                                        ).recv_x.view(torch.int32)
-        fwd = h2.recv_src_rank
+        fwd = r2.handle.recv_src_rank
         real = fwd >= 0
-        recv_src_rank = torch.where(real, got[:, 0] * L + fwd, -1).to(torch.int32)
-        recv_src_idx = torch.where(real, got[:, 1], -1).to(torch.int32)
-        handle = DispatchHandle(
-            buffer_id=self.buffer_id, transport=self.name, num_ranks=self.num_ranks, num_experts=req.num_experts,
-            num_tokens=n, hidden=x.size(1), is_token_in_rank=req.is_token_in_rank, num_tokens_per_rank=None,
-            num_recv_tokens=h2.num_recv_tokens, num_recv_tokens_per_rank=None,
-            num_recv_tokens_per_expert=h2.num_recv_tokens_per_expert, recv_src_rank=recv_src_rank,
-            recv_src_idx=recv_src_idx, num_worst_tokens=W, state=_HandleState(h1, h2))
-        return DispatchResult(r2.recv_x, r2.recv_scales, r2.recv_topk_idx, r2.recv_topk_weights,
-                              r2.num_recv_tokens_per_expert_list, handle)
+        return (r2, torch.where(real, got[:, 0] * L + fwd, -1).to(torch.int32),
+                torch.where(real, got[:, 1], -1).to(torch.int32))
+
+    def _pipelined(self, legs: list):
+        """Yield ``legs[c]()`` (inter-domain legs) in order. On GPUs each is issued on the network stream one step
+        ahead of the caller's use of the previous one: leg ``c + 1`` moves over the network while the caller
+        forwards leg ``c``'s rows within the domain. Tensors cross the two streams with events and
+        ``record_stream``; ``_join`` makes the caller's stream wait for the network stream at the end."""
+        if self.device.type != "cuda" or len(legs) == 1:
+            for leg in legs:
+                yield leg()
+            return
+        main = torch.cuda.current_stream(self.device)
+        if self._net is None:
+            self._net = torch.cuda.Stream(self.device)
+        net = self._net
+
+        def issue(leg):
+            net.wait_stream(main)
+            with torch.cuda.stream(net):
+                out = leg()
+                done = torch.cuda.Event()
+                done.record(net)
+            return out, done
+
+        ahead = issue(legs[0])
+        for c in range(len(legs)):
+            out, done = ahead
+            if c + 1 < len(legs):
+                ahead = issue(legs[c + 1])
+            main.wait_event(done)
+            for t in _tensors(out):
+                t.record_stream(main)
+            yield out
+
+    def _join(self) -> None:
+        """The caller's stream waits for everything issued on the network stream."""
+        if self._net is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._net)
 
     def _dispatch_by_rank(self, req: DispatchRequest) -> DispatchResult:
         """A dispatch without expert ids (``is_token_in_rank`` alone): the forwarding ranks route by ranks, so each
@@ -257,20 +359,44 @@ class HierarchicalTransport(Transport):
         return DispatchResult(res.recv_x, res.recv_scales, None, None, counts, handle)
 
     def _cached_dispatch(self, req: DispatchRequest) -> DispatchResult:
+        fn = "Buffer.dispatch"
         st: _HandleState = req.handle.state
-        with self._leg("Buffer.dispatch", "cached tokens to their domains"):
-            r1 = self.rail.dispatch(_cached(req.x, req.x_scales, st.rail, req))
-        with self._leg("Buffer.dispatch", "forwarding the cached tokens", within=True):
-            r2 = self.domain.dispatch(_cached(r1.recv_x, r1.recv_scales, st.domain, req))
-        return DispatchResult(r2.recv_x, r2.recv_scales, None, None, None, req.handle)
+        x, scales = req.x, req.x_scales
+
+        def leg(c):
+            a, b = st.bounds[c]
+            with self._leg(fn, "cached tokens to their domains"):
+                return self.rail.dispatch(_cached(x[a:b], None if scales is None else scales[a:b], st.rail[c], req))
+
+        outs = []
+        for c, r1 in enumerate(self._pipelined([lambda c=c: leg(c) for c in range(len(st.rail))])):
+            with self._leg(fn, "forwarding the cached tokens", within=True):
+                outs.append(self.domain.dispatch(_cached(r1.recv_x, r1.recv_scales, st.domain[c], req)))
+        self._join()
+        return DispatchResult(_take([r.recv_x for r in outs], st.order), _take([r.recv_scales for r in outs], st.order),
+                              None, None, None, req.handle)
 
     def combine(self, req: CombineRequest) -> tuple:
         st: _HandleState = req.handle.state
-        with self._leg("Buffer.combine", "sums within the domain", within=True):
-            partial, partial_w = self.domain.combine(CombineRequest(req.x, st.domain, req.topk_weights, (),
-                                                                    req.config, req.overlapped))
-        with self._leg("Buffer.combine", "partial sums back to their sources"):
-            return self.rail.combine(CombineRequest(partial, st.rail, partial_w, req.bias, req.config, req.overlapped))
+        x, w = _take([req.x], st.back), _take([req.topk_weights], st.back)  # back to the legs' order
+        partials, row = [], 0
+        for c in range(len(st.rail)):  # each chunk's sums within the domain, then its partials over the network
+            rows = slice(row, row + st.rows[c])
+            row += st.rows[c]
+            with self._leg("Buffer.combine", "sums within the domain", within=True):
+                partials.append(self.domain.combine(CombineRequest(
+                    x[rows], st.domain[c], None if w is None else w[rows], (), req.config, req.overlapped)))
+
+        def leg(c):
+            a, b = st.bounds[c]
+            bias = tuple(t[a:b] for t in req.bias)
+            with self._leg("Buffer.combine", "partial sums back to their sources"):
+                return self.rail.combine(CombineRequest(partials[c][0], st.rail[c], partials[c][1], bias, req.config,
+                                                        req.overlapped))
+
+        outs = list(self._pipelined([lambda c=c: leg(c) for c in range(len(st.rail))]))
+        self._join()
+        return _cat([o[0] for o in outs]), _cat([o[1] for o in outs])
 
     # ------------------------------------------------------------------ low-latency mode
     def low_latency_dispatch(self, req: LowLatencyDispatchRequest) -> LowLatencyDispatchResult:
@@ -357,6 +483,45 @@ def _cached(x: torch.Tensor, scales: Optional[torch.Tensor], handle: DispatchHan
             req: DispatchRequest) -> DispatchRequest:
     return DispatchRequest(x, scales, None, None, None, None, None, handle.num_experts, 1, 0, handle, req.config, None,
                            req.overlapped)
+
+
+def _cat(parts: list) -> Optional[torch.Tensor]:
+    """The chunks' outputs in order, as one tensor (None for absent outputs; a single chunk's as it is)."""
+    if parts[0] is None:
+        return None
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _canonical_order(src_rank: torch.Tensor, src_idx: torch.Tensor) -> tuple:
+    """``(order, back)``: the permutation that sorts rows by (source rank, source token), rows without a source
+    (-1: padding) last, and its inverse."""
+    key = torch.where(src_rank >= 0, src_rank.long() * (1 << 32) + src_idx.long(), torch.iinfo(torch.int64).max)
+    order = torch.sort(key, stable=True).indices
+    back = torch.empty_like(order)
+    back[order] = torch.arange(order.numel(), device=order.device)
+    return order, back
+
+
+def _take(parts: list, order: torch.Tensor) -> Optional[torch.Tensor]:
+    """The chunks' outputs, one after the other, in the rows' ``order`` (moved as bytes: index ops lack FP8)."""
+    t = _cat(parts)
+    if t is None:
+        return None
+    raw = t.view(torch.uint8) if t.element_size() == 1 else t
+    return raw.index_select(0, order).view(t.dtype)
+
+
+def _tensors(out) -> list:
+    """The tensors of an inter-domain leg's result: a dispatch's ``(DispatchResult, handle)``, or a combine's
+    ``(combined, combined weights)``."""
+    if isinstance(out, DispatchResult) or (isinstance(out, tuple) and isinstance(out[0], DispatchResult)):
+        res = out if isinstance(out, DispatchResult) else out[0]
+        h = res.handle
+        found = [res.recv_x, res.recv_scales, res.recv_topk_idx, res.recv_topk_weights, h.recv_src_rank,
+                 h.recv_src_idx, h.num_recv_tokens_per_expert]
+    else:
+        found = list(out)
+    return [t for t in found if isinstance(t, torch.Tensor)]
 
 
 __all__ = ["HierarchicalTransport", "INTER_DOMAIN_LEGS", "subgroups"]
