@@ -244,6 +244,10 @@ class NVLinkTransport(Transport):
         return (f"rank {self.rank}: {ERROR_NAMES.get(code, code)} waiting for rank {peer} (its flag still said "
                 f"{seen}) after {env.timeout_s():g} s: a peer is stuck, died, or did not make the same call")
 
+    @property
+    def expert_major_errors(self) -> torch.Tensor:
+        return self.deferred
+
     def _describe_errors(self, words: list) -> list:
         """``DeviceErrors.describe`` of this transport's block (see ``__init__``)."""
         found = []

@@ -1,0 +1,290 @@
+"""Triton kernels of the expert-major receive layout (``Buffer.dispatch(..., layout="expert_major")``) and of
+its weighted combine.
+
+Vocabulary (one receiving rank; ``M`` received tokens in rank-major order, ``K`` top-k slots, ``E`` local
+experts, alignment ``A``, ``rows`` rows of the expert-major tensor):
+
+* segments: expert ``e`` owns rows ``[start_e, start_e + align(count_e))`` where ``count_e`` is its number
+  of (token, slot) pairs and ``start_e`` the sum of the aligned counts of the experts before it; rows
+  ``start_e + count_e ..`` of a segment are padding (zeros);
+* ``offs [E]`` int32: the segments' ends (``torch._grouped_mm``'s ``offs``), clamped to ``rows``;
+* ``pair_row [M, K]`` int32: the expert-major row of (received token m, slot k), -1 when slot k's expert
+  is not local; inside a segment pairs are in (m, k) order, i.e. by source rank, then source token;
+* ``row_src [rows]`` int32: ``m * K + k`` of every row, -1 on padding rows and past the last segment.
+
+``pair_rows_kernel`` computes ``pair_row``, ``offs``, ``row_src`` and the per-row routing weight;
+``permute_kernel`` moves rank-major rows (any 4-byte-word payload: bf16/fp16/fp32 rows, FP8 rows, scales)
+into their expert-major rows and zeroes the padding; ``expert_reduce_kernel`` is the combine's local
+reduction (per received token: its pairs' rows times their weights, added in slot order in float32 from
++0.0 with each product rounded first, cast once); ``weighted_rows_grad_kernel`` is the backward of that
+weighting (``w * g`` and ``<g, y>`` per row). None of them synchronises with the host.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import cdiv, launch, next_pow2
+from .numerics import f32_to_bf16_rne
+
+
+@triton.jit
+def _segment(counts_ptr, e, num_experts, align, BLOCK_E: tl.constexpr):
+    """``(start, count, aligned count)`` of expert ``e``'s segment (segments of aligned counts in expert
+    order)."""
+    ec = tl.arange(0, BLOCK_E)
+    cnt = tl.load(counts_ptr + ec, mask=ec < num_experts, other=0)
+    al = (cnt + align - 1) // align * align
+    start = tl.sum(tl.where(ec < e, al, 0), axis=0)
+    count = tl.sum(tl.where(ec == e, cnt, 0), axis=0)
+    return start, count, (count + align - 1) // align * align
+
+
+@triton.jit
+def _fill_meta(row_src_ptr, row_w_ptr, lo, hi, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
+    """``row_src = -1`` and ``row_w = 0`` on rows ``[lo, hi)``."""
+    rb = tl.arange(0, BLOCK)
+    r0 = lo
+    while r0 < hi:
+        r = r0 + rb
+        m = r < hi
+        tl.store(row_src_ptr + r, tl.full([BLOCK], -1, tl.int32), mask=m)
+        if HAS_W:
+            tl.store(row_w_ptr + r, tl.zeros([BLOCK], tl.float32), mask=m)
+        r0 += BLOCK
+
+
+@triton.jit
+def pair_rows_kernel(ids_ptr, counts_ptr, w_ptr, offs_ptr, pair_row_ptr, row_src_ptr, row_w_ptr, err_ptr,
+                     num_pairs, rows, num_experts, align, HAS_W: tl.constexpr, WRITE_ROWS: tl.constexpr,
+                     BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Program ``e`` (one per expert) scans ``ids [L]`` (the flattened ``[M, K]`` local expert ids, int32 or
+    int64, -1: not here) in order and gives its ``j``-th match the row ``start_e + j`` (``pair_row``; also
+    ``row_src[row] = j`` and, with ``HAS_W``, ``row_w[row] = w[j]``); program 0 writes -1 for ids outside
+    ``[0, E)``. ``counts [E]`` int32 must count the matches: pairs beyond ``count_e`` or beyond ``rows``
+    (an inconsistent count table, a too small ``num_worst_tokens``) get no row and are added to ``err[0]``,
+    as is a count that no pair fills. Padding rows of the segment (and, for the last expert, every row
+    past it) get ``row_src = -1`` and ``row_w = 0``."""
+    e = tl.program_id(0)
+    start, count, acount = _segment(counts_ptr, e, num_experts, align, BLOCK_E)
+    end = start + acount
+    tl.store(offs_ptr + e, tl.minimum(end, rows).to(tl.int32))
+    jb = tl.arange(0, BLOCK)
+    carry = tl.zeros([], tl.int32)
+    over = tl.zeros([], tl.int32)
+    j0 = 0
+    while j0 < num_pairs:
+        j = j0 + jb
+        live = j < num_pairs
+        v = tl.load(ids_ptr + j, mask=live, other=-1)
+        match = live & (v == e)
+        idx = carry + tl.cumsum(match.to(tl.int32), axis=0) - 1
+        row = start + idx
+        ok = match & (idx < count) & (row < rows)
+        tl.store(pair_row_ptr + j, tl.where(ok, row, -1), mask=match)
+        if e == 0:
+            tl.store(pair_row_ptr + j, tl.full([BLOCK], -1, tl.int32), mask=live & ((v < 0) | (v >= num_experts)))
+        if WRITE_ROWS:
+            tl.store(row_src_ptr + row, j, mask=ok)
+            if HAS_W:
+                tl.store(row_w_ptr + row, tl.load(w_ptr + j, mask=ok, other=0.0), mask=ok)
+        over += tl.sum((match & (idx < count) & (row >= rows)).to(tl.int32), axis=0)
+        carry += tl.sum(match.to(tl.int32), axis=0)
+        j0 += BLOCK
+    bad = tl.abs(carry - count) + over
+    if bad > 0:
+        tl.atomic_add(err_ptr, bad)
+    if WRITE_ROWS:
+        hi = tl.where(e == num_experts - 1, rows, tl.minimum(end, rows))
+        _fill_meta(row_src_ptr, row_w_ptr, tl.minimum(start + tl.minimum(carry, count), rows), hi, HAS_W, BLOCK)
+
+
+@triton.jit
+def permute_kernel(src_ptr, pair_row_ptr, out_ptr, counts_ptr, num_src, rows, num_experts, align, num_row_progs,
+                   XW: tl.constexpr, K: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                   BLOCK_E: tl.constexpr, VEC: tl.constexpr):
+    """Programs ``[0, num_row_progs)``: copy every row ``m`` of ``src [M, XW]`` (int32 words) to rows
+    ``pair_row[m, :]`` (>= 0) of ``out [rows, XW]``, reading it once. Program ``num_row_progs + e``: zero
+    expert ``e``'s padding rows."""
+    pid = tl.program_id(0)
+    if pid < num_row_progs:
+        rr = tl.arange(0, ROWS)
+        m0 = pid * ROWS
+        while m0 < num_src:
+            m = (m0 + rr).to(tl.int64)
+            live = m < num_src
+            for c0 in tl.static_range(0, XW, BLOCK):
+                cols = c0 + tl.arange(0, BLOCK)
+                if VEC:
+                    cols = tl.max_contiguous(tl.multiple_of(cols, 4), 4)
+                cm = cols < XW
+                v = tl.load(src_ptr + m[:, None] * XW + cols[None, :], mask=live[:, None] & cm[None, :])
+                for k in range(K):
+                    r = tl.load(pair_row_ptr + m * K + k, mask=live, other=-1).to(tl.int64)
+                    tl.store(out_ptr + r[:, None] * XW + cols[None, :], v, mask=(r >= 0)[:, None] & cm[None, :])
+            m0 += num_row_progs * ROWS
+    else:
+        e = pid - num_row_progs
+        start, count, acount = _segment(counts_ptr, e, num_experts, align, BLOCK_E)
+        lo = tl.minimum(start + count, rows)
+        hi = tl.minimum(start + acount, rows)
+        rr = tl.arange(0, ROWS)
+        r0 = lo
+        while r0 < hi:
+            r = (r0 + rr).to(tl.int64)
+            live = r < hi
+            for c0 in tl.static_range(0, XW, BLOCK):
+                cols = c0 + tl.arange(0, BLOCK)
+                cm = cols < XW
+                tl.store(out_ptr + r[:, None] * XW + cols[None, :], tl.zeros([ROWS, BLOCK], tl.int32),
+                         mask=live[:, None] & cm[None, :])
+            r0 += ROWS
+
+
+@triton.jit
+def expert_reduce_kernel(y_ptr, pair_row_ptr, w_ptr, v_ptr, out_ptr, vout_ptr, num_src, hidden, y_stride,
+                         out_stride, K: tl.constexpr, HAS_W: tl.constexpr, HAS_V: tl.constexpr,
+                         OUT_BF16: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program ``(p, c)``: columns block ``c`` of received tokens ``m = p, p + P, ...``:
+    ``out[m] = cast(sum over k ascending with pair_row[m, k] >= 0 of w[row] * float(y[row]))`` from +0.0
+    (launched without FMA contraction, so each product is rounded before its add); without ``HAS_W`` the
+    rows are added as they are. With ``HAS_V`` the programs of block 0 also gather ``vout[m, k] =
+    v[pair_row[m, k]]`` (0.0 where there is no row)."""
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    cm = cols < hidden
+    kc = tl.arange(0, BLOCK_K)
+    m = tl.program_id(0).to(tl.int64)
+    while m < num_src:
+        acc = tl.zeros([BLOCK], tl.float32)
+        for k in range(K):
+            r = tl.load(pair_row_ptr + m * K + k).to(tl.int64)
+            ok = r >= 0
+            v = tl.load(y_ptr + r * y_stride + cols, mask=cm & ok, other=0.0).to(tl.float32)
+            if HAS_W:
+                v = tl.load(w_ptr + r, mask=ok, other=0.0) * v
+            acc += v  # a masked slot adds +0.0, which leaves acc (never -0.0: it starts at +0.0) unchanged
+        if OUT_BF16:
+            res = f32_to_bf16_rne(acc)
+        else:
+            res = acc.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + m * out_stride + cols, res, mask=cm)
+        if HAS_V:
+            if tl.program_id(1) == 0:
+                rs = tl.load(pair_row_ptr + m * K + kc, mask=kc < K, other=-1)
+                vals = tl.load(v_ptr + rs, mask=rs >= 0, other=0.0)
+                tl.store(vout_ptr + m * K + kc, vals, mask=kc < K)
+        m += tl.num_programs(0)
+
+
+@triton.jit
+def weighted_rows_grad_kernel(g_ptr, y_ptr, w_ptr, row_src_ptr, gy_ptr, gw_ptr, rows, hidden, HAS_DOT: tl.constexpr,
+                              OUT_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    """Backward of ``w[row] * y[row]`` for every row with ``row_src >= 0`` (other rows: zeros):
+    ``gy[row] = cast(w[row] * float(g[row]))`` and, with ``HAS_DOT``, ``gw[row] = <float(g[row]),
+    float(y[row])>`` (float32, summed by blocks of columns)."""
+    row = tl.program_id(0).to(tl.int64)
+    cb = tl.arange(0, BLOCK)
+    while row < rows:
+        valid = tl.load(row_src_ptr + row) >= 0
+        wk = tl.load(w_ptr + row, mask=valid, other=0.0)
+        dot = tl.zeros([BLOCK], tl.float32)
+        c0 = 0
+        while c0 < hidden:
+            cols = c0 + cb
+            cm = cols < hidden
+            g = tl.load(g_ptr + row * hidden + cols, mask=cm & valid, other=0.0).to(tl.float32)
+            gy = wk * g
+            if OUT_BF16:
+                gy_out = f32_to_bf16_rne(gy)
+            else:
+                gy_out = gy.to(gy_ptr.dtype.element_ty)
+            tl.store(gy_ptr + row * hidden + cols, gy_out, mask=cm)
+            if HAS_DOT:
+                dot += g * tl.load(y_ptr + row * hidden + cols, mask=cm & valid, other=0.0).to(tl.float32)
+            c0 += BLOCK
+        if HAS_DOT:
+            tl.store(gw_ptr + row, tl.sum(dot, axis=0))
+        row += tl.num_programs(0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Launchers
+# ---------------------------------------------------------------------------------------------------------
+def _programs(device: torch.device, work: int, per_sm: int = 8) -> int:
+    from .shmem import num_sms
+
+    return max(1, min(work, num_sms(device) * per_sm))
+
+
+def launch_pair_rows(ids: torch.Tensor, counts: torch.Tensor, weights: Optional[torch.Tensor], offs: torch.Tensor,
+                     pair_row: torch.Tensor, row_src: Optional[torch.Tensor], row_w: Optional[torch.Tensor],
+                     err: torch.Tensor, rows: int, align: int) -> None:
+    """``pair_rows_kernel`` over ``ids [M, K]`` (int32/int64, contiguous) with ``counts [E]`` int32; writes
+    ``offs [E]``, ``pair_row [M, K]`` int32, and (when ``row_src`` is given) ``row_src [rows]`` int32 and
+    ``row_w [rows]`` float32 from ``weights [M, K]`` float32; inconsistencies are added to ``err[0]``
+    (int32)."""
+    e = counts.numel()
+    if e == 0:
+        return
+    write = row_src is not None
+    has_w = write and weights is not None
+    launch(pair_rows_kernel, (e,), ids, counts, weights if has_w else counts, offs, pair_row,
+           row_src if write else pair_row, row_w if has_w else counts, err, ids.numel(), rows, e, align,
+           HAS_W=has_w, WRITE_ROWS=write, BLOCK=1024, BLOCK_E=max(16, next_pow2(e)), num_warps=4)
+
+
+def launch_permute(src: torch.Tensor, pair_row: torch.Tensor, out: torch.Tensor, counts: torch.Tensor,
+                   align: int) -> None:
+    """``permute_kernel``: rows of ``src [M, W]`` (any dtype, rows a multiple of 4 bytes) into ``out [rows, W]``
+    (same dtype) at ``pair_row [M, K]``; padding rows of the segments of ``counts`` zeroed."""
+    m, rows = src.size(0), out.size(0)
+    xw = src.size(1) * src.element_size() // 4
+    if rows == 0 or xw == 0:
+        return
+    k = pair_row.size(1)
+    e = counts.numel()
+    rows_per = 4
+    progs = _programs(src.device, cdiv(max(m, 1), rows_per)) if m else 0
+    src_words = src.view(torch.int32) if m else out.view(torch.int32)
+    block = max(16, min(1024, next_pow2(xw)))
+    launch(permute_kernel, (progs + e,), src_words, pair_row, out.view(torch.int32), counts, m, rows, e, align,
+           progs, XW=xw, K=k, ROWS=rows_per, BLOCK=block, BLOCK_E=max(16, next_pow2(e)), VEC=xw % 4 == 0,
+           num_warps=4)
+
+
+def launch_expert_reduce(y: torch.Tensor, pair_row: torch.Tensor, weights: Optional[torch.Tensor],
+                         values: Optional[torch.Tensor], out: torch.Tensor, values_out: Optional[torch.Tensor]) -> None:
+    """``expert_reduce_kernel``: ``out [M, H]`` from ``y [rows, H]`` (unit column stride), ``pair_row [M, K]``,
+    optional row weights ``[rows]`` float32; optional ``values [rows]`` float32 gathered into ``values_out
+    [M, K]``."""
+    m, h = out.shape
+    if m == 0 or h == 0:
+        return
+    k = pair_row.size(1)
+    block = min(1024, next_pow2(h))
+    col_blocks = cdiv(h, block)
+    progs = _programs(out.device, m, per_sm=max(1, 16 // col_blocks))
+    y_in = y if y.size(0) else out  # nothing to read: every pair_row is -1
+    dummy = pair_row
+    launch(expert_reduce_kernel, (progs, col_blocks), y_in, pair_row, weights if weights is not None else dummy,
+           values if values is not None else dummy, out, values_out if values_out is not None else dummy, m, h,
+           y_in.stride(0), out.stride(0), K=k, HAS_W=weights is not None, HAS_V=values_out is not None,
+           OUT_BF16=out.dtype == torch.bfloat16, BLOCK=block, BLOCK_K=max(16, next_pow2(k)),
+           num_warps=4 if block >= 512 else 1, enable_fp_fusion=False)
+
+
+def launch_weighted_rows_grad(g: torch.Tensor, y: Optional[torch.Tensor], weights: torch.Tensor,
+                              row_src: torch.Tensor, grad_y: torch.Tensor, grad_w: Optional[torch.Tensor]) -> None:
+    """``weighted_rows_grad_kernel`` over ``rows`` rows of contiguous ``g``, ``y``, ``grad_y [rows, H]``."""
+    rows, h = g.shape
+    if rows == 0:
+        return
+    block = min(1024, next_pow2(max(h, 1)))
+    dot = y is not None and grad_w is not None
+    launch(weighted_rows_grad_kernel, (_programs(g.device, rows),), g, y if dot else g, weights, row_src, grad_y,
+           grad_w if dot else weights, rows, h, HAS_DOT=dot, OUT_BF16=grad_y.dtype == torch.bfloat16, BLOCK=block,
+           num_warps=4)
