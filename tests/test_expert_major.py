@@ -38,11 +38,12 @@ def test_portable_transport_kernels(monkeypatch):
     _run(2, "alltoall", {}, cases(2)[:3])
 
 
-def test_one_sided_transport(monkeypatch):
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_one_sided_transport(monkeypatch, world_size):
     from epcomm.transports.nvlink import NVLinkTransport
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    _run(2, NVLinkTransport, {"num_nvl_bytes": 1 << 20}, cases(2)[:3])
+    _run(world_size, NVLinkTransport, {"num_nvl_bytes": 1 << 20}, cases(world_size)[:3])
 
 
 def _errors_worker(ctx):

@@ -438,10 +438,11 @@ class GraphCase:
     topk: int = 4
     replays: int = 3
     seed: int = 40
+    expert_major: bool = False  # normal mode with layout="expert_major" (num_worst_tokens: a pairs bound)
 
     def label(self) -> str:
-        return (f"graph {'LL' if self.low_latency else 'normal'} N={self.num_tokens} H={self.hidden} "
-                f"E={self.num_experts} K={self.topk}")
+        kind = "LL" if self.low_latency else "expert-major" if self.expert_major else "normal"
+        return f"graph {kind} N={self.num_tokens} H={self.hidden} E={self.num_experts} K={self.topk}"
 
 
 def check_graph(ctx, buf, case: GraphCase) -> CaseResult:
@@ -456,8 +457,18 @@ def check_graph(ctx, buf, case: GraphCase) -> CaseResult:
     x_s, idx_s, w_s = (t.to(dev).clone() for t in (data[0][rank].x, data[0][rank].topk_idx,
                                                    data[0][rank].topk_weights))
     worst = case.num_tokens * num_ranks
+    e_local = case.num_experts // num_ranks
+    if case.expert_major:
+        worst = case.num_tokens * num_ranks * min(case.topk, e_local)  # every pair a rank can receive
 
     def step():
+        if case.expert_major:
+            per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx_s, case.num_experts)
+            recv_x, offs, row_w, _, handle, _ = buf.dispatch(
+                x_s, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                topk_idx=idx_s, topk_weights=w_s, num_worst_tokens=worst, expert_alignment=8, layout="expert_major")
+            combined, _, _ = buf.combine(recv_x * 2, handle)
+            return recv_x, combined, offs, row_w
         if case.low_latency:
             recv, _, handle, _, _ = buf.low_latency_dispatch(x_s, idx_s, case.num_tokens, case.num_experts,
                                                              use_fp8=False)
@@ -481,7 +492,16 @@ def check_graph(ctx, buf, case: GraphCase) -> CaseResult:
         graph.replay()
         torch.cuda.synchronize()
         xs, idxs, ws = [d.x for d in data[i]], [d.topk_idx for d in data[i]], [d.topk_weights for d in data[i]]
-        if case.low_latency:
+        if case.expert_major:
+            ref = reference.expert_major_dispatch(xs, idxs, case.num_experts, ws, expert_alignment=8)
+            rows = ref[rank].recv_x.size(0)
+            res.expect(f"replay {i} recv_x", outs[0][:rows], ref[rank].recv_x)
+            res.expect(f"replay {i} offsets", outs[2], ref[rank].offsets)
+            res.expect(f"replay {i} row weights", outs[3][:rows], ref[rank].row_weights)
+            ys = [(r.recv_x.float() * 2).to(torch.bfloat16) for r in ref]
+            want = reference.expert_major_combine(ys, ref, [x.size(0) for x in xs], [r.row_weights for r in ref])
+            res.expect(f"replay {i} combined", outs[1], want[rank][0])
+        elif case.low_latency:
             ref = reference.low_latency_dispatch(xs, idxs, case.num_experts, use_fp8=False)
             for e in range(case.num_experts // num_ranks):
                 res.expect(f"replay {i} recv_x[{e}]", outs[0][e, :ref[rank].count[e]], ref[rank].x[e])
