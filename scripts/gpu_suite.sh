@@ -3,7 +3,9 @@
 #
 #   scripts/gpu_suite.sh [stage ...]      (no stage: all of them)
 #
-# Stages: info, tests, bench-dispatch, bench-low-latency, bench-p2p, bench-allgather, demo
+# Stages: info, tests, bench-dispatch, bench-low-latency, bench-p2p, bench-allgather, demo, and (not run by
+# default) bench-layer (the MoE layer on every GPU) and layer-1gpu (the MoE layer on one GPU: one rank, then
+# EPCOMM_RANKS_PER_GPU ranks sharing it; LAYER_ARGS adds arguments to both)
 # Environment: TESTS (paths), TEST_FILTER (a pytest -k expression), PYTEST_ARGS, TEST_TIMEOUT (per test, s),
 # STAGE_TIMEOUT (per stage, s), DISPATCH_ARGS / LL_ARGS (extra benchmark arguments).
 # EPCOMM_RANKS_PER_GPU=N (N > 1; default 4 on a machine with one GPU): up to N ranks share each GPU (tests of
@@ -62,6 +64,8 @@ for stage in "${STAGES[@]}"; do
     bench-low-latency) run_stage bench-low-latency python3 -m epcomm bench low-latency --world-size "$WS" --out "$RES" ${LL_ARGS:-} ;;
     bench-p2p) run_stage bench-p2p python3 -m epcomm bench p2p --world-size "$WS" --out "$RES" ;;
     bench-allgather) run_stage bench-allgather python3 -m epcomm bench allgather --world-size "$WS" --out "$RES" ;;
+    bench-layer) run_stage bench-layer python3 examples/train_moe.py --bench --world-size "$WS" --out "$RES" ${LAYER_ARGS:-} ;;
+    layer-1gpu) run_stage layer-1gpu bash -c "python3 examples/train_moe.py --bench --single-gpu --world-size 1 --out '$RES' ${LAYER_ARGS:-} && if [ $SHARE -gt 1 ]; then python3 examples/train_moe.py --bench --single-gpu --world-size $SHARE --out '$RES' ${LAYER_ARGS:-}; fi" ;;
     demo) run_stage demo python3 -m epcomm demo --world-size "$WS" ;;
     *) echo "unknown stage $stage" | tee -a "$OUT/summary.txt" ;;
   esac
