@@ -123,7 +123,7 @@ def permute_kernel(src_ptr, pair_row_ptr, out_ptr, counts_ptr, num_src, rows, nu
                     cols = tl.max_contiguous(tl.multiple_of(cols, 4), 4)
                 cm = cols < XW
                 v = tl.load(src_ptr + m[:, None] * XW + cols[None, :], mask=live[:, None] & cm[None, :])
-                for k in range(K):
+                for k in tl.static_range(K):
                     r = tl.load(pair_row_ptr + m * K + k, mask=live, other=-1).to(tl.int64)
                     tl.store(out_ptr + r[:, None] * XW + cols[None, :], v, mask=(r >= 0)[:, None] & cm[None, :])
             m0 += num_row_progs * ROWS
@@ -160,7 +160,7 @@ def expert_reduce_kernel(y_ptr, pair_row_ptr, w_ptr, v_ptr, out_ptr, vout_ptr, n
     m = tl.program_id(0).to(tl.int64)
     while m < num_src:
         acc = tl.zeros([BLOCK], tl.float32)
-        for k in range(K):
+        for k in tl.static_range(K):  # unrolled: the K row loads are independent and issue together
             r = tl.load(pair_row_ptr + m * K + k).to(tl.int64)
             ok = r >= 0
             v = tl.load(y_ptr + r * y_stride + cols, mask=cm & ok, other=0.0).to(tl.float32)
