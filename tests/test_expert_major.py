@@ -101,3 +101,16 @@ def _errors_worker(ctx):
 def test_expert_major_errors():
     problems = spawn(_errors_worker, 1, device="cpu", timeout_s=120)[0]
     assert not problems, problems
+
+
+def test_one_sided_transport_strict_and_rounds(monkeypatch):
+    """Bounded local passes (push, then copy-out) and a buffer of a few rows: the expert-major rows arrive in
+    several rounds, placed by the copy-out of each."""
+    from epcomm.transports.nvlink import P2PTransport
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    case_list = [ExpertMajorCase(num_tokens=(9, 4), hidden=64, num_experts=8, topk=3, dtype="bf16", bias=1,
+                                 strict_sms=True, seed=7),
+                 ExpertMajorCase(num_tokens=(3, 10), hidden=128, num_experts=8, topk=2, dtype="fp8",
+                                 routing="dropped", expert_alignment=2, seed=8)]
+    _run(2, P2PTransport, {"num_nvl_bytes": 2 * 3 * (256 + 64)}, case_list)

@@ -18,6 +18,7 @@ CASES = [
                    zero_copy=True, seed=45),
     ExpertMajorCase(num_tokens=(5, 3), hidden=64, num_experts=4, topk=3, dtype="bf16", bias=1, seed=46),
     ExpertMajorCase(num_tokens=4, hidden=128, num_experts=4, topk=2, dtype="fp8", worst=True, seed=47),
+    ExpertMajorCase(num_tokens=(2, 5), hidden=64, num_experts=4, topk=2, dtype="fp32", strict_sms=True, seed=48),
 ]
 
 

@@ -222,12 +222,13 @@ class ExpertMajorCase:
     worst: bool = False
     bias: int = 0
     with_weights: bool = True
+    strict_sms: Optional[bool] = None  # Config.strict_sms of the dispatch
     seed: int = 0
 
     def label(self) -> str:
         return (f"EM N={self.num_tokens} H={self.hidden} E={self.num_experts} K={self.topk} {self.routing} "
                 f"{self.dtype} align={self.expert_alignment} worst={self.worst} bias={self.bias} "
-                f"weights={self.with_weights}")
+                f"weights={self.with_weights}" + (f" strict={self.strict_sms}" if self.strict_sms is not None else ""))
 
 
 def expert_stand_in(rows: torch.Tensor, row_expert: torch.Tensor, rank: int, dtype: torch.dtype) -> torch.Tensor:
@@ -258,10 +259,12 @@ def check_expert_major(ctx, buf, case: ExpertMajorCase) -> CaseResult:
     rows = mine_ref.recv_x.size(0)
     worst = max(max(sum(r.counts) for r in ref), 1) + 3 if case.worst else 0
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(mine.topk_idx, case.num_experts)
+    config = (replace(buf.get_dispatch_config(num_ranks), strict_sms=case.strict_sms)
+              if case.strict_sms is not None else None)
     recv_x, offsets, row_w, per_expert_list, handle, _ = buf.dispatch(
         x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
         topk_idx=mine.topk_idx, topk_weights=mine.topk_weights if case.with_weights else None,
-        expert_alignment=case.expert_alignment, num_worst_tokens=worst, layout="expert_major")
+        expert_alignment=case.expert_alignment, num_worst_tokens=worst, layout="expert_major", config=config)
     total = worst + e_local * (case.expert_alignment - 1) if worst else rows
     got_x, got_s = recv_x if fp8 else (recv_x, None)
     res.expect_eq("handle.layout", handle.layout, "expert_major")

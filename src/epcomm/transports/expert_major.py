@@ -1,7 +1,8 @@
 """The expert-major receive layout and its weighted combine, for every transport.
 
 A transport delivers the received tokens rank-major (one row per token and rank, ``Transport.dispatch``);
-``to_expert_major`` turns that into rows grouped by local expert (one row per (token, local slot), every
+``to_expert_major`` turns that into rows grouped by local expert (the one-sided transports place rows there
+themselves, ``NVLinkTransport.dispatch_expert_major``; they use this module for cached dispatches) (one row per (token, local slot), every
 expert's segment starting at a multiple of ``expert_alignment``, padding rows zero), with the per-row routing
 weights and the int32 segment ends (``torch._grouped_mm``'s ``offs``) on the device: one scan kernel per local
 expert (``pair_rows``) and one permute kernel (``permute``) on GPUs, torch on CPUs without the Triton
