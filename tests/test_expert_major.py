@@ -95,6 +95,12 @@ def _errors_worker(ctx):
     expect("inconsistent num_tokens_per_expert", lambda: buf.dispatch(
         x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=bad, topk_idx=idx,
         layout="expert_major"), EpcommDeviceError, "num_tokens_per_expert")
+    buf2 = Buffer(ctx.group, transport="alltoall")
+    buf2.warmup(16, 4, 2, num_tokens=8, num_worst_tokens=24, layouts=("rank_major", "expert_major"),
+                expert_alignment=8)
+    expect("warmup with an unknown layout", lambda: buf2.warmup(16, 4, 2, num_tokens=8, layouts=("by_rank",)),
+           ValueError, "Buffer.warmup: layouts=")
+    buf2.destroy()
     return problems
 
 

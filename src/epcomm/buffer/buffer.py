@@ -248,7 +248,8 @@ class Buffer:
     def warmup(self, hidden: int, num_experts: int, num_topk: int, num_tokens: int = 0, *,
                dtypes: Sequence = (torch.bfloat16,), num_worst_tokens: int = 0,
                num_max_dispatch_tokens_per_rank: int = 0, use_fp8: Sequence[bool] = (True, False),
-               round_scale: bool = False, use_ue8m0: bool = False) -> None:
+               round_scale: bool = False, use_ue8m0: bool = False, layouts: Sequence[str] = ("rank_major",),
+               expert_alignment: int = 1) -> None:
         """Compile the kernels of a configuration and make its storage before calls of it wait on peers.
         Collective (every rank, the same arguments); not while a CUDA graph is being captured.
 
@@ -265,6 +266,8 @@ class Buffer:
                 or ``"fp8"``), on ``num_tokens`` tokens per rank of synthetic routing; with ``num_worst_tokens``
                 also that dispatch and its combine. They run as calls (their first-call compilation and barrier
                 included); with ``num_nvl_bytes=0`` they also size the one-sided transports' storage.
+            layouts, expert_alignment: the normal-mode calls are made with each ``dispatch`` layout in ``layouts``
+                (``"expert_major"`` adds its kernels, e.g. before capturing its calls in a CUDA graph).
             num_max_dispatch_tokens_per_rank: if > 0 (T), low-latency mode: for each ``use_fp8`` (with
                 ``round_scale``/``use_ue8m0``), the storage for T tokens and every kernel variant (any token
                 count, dispatch and combine, plain and hook), compiled without launching.
@@ -279,13 +282,15 @@ class Buffer:
         check_num_experts(fn, num_experts, self.group_size)
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise EpcommError(f"{fn}: called while a CUDA graph is being captured; warm up before capturing")
+        if any(layout not in LAYOUTS for layout in layouts):
+            raise ValueError(f"{fn}: layouts={tuple(layouts)!r} must hold entries of {LAYOUTS}")
         if num_tokens:
-            for dtype in dtypes:
-                self._warm_normal(hidden, num_experts, num_topk, num_tokens, dtype, 0)
+            for dtype, layout in itertools.product(dtypes, layouts):
+                self._warm_normal(hidden, num_experts, num_topk, num_tokens, dtype, 0, layout, expert_alignment)
                 if num_worst_tokens:  # every row fits: each rank receives at most R * (its tokens) rows
-                    self._warm_normal(hidden, num_experts, num_topk,
-                                      max(1, min(num_tokens, num_worst_tokens // self.group_size)), dtype,
-                                      num_worst_tokens)
+                    per = self.group_size * (num_topk if layout == "expert_major" else 1)  # (or K times that pairs)
+                    self._warm_normal(hidden, num_experts, num_topk, max(1, min(num_tokens, num_worst_tokens // per)),
+                                      dtype, num_worst_tokens, layout, expert_alignment)
         if num_max_dispatch_tokens_per_rank:
             if hidden % GROUP:
                 raise ValueError(f"{fn}: hidden={hidden} must be a multiple of {GROUP} for low-latency mode")
@@ -295,7 +300,8 @@ class Buffer:
         self.check_errors()
         dist.barrier(group=self.group)
 
-    def _warm_normal(self, hidden: int, num_experts: int, num_topk: int, n: int, dtype, worst: int) -> None:
+    def _warm_normal(self, hidden: int, num_experts: int, num_topk: int, n: int, dtype, worst: int,
+                     layout: str = "rank_major", expert_alignment: int = 1) -> None:
         """One layout, dispatch, cached dispatch and combine of zeros with synthetic routing (``Buffer.warmup``)."""
         dev = self.device
         token = torch.arange(n, device=dev).unsqueeze(1) * num_topk + self.rank
@@ -310,8 +316,14 @@ class Buffer:
         per_rank, _, per_expert, in_rank, _ = self.get_dispatch_layout(idx, num_experts)
         recv_x, _, recv_w, _, handle, _ = self.dispatch(
             x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-            topk_idx=idx, topk_weights=weights, num_worst_tokens=worst)
+            topk_idx=idx, topk_weights=weights, num_worst_tokens=worst, layout=layout,
+            expert_alignment=expert_alignment)
         self.dispatch(x, handle=handle)
+        if handle.expert_major:
+            rows = torch.zeros(handle.num_recv_rows, hidden, dtype=out_dtype, device=dev)
+            self.combine(rows, handle, topk_weights=recv_w)
+            self.combine(rows, handle, weighted=False)
+            return
         rows = torch.zeros(handle.num_recv_tokens, hidden, dtype=out_dtype, device=dev)
         self.combine(rows, handle, topk_weights=recv_w)
 
