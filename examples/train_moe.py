@@ -177,11 +177,16 @@ def _bench_layer(ctx, args, cfg, gen, steps: int = 3) -> tuple:
         with torch.no_grad():
             moe(x, mode="normal")
 
-    t_train = time_op(fwd_bwd, ctx.group, dev, iters=args.bench_iters, warmup=3)
+    def fresh_grads():  # as after optimizer.zero_grad(set_to_none=True): the backward writes, never accumulates
+        moe.zero_grad(set_to_none=True)
+        x.grad = None
+
+    t_train = time_op(fwd_bwd, ctx.group, dev, iters=args.bench_iters, warmup=3, setup=fresh_grads)
     t_fwd = time_op(fwd, ctx.group, dev, iters=args.bench_iters, warmup=2)
     moe.timer.reset()
     moe.timer.enabled = True
     for _ in range(steps):
+        fresh_grads()
         fwd_bwd()
     _sync(dev)
     phases = {k: v["mean_ms"] for k, v in moe.timer.summary().items()}
@@ -299,8 +304,9 @@ def write_bench(rows: list, args, world_size: int) -> None:
         columns += [k for k in r if k not in columns]
     rows = [{c: r.get(c, "") for c in columns} for r in rows]
     notes = ("MoE layer (epcomm.layers.MoE): router + dispatch + SwiGLU experts + combine, BF16 on GPUs, normal path "
-             "(`train fwd+bwd`: one layer's forward and backward per step, median over iterations of the slowest "
-             "rank, epcomm.bench.timing), once with the rank-major layout (`rank_major`: the layer sorts, gathers, "
+             "(`train fwd+bwd`: one layer's forward and backward per step, gradients set to None before each as an "
+             "optimizer's zero_grad does, median over iterations of the slowest rank, epcomm.bench.timing), once "
+             "with the rank-major layout (`rank_major`: the layer sorts, gathers, "
              "pads and scatters the (row, expert) pairs around the grouped GEMMs and reduces with an FP32 index_add, "
              "the earlier path) and once expert-major (`expert_major`: the dispatch delivers rows grouped by expert, "
              "the combine weights and reduces them). `*_ms` phases: per-rank CUDA-event means over 3 extra steps "

@@ -594,5 +594,6 @@ def launch_em_round(*, x, scales, topk_idx, topk_weights, itr, pos, first, rows_
     launch(em_push_kernel, (grid,), *push, rows_ptr, t.pidx, bases, area_off, meta_off, hdr_off, arrive_off, epoch,
            counter, t_begin, t_end, cap, rank, world, **shape, TOK=tokens_per_step,
            BLOCK=chunk_block(xw, tokens_per_step), SINGLE_ROUND=single_round, num_warps=PUSH_WARPS, **common)
-    launch(em_copyout_kernel, (grid,), area_rows, meta_rows, hdr, bases, arrive_off, epoch, err, prefix, *outs, num_recv,
-           t.rows, cap, rank, world, timeout, **shape, ROWS=8, BLOCK=1024, USE_TIMER=use_ptx, num_warps=16, **common)
+    launch(em_copyout_kernel, (grid,), area_rows, meta_rows, hdr, bases, arrive_off, epoch, err, prefix, *outs,
+           num_recv, t.rows, cap, rank, world, timeout, **shape, ROWS=8, BLOCK=1024, USE_TIMER=use_ptx, num_warps=16,
+           **common)

@@ -1,14 +1,14 @@
 """The expert-major receive layout and its weighted combine, for every transport.
 
 A transport delivers the received tokens rank-major (one row per token and rank, ``Transport.dispatch``);
-``to_expert_major`` turns that into rows grouped by local expert (the one-sided transports place rows there
-themselves, ``NVLinkTransport.dispatch_expert_major``; they use this module for cached dispatches) (one row per (token, local slot), every
+``to_expert_major`` turns that into rows grouped by local expert (one row per (token, local slot), every
 expert's segment starting at a multiple of ``expert_alignment``, padding rows zero), with the per-row routing
 weights and the int32 segment ends (``torch._grouped_mm``'s ``offs``) on the device: one scan kernel per local
 expert (``pair_rows``) and one permute kernel (``permute``) on GPUs, torch on CPUs without the Triton
-interpreter; no host synchronisation. ``reduce_pairs`` is the local half of the combine: per received token,
-the sum in slot order of its pairs' rows times their weights (float32, cast once to the rows' dtype), which
-then travels back as the rank-major combine's row (so a token's result is, in float32 and rank order, the sum
+interpreter; no host synchronisation. (The one-sided transports place the rows there themselves,
+``NVLinkTransport.dispatch_expert_major``, and use this module for cached dispatches.) ``reduce_pairs`` is
+the local half of the combine: per received token, the sum in slot order of its pairs' rows times their weights
+(float32, cast once to the rows' dtype), which then travels back as the rank-major combine's row (so a token's result is, in float32 and rank order, the sum
 of one such per-rank partial from every rank it went to).
 
 The kernels are in ``epcomm.kernels.expert_major``; the torch versions here are bit-identical to them and are
