@@ -8,8 +8,8 @@ expert (``pair_rows``) and one permute kernel (``permute``) on GPUs, torch on CP
 interpreter; no host synchronisation. (The one-sided transports place the rows there themselves,
 ``NVLinkTransport.dispatch_expert_major``, and use this module for cached dispatches.) ``reduce_pairs`` is
 the local half of the combine: per received token, the sum in slot order of its pairs' rows times their weights
-(float32, cast once to the rows' dtype), which then travels back as the rank-major combine's row (so a token's result is, in float32 and rank order, the sum
-of one such per-rank partial from every rank it went to).
+(float32, cast once to the rows' dtype), which then travels back as the rank-major combine's row (so a token's
+result is, in float32 and rank order, the sum of one such per-rank partial from every rank it went to).
 
 The kernels are in ``epcomm.kernels.expert_major``; the torch versions here are bit-identical to them and are
 what CPUs run without the interpreter.
