@@ -432,6 +432,10 @@ class NVLinkTransport(Transport):
         rounds = state.rounds((xw + mw) * 4, self.area_bytes, self.num_ranks, worst, "Buffer.dispatch")
         grid = self._num_sms(req.config, x.size(0) * (min(self.num_ranks, k) if k else self.num_ranks), (xw + mw) * 4)
         strict = _strict(req)
+        if em is not None and not strict and req.config.num_sms is None:
+            # expert-major: a receiving program stores each row once per local slot, and each copies the stretches
+            # of one sending program: at least enough pushes that the pushes and their receivers fill the GPU
+            grid = max(grid, self.sms // (self.num_ranks + 1) // 2 * 2)
         if not strict:  # streaming: receiving programs copy rows out while the pushes run
             grid = min(grid, PROGRESS_SLOTS)
         if rounds.num_rounds > 1 and self._sized_by_call and self.rank == 0:
