@@ -284,6 +284,7 @@ def test_grouped_gemm_probe_decides_once(caplog):
             probe_grouped_mm(torch.device("cpu"), torch.bfloat16, run=raising(exc))
     assert grouped_mm_unsupported(RuntimeError("Could not run 'aten::_grouped_mm' with arguments from the CPU"))
     assert not grouped_mm_unsupported(RuntimeError("CUDA error: device-side assert triggered (not supported)"))
+    assert grouped_mm_unsupported(RuntimeError("CUDA error: no kernel image is available for execution on the device"))
 
 
 def _order_worker(ctx, dtype):

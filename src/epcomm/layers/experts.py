@@ -47,7 +47,7 @@ def grouped_mm_available() -> bool:
 # What torch says when its build or the GPU has no grouped GEMM for a dtype (checked in message text: torch raises
 # plain RuntimeError / NotImplementedError for these, as for real failures).
 _UNSUPPORTED = ("only supported", "not supported", "is not implemented", "not implemented for", "could not run",
-                "no kernel image", "unsupported")
+                "unsupported")
 
 
 def grouped_mm_unsupported(exc: BaseException) -> bool:
@@ -58,6 +58,8 @@ def grouped_mm_unsupported(exc: BaseException) -> bool:
     if isinstance(exc, NotImplementedError):
         return True
     text = str(exc).lower()
+    if "no kernel image" in text:  # a build without code for this GPU
+        return True
     if "out of memory" in text or "illegal" in text or "device-side assert" in text or "cuda error" in text:
         return False
     return isinstance(exc, RuntimeError) and any(s in text for s in _UNSUPPORTED)
