@@ -5,11 +5,19 @@
     torchrun --nproc-per-node 4 examples/train_moe.py --steps 50  # one process per GPU
     EPCOMM_DEBUG=1 python examples/train_moe.py --world-size 2 --steps 3   # per-forward phase logs
 
-Benchmark (the layer's forward+backward at a DeepSeek-like shape, ``alltoall`` vs the fast path, plus the
-low-latency decode step), results in ``benchmarks/results/moe_layer.{csv,md}``:
+Benchmark (the layer's forward+backward at a DeepSeek-like shape, ``alltoall`` vs the fast path, each with the
+old rank-major and the new expert-major layout side by side, plus the low-latency decode step), results in
+``benchmarks/results/moe_layer.{csv,md}``:
 
     torchrun --nproc-per-node 4 examples/train_moe.py --bench
     python examples/train_moe.py --world-size 4 --bench           # same, spawning the 4 processes
+
+On one GPU (64 local experts, 4096 tokens of top-8 per rank: 32768 pairs, hidden 7168, widths 1024 and 2048;
+results in ``benchmarks/results/moe_layer_1gpu_*``): every expert local, or 2-4 ranks sharing the GPU (run an
+MPS server, as ``scripts/gpu_suite.sh`` does, so that their kernels run at the same time):
+
+    python examples/train_moe.py --bench --single-gpu --world-size 1
+    python examples/train_moe.py --bench --single-gpu --world-size 4   # EPCOMM_RANKS_PER_GPU=4
 
 Data parallelism over the expert-parallel group: every rank trains on its own tokens; the replicated
 parameters (norms, head, router, shared experts) have their gradients summed over the ranks, each expert's
@@ -107,97 +115,216 @@ def train(ctx, args) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ benchmark
+LAYOUTS = ("rank_major", "expert_major")  # old (the layer sorts/gathers/pads/scatters itself) vs new
+
+
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _layer_stats(moe) -> dict:
+    """Sizes of the last normal-mode dispatch on this rank: received tokens M, (token, expert) pairs P, padded
+    pairs P' (each expert's group rounded up to the grouped GEMM's alignment) and the groups' ends."""
+    from epcomm.layers.experts import ALIGN
+
+    h = moe.last_handle
+    counts = h.num_recv_tokens_per_expert.long()
+    aligned = (counts + ALIGN - 1) // ALIGN * ALIGN
+    offs = torch.cumsum(aligned, 0).to(torch.int32)
+    return {"recv_tokens": h.num_recv_tokens, "pairs": int(counts.sum()), "padded_pairs": int(aligned.sum()),
+            "offs": offs}
+
+
+def _gemms_alone(ctx, args, moe, stats, gen) -> dict:
+    """The experts' two grouped GEMMs alone on this rank's group sizes (inputs prepared outside the timing), and
+    dense GEMMs of the same FLOPs: the ceiling the expert phase is measured against."""
+    from epcomm.bench.timing import time_op
+
+    dev, dtype = ctx.device, moe.config.dtype
+    h, f = moe.config.hidden, moe.config.ffn_hidden
+    rows, pairs, offs = stats["padded_pairs"], max(stats["pairs"], 1), stats["offs"]
+    x = torch.randn(rows, h, generator=gen, device=dev).to(dtype)
+    act = torch.randn(rows, f, generator=gen, device=dev).to(dtype)
+    w13t, w2t = moe.w13.detach().transpose(1, 2), moe.w2.detach().transpose(1, 2)
+    out = {}
+    if moe.grouped_gemm:
+        t = time_op(lambda: (torch._grouped_mm(x, w13t, offs=offs), torch._grouped_mm(act, w2t, offs=offs)),
+                    ctx.group, dev, iters=args.bench_iters, warmup=3)
+        out["grouped_gemms_ms"] = round(t.median_us / 1e3, 3)
+    a, b1 = x[:pairs], moe.w13.detach()[0].t().contiguous()
+    c, b2 = act[:pairs], moe.w2.detach()[0].t().contiguous()
+    t = time_op(lambda: (a @ b1, c @ b2), ctx.group, dev, iters=args.bench_iters, warmup=3)
+    out["dense_gemms_ms"] = round(t.median_us / 1e3, 3)
+    return out
+
+
+def _bench_layer(ctx, args, cfg, gen, steps: int = 3) -> tuple:
+    """Forward+backward and forward of one layer (normal path), then per-phase means over ``steps`` more steps;
+    returns (row values, layer, stats)."""
+    from epcomm.bench.timing import time_op
+    from epcomm.layers.timing import expert_gemm_flops, expert_glue_bytes
+
+    dev, dtype = ctx.device, cfg.dtype
+    moe = MoE(cfg, ctx.group, seed=0, max_tokens_per_rank=args.bench_tokens)
+    x = torch.randn(args.bench_tokens, cfg.hidden, generator=gen, device=dev).to(dtype).requires_grad_()
+    grad = torch.randn(args.bench_tokens, cfg.hidden, generator=gen, device=dev).to(dtype)
+
+    def fwd_bwd():
+        moe(x, mode="normal").backward(grad)
+
+    def fwd():
+        with torch.no_grad():
+            moe(x, mode="normal")
+
+    def fresh_grads():  # as after optimizer.zero_grad(set_to_none=True): the backward writes, never accumulates
+        moe.zero_grad(set_to_none=True)
+        x.grad = None
+
+    t_train = time_op(fwd_bwd, ctx.group, dev, iters=args.bench_iters, warmup=3, setup=fresh_grads)
+    t_fwd = time_op(fwd, ctx.group, dev, iters=args.bench_iters, warmup=2)
+    moe.timer.reset()
+    moe.timer.enabled = True
+    for _ in range(steps):
+        fresh_grads()
+        fwd_bwd()
+    _sync(dev)
+    phases = {k: v["mean_ms"] for k, v in moe.timer.summary().items()}
+    moe.timer.enabled = False
+    stats = _layer_stats(moe)
+    flops = expert_gemm_flops(stats["pairs"], cfg.hidden, cfg.ffn_hidden)
+    expert_phase = sum(phases.get(k, 0.0) for k in ("dispatch", "experts", "combine"))
+    values = {"fwd_bwd_ms": round(t_train.median_us / 1e3, 3), "fwd_ms": round(t_fwd.median_us / 1e3, 3),
+              **{f"{k}_ms": round(v, 3) for k, v in phases.items()},
+              "dispatch_experts_combine_ms": round(expert_phase, 3),
+              "experts_tflops": round(flops / (phases.get("experts", float("nan")) * 1e-3) / 1e12, 1),
+              "recv_tokens": stats["recv_tokens"], "pairs": stats["pairs"],
+              "glue_fwd_gb": round(expert_glue_bytes(cfg.normal_layout, stats["pairs"], stats["padded_pairs"],
+                                                     stats["recv_tokens"], cfg.hidden, x.element_size()) / 1e9, 3)}
+    return values, moe, stats
+
+
 def bench(ctx, args) -> list:
     from epcomm.bench.timing import time_graph, time_op
     from epcomm.errors import EpcommError
 
     dev = ctx.device
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    hidden, experts, topk = args.bench_hidden, args.bench_experts, 8
+    hidden, topk = args.bench_hidden, 8
+    experts = args.bench_experts or args.bench_local_experts * ctx.world_size
     rows = []
 
-    def row(kind, transport, **values):
+    def row(kind, transport, ffn, **values):
         rows.append({"measure": kind, "ep_dispatch": transport, "ranks": ctx.world_size, "hidden": hidden,
-                     "experts": experts, "topk": topk, "ffn_hidden": args.bench_ffn, **values})
+                     "experts": experts, "local_experts": experts // ctx.world_size, "topk": topk,
+                     "ffn_hidden": ffn, **values})
 
     gen = torch.Generator(device=dev).manual_seed(100 + ctx.rank)
-    for transport in ("alltoall", "nvlink"):
-        cfg = MoEConfig(hidden=hidden, ffn_hidden=args.bench_ffn, num_experts=experts, topk=topk, dtype=dtype,
-                        ep_dispatch=transport)
-        try:
-            moe = MoE(cfg, ctx.group, seed=0, max_tokens_per_rank=args.bench_tokens)
-        except EpcommError as exc:  # TransportUnavailableError: not registered / not runnable here
-            note = f"unavailable: {str(exc).splitlines()[0][:160]}"
-            row("train fwd+bwd", transport, tokens_per_rank=args.bench_tokens, median_us=float("nan"), note=note)
-            row("decode step", transport, tokens_per_rank=args.decode_tokens, median_us=float("nan"), note=note)
-            continue
-        x = torch.randn(args.bench_tokens, hidden, generator=gen, device=dev).to(dtype).requires_grad_()
-        grad = torch.randn(args.bench_tokens, hidden, generator=gen, device=dev).to(dtype)
-
-        def fwd_bwd():
-            moe(x, mode="normal").backward(grad)
-
-        def fwd():
-            with torch.no_grad():
-                moe(x, mode="normal")
-
-        t_train = time_op(fwd_bwd, ctx.group, dev, iters=args.bench_iters, warmup=3)
-        t_fwd = time_op(fwd, ctx.group, dev, iters=args.bench_iters, warmup=2)
-        moe.timer.enabled = True
-        fwd_bwd()
-        phases = {f"{k}_ms": round(v["mean_ms"], 3) for k, v in moe.timer.summary().items()}
-        moe.timer.enabled = False
-        row("train fwd+bwd", moe.buffer.transport, tokens_per_rank=args.bench_tokens, median_us=t_train.median_us,
-            min_us=t_train.min_us, fwd_median_us=t_fwd.median_us, grouped_gemm=moe.grouped_gemm,
-            note="phases from one extra step", **phases)
-        del moe, x, grad
-        destroy_buffers()
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
-
-        # decode: low-latency path, FP8 dispatch, CUDA graph on GPUs
-        t = args.decode_tokens
-        cfg_ll = MoEConfig(hidden=hidden, ffn_hidden=args.bench_ffn, num_experts=experts, topk=topk, dtype=dtype,
-                           ep_dispatch=transport, low_latency_max_tokens=t, fp8_dispatch=True)
-        moe = MoE(cfg_ll, ctx.group, seed=0, max_tokens_per_rank=t)
-        xd = torch.randn(t, hidden, generator=gen, device=dev).to(dtype)
-
-        def decode():
-            with torch.no_grad():
-                moe(xd, mode="low_latency")
-
-        note = "CUDA graph replay"
-        if dev.type == "cuda":
+    for ffn in [int(v) for v in str(args.bench_ffn).split(",")]:
+        for transport in args.bench_transports.split(","):
+            measured = {}
+            for layout in LAYOUTS:
+                gen.manual_seed(100 + ctx.rank)  # the same tokens (and so the same routing) for both layouts
+                cfg = MoEConfig(hidden=hidden, ffn_hidden=ffn, num_experts=experts, topk=topk, dtype=dtype,
+                                ep_dispatch=transport, normal_layout=layout)
+                try:
+                    values, moe, stats = _bench_layer(ctx, args, cfg, gen)
+                except EpcommError as exc:  # TransportUnavailableError: not registered / not runnable here
+                    row("train fwd+bwd", transport, ffn, layout=layout, tokens_per_rank=args.bench_tokens,
+                        note=f"unavailable: {str(exc).splitlines()[0][:160]}")
+                    break
+                if layout == "expert_major" and dev.type == "cuda":
+                    alone = _gemms_alone(ctx, args, moe, stats, gen)
+                    values.update(alone)
+                    ceiling = alone.get("grouped_gemms_ms")
+                    if ceiling:
+                        values["expert_phase_over_gemms"] = round(values["dispatch_experts_combine_ms"] / ceiling, 2)
+                        measured["ceiling"] = ceiling
+                measured[layout] = values
+                row("train fwd+bwd", moe.buffer.transport, ffn, layout=layout, tokens_per_rank=args.bench_tokens,
+                    grouped_gemm=moe.grouped_gemm, **values)
+                del moe
+                destroy_buffers()
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+            if all(k in measured for k in LAYOUTS):
+                old, new = measured["rank_major"], measured["expert_major"]
+                extra = {}
+                if "ceiling" in measured:
+                    extra["old_expert_phase_over_gemms"] = round(old["dispatch_experts_combine_ms"]
+                                                                 / measured["ceiling"], 2)
+                    extra["old_experts_over_gemms"] = round(old["experts_ms"] / measured["ceiling"], 2)
+                row("new vs old", transport, ffn, layout="expert_major / rank_major",
+                    tokens_per_rank=args.bench_tokens,
+                    fwd_bwd_speedup=round(old["fwd_bwd_ms"] / new["fwd_bwd_ms"], 2),
+                    fwd_speedup=round(old["fwd_ms"] / new["fwd_ms"], 2),
+                    expert_phase_speedup=round(old["dispatch_experts_combine_ms"]
+                                               / new["dispatch_experts_combine_ms"], 2),
+                    glue_bytes_ratio=round(old["glue_fwd_gb"] / max(new["glue_fwd_gb"], 1e-9), 1), **extra)
+            if args.single_gpu or args.no_decode:
+                continue
+            # decode: low-latency path, FP8 dispatch, CUDA graph on GPUs
+            t = args.decode_tokens
+            cfg_ll = MoEConfig(hidden=hidden, ffn_hidden=ffn, num_experts=experts, topk=topk, dtype=dtype,
+                               ep_dispatch=transport, low_latency_max_tokens=t, fp8_dispatch=True)
             try:
-                t_dec = time_graph(decode, ctx.group, dev, iters=max(20, args.bench_iters), warmup=3)
-            except Exception as exc:  # noqa: BLE001 - capture unsupported: time eagerly, say so
-                note = f"eager (graph capture failed: {type(exc).__name__}: {str(exc)[:120]})"
+                moe = MoE(cfg_ll, ctx.group, seed=0, max_tokens_per_rank=t)
+            except EpcommError:
+                continue
+            xd = torch.randn(t, hidden, generator=gen, device=dev).to(dtype)
+
+            def decode():
+                with torch.no_grad():
+                    moe(xd, mode="low_latency")
+
+            note = "CUDA graph replay"
+            if dev.type == "cuda":
+                try:
+                    t_dec = time_graph(decode, ctx.group, dev, iters=max(20, args.bench_iters), warmup=3)
+                except Exception as exc:  # noqa: BLE001 - capture unsupported: time eagerly, say so
+                    note = f"eager (graph capture failed: {type(exc).__name__}: {str(exc)[:120]})"
+                    t_dec = time_op(decode, ctx.group, dev, iters=max(20, args.bench_iters), warmup=3)
+            else:
+                note = "eager (CPU)"
                 t_dec = time_op(decode, ctx.group, dev, iters=max(20, args.bench_iters), warmup=3)
-        else:
-            note = "eager (CPU)"
-            t_dec = time_op(decode, ctx.group, dev, iters=max(20, args.bench_iters), warmup=3)
-        row("decode step", moe.buffer.transport, tokens_per_rank=t, median_us=t_dec.median_us, min_us=t_dec.min_us,
-            grouped_gemm=moe.grouped_gemm, note=note)
-        del moe
-        destroy_buffers()
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+            row("decode step", moe.buffer.transport, ffn, tokens_per_rank=t,
+                fwd_ms=round(t_dec.median_us / 1e3, 3), grouped_gemm=moe.grouped_gemm, note=note)
+            del moe
+            destroy_buffers()
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
     return rows
 
 
-def write_bench(rows: list, args) -> None:
+def write_bench(rows: list, args, world_size: int) -> None:
     from epcomm.bench.report import write_results
 
     columns = []
     for r in rows:
         columns += [k for k in r if k not in columns]
     rows = [{c: r.get(c, "") for c in columns} for r in rows]
-    notes = ("MoE layer (epcomm.layers.MoE): router + dispatch + SwiGLU experts + combine, BF16 on GPUs. "
-             "`train fwd+bwd`: forward and backward of one layer per step, normal path, median over iterations "
-             "of the slowest rank (epcomm.bench.timing). `decode step`: one forward on the low-latency path with "
-             "FP8 dispatch. Expert width reduced from DeepSeek-V3's 2048 to fit comfortably; phases (`*_ms`) are "
-             "per-rank CUDA-event times of one extra step (issue to completion on the compute stream).")
-    paths = write_results(rows, "moe_layer", args.out, "MoE layer: forward+backward and decode step", notes)
+    notes = ("MoE layer (epcomm.layers.MoE): router + dispatch + SwiGLU experts + combine, BF16 on GPUs, normal path "
+             "(`train fwd+bwd`: one layer's forward and backward per step, gradients set to None before each as an "
+             "optimizer's zero_grad does, median over iterations of the slowest rank, epcomm.bench.timing), once "
+             "with the rank-major layout (`rank_major`: the layer sorts, gathers, "
+             "pads and scatters the (row, expert) pairs around the grouped GEMMs and reduces with an FP32 index_add, "
+             "the earlier path) and once expert-major (`expert_major`: the dispatch delivers rows grouped by expert, "
+             "the combine weights and reduces them). `*_ms` phases: per-rank CUDA-event means over 3 extra steps "
+             "(issue to completion on the compute stream); `dispatch_experts_combine_ms`: the expert phase including "
+             "the communication around it (at one rank all of it is local glue); `experts_tflops`: 6 P H F FLOPs "
+             "over the `experts` phase (P pairs on this rank); `grouped_gemms_ms`: the two torch._grouped_mm calls "
+             "alone on the same group sizes, `dense_gemms_ms` dense GEMMs of the same FLOPs; "
+             "`expert_phase_over_gemms`: `dispatch_experts_combine_ms` over `grouped_gemms_ms` (target <= 1.25); "
+             "`glue_fwd_gb`: bytes the forward's glue moves (modelled, epcomm.layers.timing.expert_glue_bytes). "
+             "`new vs old`: ratios of the two rows above it. `decode step`: one forward on the low-latency path "
+             "with FP8 dispatch.")
+    if args.single_gpu:
+        notes += (f" Single-GPU mode: {world_size} rank(s) on one GPU ({args.bench_local_experts} local experts "
+                  f"each); ranks sharing a GPU run under MPS through EPCOMM_RANKS_PER_GPU, so their timings are not "
+                  f"NVLink's.")
+    name = "moe_layer" if not args.single_gpu else f"moe_layer_1gpu_{world_size}rank{'s' if world_size > 1 else ''}"
+    paths = write_results(rows, name, args.out, "MoE layer: forward+backward, old vs new layout, and decode step",
+                          notes)
     print("wrote " + ", ".join(paths))
 
 
@@ -221,8 +348,16 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bench", action="store_true", help="benchmark the layer instead of training")
     p.add_argument("--bench-hidden", type=int, default=7168)
-    p.add_argument("--bench-experts", type=int, default=256)
-    p.add_argument("--bench-ffn", type=int, default=1024, help="expert width in the benchmark")
+    p.add_argument("--bench-experts", type=int, default=None,
+                   help="experts in total (default: 256, or 64 per rank with --single-gpu)")
+    p.add_argument("--bench-local-experts", type=int, default=64, help="experts per rank with --single-gpu")
+    p.add_argument("--bench-ffn", default="1024", help="expert width(s) in the benchmark, comma-separated")
+    p.add_argument("--bench-transports", default=None,
+                   help="comma-separated (default: alltoall,nvlink; nvlink with --single-gpu)")
+    p.add_argument("--single-gpu", action="store_true",
+                   help="benchmark on one GPU: --world-size ranks share it (EPCOMM_RANKS_PER_GPU; 1: all experts "
+                        "local), 64 local experts, expert widths 1024 and 2048")
+    p.add_argument("--no-decode", action="store_true", help="skip the decode-step benchmark")
     p.add_argument("--bench-tokens", type=int, default=4096, help="tokens per rank in the benchmark")
     p.add_argument("--decode-tokens", type=int, default=128, help="tokens per rank per decode step")
     p.add_argument("--bench-iters", type=int, default=10)
@@ -233,9 +368,18 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.bench:
-        results = run(bench, args.world_size, args, device=args.device, timeout_s=1800)
+        if args.single_gpu:
+            if args.world_size > 1:
+                os.environ.setdefault("EPCOMM_RANKS_PER_GPU", str(args.world_size))
+            if args.bench_ffn == "1024":
+                args.bench_ffn = "1024,2048"
+        if args.bench_experts is None and not args.single_gpu:
+            args.bench_experts = 256
+        if args.bench_transports is None:
+            args.bench_transports = "nvlink" if args.single_gpu else "alltoall,nvlink"
+        results = run(bench, args.world_size, args, device=args.device, timeout_s=3600)
         if results and (int(os.environ.get("RANK", "0")) == 0):
-            write_bench(results[0], args)
+            write_bench(results[0], args, int(os.environ.get("WORLD_SIZE", args.world_size)))
         return 0
     if args.dtype is None:
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

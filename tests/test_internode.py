@@ -5,7 +5,7 @@ agreement check of the first call and a rank that never joins the inter-domain l
 import pytest
 
 from epcomm.testing import spawn
-from epcomm.testing.checks import NormalCase, run_cases
+from epcomm.testing.checks import ExpertMajorCase, NormalCase, run_cases
 from epcomm.topology.domains import find_domains
 from test_buffer import low_latency_cases, normal_cases
 
@@ -17,8 +17,13 @@ def _assert_clean(results):
 
 def internode_cases(world_size: int) -> list:
     """The Buffer suite's cases: uneven and empty ranks, FP8, bias, alignment, num_worst_tokens, skewed routing,
-    everything to one expert (domains that receive nothing), -1 slots, a dispatch without top-k ids."""
-    return normal_cases(world_size) + low_latency_cases(world_size)
+    everything to one expert (domains that receive nothing), -1 slots, a dispatch without top-k ids; and the
+    expert-major layout (exact and num_worst_tokens)."""
+    uneven = (0, 9, 23, 5)
+    return normal_cases(world_size) + low_latency_cases(world_size) + [
+        ExpertMajorCase(num_tokens=uneven, hidden=128, num_experts=24, topk=4, dtype="fp8", routing="dropped",
+                        expert_alignment=4, bias=1, seed=41),
+        ExpertMajorCase(num_tokens=17, hidden=40, num_experts=24, topk=5, dtype="fp32", worst=True, seed=42)]
 
 
 def _cases_in_chunks(ctx, cases, local, chunks):

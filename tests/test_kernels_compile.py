@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("triton")
 
 from epcomm.testing import spawn  # noqa: E402
-from epcomm.testing.checks import LowLatencyCase, NormalCase, run_cases  # noqa: E402
+from epcomm.testing.checks import ExpertMajorCase, LowLatencyCase, NormalCase, run_cases  # noqa: E402
 
 CASES = [
     NormalCase(num_tokens=(5, 3), hidden=64, num_experts=4, topk=2, dtype="bf16", bias=2, seed=41),
@@ -16,6 +16,9 @@ CASES = [
     LowLatencyCase(num_tokens=(3, 2), max_tokens=4, hidden=128, num_experts=4, topk=2, seed=44),
     LowLatencyCase(num_tokens=2, max_tokens=3, hidden=256, num_experts=4, topk=2, use_fp8=False, hook=True,
                    zero_copy=True, seed=45),
+    ExpertMajorCase(num_tokens=(5, 3), hidden=64, num_experts=4, topk=3, dtype="bf16", bias=1, seed=46),
+    ExpertMajorCase(num_tokens=4, hidden=128, num_experts=4, topk=2, dtype="fp8", worst=True, seed=47),
+    ExpertMajorCase(num_tokens=(2, 5), hidden=64, num_experts=4, topk=2, dtype="fp32", strict_sms=True, seed=48),
 ]
 
 
@@ -27,7 +30,7 @@ def _record(ctx):
     launches = []
     with record_launches(launches):
         problems = run_cases(ctx, CASES, NVLinkTransport, {"num_nvl_bytes": 1 << 20})
-        problems += run_cases(ctx, CASES[:3], AllToAllTransport, {})
+        problems += run_cases(ctx, CASES[:3] + CASES[5:], AllToAllTransport, {})
     assert not problems, problems
     return launches
 

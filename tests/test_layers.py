@@ -53,6 +53,14 @@ CASES_2 = [
               config=dict(**LL, grouped_gemm=True, fp8_dispatch=True, topk=3), expect_mode="low_latency"),
     LayerCase("bf16 async low latency (receive hook)", dtype="bf16", config=dict(**LL, async_combine=True),
               async_wait=True),
+    LayerCase("rank-major layout (the earlier path), shared", config=dict(normal_layout="rank_major",
+                                                                         num_shared_experts=1)),
+    LayerCase("rank-major layout, fp8, grouped gemm, skewed", routing="skewed",
+              config=dict(normal_layout="rank_major", fp8_dispatch=True, grouped_gemm=True, topk=3)),
+    LayerCase("rank-major layout, bf16, async", dtype="bf16", config=dict(normal_layout="rank_major",
+                                                                         async_combine=True), async_wait=True),
+    LayerCase("expert-major: all top-4 experts on the last rank", routing="one_rank", tokens=(9, 4),
+              config=dict(topk=4, grouped_gemm=True)),
 ]
 
 CASES_4 = [
@@ -120,6 +128,7 @@ BASE = dict(hidden=128, ffn_hidden=64, num_experts=8, topk=2)
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(num_sms=21), "num_sms"),
+    (dict(normal_layout="by_expert"), "normal_layout"),
     (dict(num_sms=0), "num_sms"),
     (dict(ep_dispatch="fastest"), "ep_dispatch"),
     (dict(router="relu"), "router"),
@@ -209,3 +218,116 @@ def test_error_measure_of_per_token_tensors_uses_the_batch():
     assert _rel(None, want, [want, other]) == 2.0 / 20  # a missing tensor counts as zeros
     assert _rel(got[:, :1], want, [want, other]) == float("inf")
     assert _rel(torch.zeros(1, 2), torch.zeros(1, 2), [torch.zeros(3, 2)]) == 0.0
+
+
+# ------------------------------------------------------------------------------------------ hardening
+def _num_sms_worker(ctx):
+    default = MoE(MoEConfig(**BASE, dtype=torch.float32), ctx.group)
+    explicit = MoE(MoEConfig(**BASE, dtype=torch.float32, num_sms=24), ctx.group)
+    return (default.config.num_sms, default._dispatch_config.num_sms, default._combine_config.num_sms,
+            explicit._dispatch_config.num_sms, explicit._combine_config.num_sms)
+
+
+def test_num_sms_defaults_to_the_traffic_model():
+    """``MoEConfig.num_sms`` is None by default (each call's SMs from the traffic model); Megatron's
+    ``--moe-deepep-num-sms`` still maps when given."""
+    assert spawn(_num_sms_worker, 1, device="cpu")[0] == (None, None, None, 24, 24)
+
+
+def _real_error_worker(ctx):
+    """A grouped GEMM that fails for real (a CUDA error, out of memory) propagates, and the layer keeps it."""
+    cfg = MoEConfig(**BASE, dtype=torch.float32, grouped_gemm=True)
+    moe = MoE(cfg, ctx.group)
+    real = torch._grouped_mm
+    seen = []
+    for message in ("CUDA error: an illegal memory access was encountered", "CUDA out of memory. Tried to allocate"):
+        def broken(*args, _m=message, **kwargs):
+            raise RuntimeError(_m)
+
+        torch._grouped_mm = broken
+        try:
+            moe(torch.randn(6, cfg.hidden))
+            seen.append("no error")
+        except RuntimeError as exc:
+            seen.append(str(exc))
+        finally:
+            torch._grouped_mm = real
+    out = moe(torch.randn(6, cfg.hidden))  # still the grouped GEMM, still working
+    return seen, moe.grouped_gemm, tuple(out.shape)
+
+
+def test_real_grouped_gemm_errors_propagate():
+    seen, grouped, shape = spawn(_real_error_worker, 1, device="cpu")[0]
+    assert seen[0].startswith("CUDA error: an illegal memory access") and seen[1].startswith("CUDA out of memory")
+    assert grouped is True and shape == (6, 128)
+
+
+def test_grouped_gemm_probe_decides_once(caplog):
+    """Auto mode runs a tiny grouped GEMM once at construction: 'unsupported' falls back to the loop with a
+    log line; any other error propagates."""
+    from epcomm.layers.experts import grouped_mm_unsupported, probe_grouped_mm
+
+    def raising(exc):
+        def run():
+            raise exc
+        return run
+
+    assert probe_grouped_mm(torch.device("cpu"), torch.float32) == (True, "auto: torch._grouped_mm")
+    with caplog.at_level("WARNING", logger="epcomm.layers"):
+        ok, reason = probe_grouped_mm(torch.device("cpu"), torch.bfloat16,
+                                      run=raising(RuntimeError("grouped gemm is only supported on SM90")))
+    assert not ok and "unsupported" in reason and "run as a loop" in caplog.text
+    assert not probe_grouped_mm(torch.device("cpu"), torch.bfloat16, run=raising(NotImplementedError("x")))[0]
+    for exc in (RuntimeError("CUDA error: an illegal memory access was encountered"),
+                torch.OutOfMemoryError("CUDA out of memory"), RuntimeError("shape mismatch"), ValueError("bad")):
+        with pytest.raises(type(exc)):
+            probe_grouped_mm(torch.device("cpu"), torch.bfloat16, run=raising(exc))
+    assert grouped_mm_unsupported(RuntimeError("Could not run 'aten::_grouped_mm' with arguments from the CPU"))
+    assert not grouped_mm_unsupported(RuntimeError("CUDA error: device-side assert triggered (not supported)"))
+    assert grouped_mm_unsupported(RuntimeError("CUDA error: no kernel image is available for execution on the device"))
+
+
+def _order_worker(ctx, dtype):
+    """The normal path's result is the reference expert-major combine of the layer's own expert outputs, bit for
+    bit: the per-token reduction has one fixed order (no index_add, nothing that depends on timing)."""
+    import torch.distributed as dist
+
+    from epcomm import reference
+    import epcomm.layers.moe as moe_module
+    from epcomm.testing.routing import make_topk
+
+    cfg = MoEConfig(hidden=64, ffn_hidden=32, num_experts=4 * ctx.world_size, topk=4, dtype=dtype)
+    counts = [7, 11][:ctx.world_size] if ctx.world_size > 1 else [13]
+    gen = torch.Generator().manual_seed(5)
+    xs = [torch.randn(n, cfg.hidden, generator=gen).to(dtype) for n in counts]
+    # every token's 4 experts on as few ranks as possible: several pairs of a token on one rank
+    idxs = [make_topk(n, cfg.num_experts, cfg.topk, "skewed", generator=gen) for n in counts]
+    ws = [torch.rand(n, cfg.topk, generator=gen) + 0.1 for n in counts]
+    moe = MoE(cfg, ctx.group, seed=3)
+    recorded = []
+    original = moe_module.expert_major_experts
+
+    def record(*args, **kwargs):
+        recorded.append(original(*args, **kwargs))
+        return recorded[-1]
+
+    moe_module.expert_major_experts = record
+    try:
+        with torch.no_grad():
+            out = moe(xs[ctx.rank], idxs[ctx.rank], ws[ctx.rank])
+            again = moe(xs[ctx.rank], idxs[ctx.rank], ws[ctx.rank])
+    finally:
+        moe_module.expert_major_experts = original
+    ys = [None] * ctx.world_size
+    dist.all_gather_object(ys, recorded[0])
+    ref = reference.expert_major_dispatch(xs, idxs, cfg.num_experts, ws, expert_alignment=8)
+    want = reference.expert_major_combine(ys, ref, counts, [r.row_weights for r in ref])[ctx.rank][0]
+    from epcomm.testing.checks import same_bits
+
+    return same_bits(out, want), same_bits(again, out), float((out.float() - want.float()).abs().max())
+
+
+@pytest.mark.parametrize("world_size,dtype", [(1, torch.bfloat16), (2, torch.float32), (2, torch.bfloat16)])
+def test_normal_path_reduces_in_a_fixed_order(world_size, dtype):
+    for exact, repeat, diff in spawn(_order_worker, world_size, dtype, device="cpu"):
+        assert exact and repeat, f"max difference {diff}"

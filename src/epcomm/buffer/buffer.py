@@ -13,7 +13,7 @@ from ..core.config import Config
 from ..core.device import default_device
 from ..core.handles import DispatchHandle, LowLatencyHandle
 from ..core.layout import get_low_latency_rdma_size_hint as _ll_size_hint
-from ..core.layout import get_normal_buffer_size_hint
+from ..core.layout import LAYOUTS, get_normal_buffer_size_hint
 from ..core.validate import check_expert_stats, check_num_experts, check_topk, split_x
 from ..errors import EpcommDeviceError, EpcommError, EpcommTimeoutError
 from ..fp8 import FP8_DTYPE, GROUP
@@ -284,7 +284,8 @@ class Buffer:
     def warmup(self, hidden: int, num_experts: int, num_topk: int, num_tokens: int = 0, *,
                dtypes: Sequence = (torch.bfloat16,), num_worst_tokens: int = 0,
                num_max_dispatch_tokens_per_rank: int = 0, use_fp8: Sequence[bool] = (True, False),
-               round_scale: bool = False, use_ue8m0: bool = False) -> None:
+               round_scale: bool = False, use_ue8m0: bool = False, layouts: Sequence[str] = ("rank_major",),
+               expert_alignment: int = 1) -> None:
         """Compile the kernels of a configuration and make its storage before calls of it wait on peers.
         Collective (every rank, the same arguments); not while a CUDA graph is being captured.
 
@@ -301,6 +302,8 @@ class Buffer:
                 or ``"fp8"``), on ``num_tokens`` tokens per rank of synthetic routing; with ``num_worst_tokens``
                 also that dispatch and its combine. They run as calls (their first-call compilation and barrier
                 included); with ``num_nvl_bytes=0`` they also size the one-sided transports' storage.
+            layouts, expert_alignment: the normal-mode calls are made with each ``dispatch`` layout in ``layouts``
+                (``"expert_major"`` adds its kernels, e.g. before capturing its calls in a CUDA graph).
             num_max_dispatch_tokens_per_rank: if > 0 (T), low-latency mode: for each ``use_fp8`` (with
                 ``round_scale``/``use_ue8m0``), the storage for T tokens and every kernel variant (any token
                 count, dispatch and combine, plain and hook), compiled without launching.
@@ -315,13 +318,15 @@ class Buffer:
         check_num_experts(fn, num_experts, self.group_size)
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise EpcommError(f"{fn}: called while a CUDA graph is being captured; warm up before capturing")
+        if any(layout not in LAYOUTS for layout in layouts):
+            raise ValueError(f"{fn}: layouts={tuple(layouts)!r} must hold entries of {LAYOUTS}")
         if num_tokens:
-            for dtype in dtypes:
-                self._warm_normal(hidden, num_experts, num_topk, num_tokens, dtype, 0)
+            for dtype, layout in itertools.product(dtypes, layouts):
+                self._warm_normal(hidden, num_experts, num_topk, num_tokens, dtype, 0, layout, expert_alignment)
                 if num_worst_tokens:  # every row fits: each rank receives at most R * (its tokens) rows
-                    self._warm_normal(hidden, num_experts, num_topk,
-                                      max(1, min(num_tokens, num_worst_tokens // self.group_size)), dtype,
-                                      num_worst_tokens)
+                    per = self.group_size * (num_topk if layout == "expert_major" else 1)  # (or K times that pairs)
+                    self._warm_normal(hidden, num_experts, num_topk, max(1, min(num_tokens, num_worst_tokens // per)),
+                                      dtype, num_worst_tokens, layout, expert_alignment)
         if num_max_dispatch_tokens_per_rank:
             if hidden % GROUP:
                 raise ValueError(f"{fn}: hidden={hidden} must be a multiple of {GROUP} for low-latency mode")
@@ -331,7 +336,8 @@ class Buffer:
         self.check_errors()
         dist.barrier(group=self.group)
 
-    def _warm_normal(self, hidden: int, num_experts: int, num_topk: int, n: int, dtype, worst: int) -> None:
+    def _warm_normal(self, hidden: int, num_experts: int, num_topk: int, n: int, dtype, worst: int,
+                     layout: str = "rank_major", expert_alignment: int = 1) -> None:
         """One layout, dispatch, cached dispatch and combine of zeros with synthetic routing (``Buffer.warmup``)."""
         dev = self.device
         token = torch.arange(n, device=dev).unsqueeze(1) * num_topk + self.rank
@@ -346,8 +352,14 @@ class Buffer:
         per_rank, _, per_expert, in_rank, _ = self.get_dispatch_layout(idx, num_experts)
         recv_x, _, recv_w, _, handle, _ = self.dispatch(
             x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-            topk_idx=idx, topk_weights=weights, num_worst_tokens=worst)
+            topk_idx=idx, topk_weights=weights, num_worst_tokens=worst, layout=layout,
+            expert_alignment=expert_alignment)
         self.dispatch(x, handle=handle)
+        if handle.expert_major:
+            rows = torch.zeros(handle.num_recv_rows, hidden, dtype=out_dtype, device=dev)
+            self.combine(rows, handle, topk_weights=recv_w)
+            self.combine(rows, handle, weighted=False)
+            return
         rows = torch.zeros(handle.num_recv_tokens, hidden, dtype=out_dtype, device=dev)
         self.combine(rows, handle, topk_weights=recv_w)
 
@@ -392,7 +404,7 @@ class Buffer:
                  expert_alignment: int = 1, num_worst_tokens: int = 0, config: Optional[Config] = None,
                  previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
                  allocate_on_comm_stream: bool = False, *,
-                 cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None):
+                 cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None, layout: Optional[str] = None):
         """Send every token to each rank that holds one of its experts (once per rank).
 
         Arguments:
@@ -414,6 +426,9 @@ class Buffer:
             cumulative_local_expert_recv_stats: optional ``[E_local]`` int32 tensor on the Buffer's device; the
                 call adds the (token, local expert) pairs it receives per local expert (not aligned) to it, on
                 the device, in stream order (no host synchronisation; CUDA-graph capturable).
+            layout: ``"rank_major"`` (None, the default: DeepEP's layout, described below) or ``"expert_major"``:
+                rows grouped by local expert, ready for a grouped GEMM (needs ``topk_idx``; a cached dispatch
+                takes its handle's layout). See "Expert-major layout" below.
 
         Returns:
             recv_x: ``[M, hidden]`` like ``x`` (a pair for FP8, scales ``[M, hidden / 128]`` row-major),
@@ -424,6 +439,26 @@ class Buffer:
             num_recv_tokens_per_expert_list: Python list ``[E_local]`` of received (token, expert) counts,
                 aligned, as ``num_tokens_per_expert`` counts them (empty without it; None in cached mode).
             handle: DispatchHandle (None in cached mode, as in DeepEP).
+            event: EventOverlap.
+
+        Expert-major layout (``layout="expert_major"``): one row per received (token, slot) whose expert is on
+        this rank, grouped by local expert: expert ``e``'s segment starts at a multiple of
+        ``expert_alignment`` (A; 8 suits ``torch._grouped_mm`` with bf16), holds its pairs ordered by source
+        rank, then source token, then slot, and is followed by zero rows up to the next segment (padding).
+        ``num_worst_tokens`` (W) then bounds the received (token, local expert) pairs, and every output has
+        ``W + E_local * (A - 1)`` rows (rows past the last segment are unspecified and never read); otherwise
+        ``sum over e of align(count_e, A)`` rows. The one-sided transports or a permute kernel after the
+        portable transport's all_to_all put the rows there (no host synchronisation beyond the rank-major
+        dispatch's). The returned tuple is then:
+            recv_x: ``[rows, hidden]`` (FP8: the pair, scales ``[rows, hidden / 128]``), as above.
+            recv_expert_offsets: ``[E_local]`` int32 on the device, each segment's end row (aligned,
+                cumulative): ``torch._grouped_mm(recv_x, w, offs=recv_expert_offsets)``.
+            recv_row_weights: ``[rows]`` float32, each row's routing weight (0 on padding; None without
+                ``topk_weights``).
+            num_recv_tokens_per_expert_list: as above (aligned pair counts; empty with ``num_worst_tokens``).
+            handle: DispatchHandle with ``layout == "expert_major"`` (``expert_offsets``, ``recv_pair_row``,
+                ``recv_row_src``, ``recv_row_weights``); its combine takes the rows back (``combine``) and a
+                cached dispatch with it returns expert-major rows.
             event: EventOverlap.
         """
         fn = "Buffer.dispatch"
@@ -443,6 +478,9 @@ class Buffer:
             raise ValueError(f"{fn}: expert_alignment={expert_alignment!r} must be an integer >= 1")
         if not isinstance(num_worst_tokens, int) or num_worst_tokens < 0:
             raise ValueError(f"{fn}: num_worst_tokens={num_worst_tokens!r} must be an integer >= 0")
+        if layout is not None and layout not in LAYOUTS:
+            raise ValueError(f"{fn}: layout={layout!r} must be one of {LAYOUTS} (None: 'rank_major', or the handle's "
+                             f"layout in cached mode)")
         config = config or self.get_dispatch_config(self.group_size)
         bad = None
         num_experts = self.group_size
@@ -453,8 +491,16 @@ class Buffer:
                                  f"handle already holds the layout")
             if n != handle.num_tokens:
                 raise ValueError(f"{fn}: x has {n} tokens but the handle was made for {handle.num_tokens}")
+            if layout is not None and layout != handle.layout:
+                raise ValueError(f"{fn}: layout={layout!r} but the handle was made with layout={handle.layout!r}; a "
+                                 f"cached dispatch returns its handle's layout (pass layout=None)")
             num_experts = handle.num_experts
+            expert_major = handle.expert_major
         else:
+            expert_major = layout == "expert_major"
+            if expert_major and topk_idx is None:
+                raise ValueError(f"{fn}: layout='expert_major' groups rows by expert: pass topk_idx (and "
+                                 f"num_tokens_per_expert, from get_dispatch_layout)")
             if num_tokens_per_rank is None or is_token_in_rank is None:
                 raise ValueError(f"{fn}: without a handle, num_tokens_per_rank and is_token_in_rank are required; "
                                  f"get them from Buffer.get_dispatch_layout(topk_idx, num_experts)")
@@ -477,13 +523,14 @@ class Buffer:
         scope = self._scope(previous_event, async_finish, allocate_on_comm_stream)
         req = DispatchRequest(data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
                               num_tokens_per_expert, num_experts, expert_alignment, num_worst_tokens, handle,
-                              config, bad, overlapped=scope.comm_stream is not None)
+                              config, bad, overlapped=scope.comm_stream is not None,
+                              layout="expert_major" if expert_major else "rank_major")
         stats = cumulative_local_expert_recv_stats
         if stats is not None:
             check_expert_stats(fn, stats, num_experts // self.group_size, self.device)
 
         def run():
-            res = self.runtime.dispatch(req)
+            res = self.runtime.dispatch_expert_major(req) if expert_major else self.runtime.dispatch(req)
             if stats is not None:
                 stats.add_(res.handle.num_recv_tokens_per_expert)
             return res
@@ -500,7 +547,8 @@ class Buffer:
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[torch.Tensor, Sequence[torch.Tensor], None] = None, config: Optional[Config] = None,
                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
-                allocate_on_comm_stream: bool = False):
+                allocate_on_comm_stream: bool = False, *, row_weights: Optional[torch.Tensor] = None,
+                weighted: bool = True):
         """Send every received row back to its source rank and sum per token (the reverse of ``dispatch``).
 
         Arguments:
@@ -514,20 +562,56 @@ class Buffer:
                 sent back for it, plus the biases, cast once.
             combined_topk_weights: ``[N, K]`` float32 or None.
             event: EventOverlap.
+
+        With an expert-major handle (``dispatch(..., layout="expert_major")``) the combine is weighted:
+            x: ``[rows, hidden]`` expert-major rows (the expert outputs of the dispatched rows; padding rows and
+                rows past the last segment are never read).
+            topk_weights: optional ``[rows]`` float32 per-row values, each returned to its (token, slot):
+                ``combined_topk_weights[t, k]`` (0.0 for slots without a row; e.g. gradients of the row weights).
+            row_weights (keyword): ``[rows]`` float32 weight of every row; None: the routing weights the
+                dispatch delivered (``handle.recv_row_weights``; unweighted when it had no ``topk_weights``).
+            weighted (keyword): False sums the rows as they are (e.g. the gradients of the dispatched rows).
+            The result is, per token, the float32 sum in rank order of one partial per rank it went to, plus the
+            biases, cast once; a rank's partial is the float32 sum, in slot order from +0.0, of ``row_weight *
+            float(x[row])`` (each product rounded to float32 first) over the token's rows there, cast once to
+            ``x.dtype`` (the row that travels back, as in DeepEP). ``epcomm.reference.expert_major_combine``
+            models it bit for bit, so the result does not depend on timing or transport.
         """
         fn = "Buffer.combine"
         self._alive(fn)
         self._own(fn, handle, DispatchHandle)
+        rows = handle.num_recv_rows if handle.expert_major else handle.num_recv_tokens
         if not isinstance(x, torch.Tensor) or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise TypeError(f"{fn}: x must be a bf16, fp16 or fp32 tensor [num_recv_tokens, hidden]; got "
                             f"{getattr(x, 'dtype', type(x).__name__)}")
-        if x.dim() != 2 or x.size(0) != handle.num_recv_tokens:
-            raise ValueError(f"{fn}: x must be [{handle.num_recv_tokens}, hidden] (one row per dispatched row); "
-                             f"got {tuple(x.shape)}")
+        if x.dim() != 2 or x.size(0) != rows:
+            what = "expert-major row" if handle.expert_major else "dispatched row"
+            raise ValueError(f"{fn}: x must be [{rows}, hidden] (one row per {what}); got {tuple(x.shape)}")
         if x.device != self.device:
             raise ValueError(f"{fn}: x is on {x.device}, this Buffer communicates on {self.device}")
-        if topk_weights is not None and (topk_weights.dtype != torch.float32 or topk_weights.dim() != 2
-                                         or topk_weights.size(0) != x.size(0)):
+        if handle.expert_major:
+            if topk_weights is not None and (topk_weights.dtype != torch.float32 or topk_weights.shape != (rows,)
+                                             or topk_weights.device != self.device):
+                raise ValueError(f"{fn}: with an expert-major handle topk_weights must be float32 [{rows}] (one value "
+                                 f"per row) on {self.device}; got {topk_weights.dtype} {tuple(topk_weights.shape)}")
+            if row_weights is not None and (not isinstance(row_weights, torch.Tensor)
+                                            or row_weights.dtype != torch.float32 or row_weights.shape != (rows,)
+                                            or row_weights.device != self.device):
+                raise ValueError(f"{fn}: row_weights must be float32 [{rows}] (one weight per expert-major row) on "
+                                 f"{self.device}; got {getattr(row_weights, 'dtype', type(row_weights).__name__)} "
+                                 f"{tuple(getattr(row_weights, 'shape', ()))}")
+            if not weighted and row_weights is not None:
+                raise ValueError(f"{fn}: weighted=False sums the rows unweighted; do not pass row_weights too")
+            if weighted and row_weights is None:
+                row_weights = handle.recv_row_weights
+            row_weights = row_weights.contiguous() if weighted and row_weights is not None else None
+            if topk_weights is not None:
+                topk_weights = topk_weights.contiguous()
+        elif row_weights is not None or not weighted:
+            raise ValueError(f"{fn}: row_weights and weighted apply to expert-major handles only (dispatch with "
+                             f"layout='expert_major'); this handle is rank-major")
+        elif topk_weights is not None and (topk_weights.dtype != torch.float32 or topk_weights.dim() != 2
+                                           or topk_weights.size(0) != x.size(0)):
             raise ValueError(f"{fn}: topk_weights must be float32 [{x.size(0)}, num_topk]; got "
                              f"{topk_weights.dtype} {tuple(topk_weights.shape)}")
         biases = () if bias is None else (bias,) if isinstance(bias, torch.Tensor) else tuple(bias)
@@ -538,9 +622,10 @@ class Buffer:
         scope = self._scope(previous_event, async_finish, allocate_on_comm_stream)
         req = CombineRequest(x.contiguous(), handle, topk_weights, biases,
                              config or self.get_combine_config(self.group_size),
-                             overlapped=scope.comm_stream is not None)
-        (combined, combined_w), event = self._call(fn, scope, lambda: self.runtime.combine(req), lambda r: r,
-                                                   (x, topk_weights, biases))
+                             overlapped=scope.comm_stream is not None, row_weights=row_weights)
+        run = self.runtime.combine_expert_major if handle.expert_major else self.runtime.combine
+        (combined, combined_w), event = self._call(fn, scope, lambda: run(req), lambda r: r,
+                                                   (x, topk_weights, biases, row_weights))
         return combined, combined_w, event
 
     # ------------------------------------------------------------------ low-latency mode

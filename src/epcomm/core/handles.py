@@ -26,6 +26,23 @@ class DispatchHandle:
         num_recv_tokens_per_expert: ``[E_local]`` int32 on the device, not aligned.
         recv_src_rank, recv_src_idx: ``[M]`` int32, source rank and source token of every received row
             (-1 on padding rows past the real count).
+    Expert-major receive (``layout == "expert_major"``, ``Buffer.dispatch(..., layout="expert_major")``); the
+    fields above still describe the received tokens (rank-major, one per token and rank), these the rows:
+        expert_alignment: A, every expert's segment starts at a multiple of it.
+        num_recv_rows: rows of the expert-major ``recv_x`` (``sum of align(count_e, A)``, or with
+            ``num_worst_tokens`` W: ``W + E_local * (A - 1)``).
+        num_topk: K of the dispatch.
+        expert_offsets: ``[E_local]`` int32 on the device, the end row of every expert's segment (aligned,
+            cumulative): the ``offs`` of ``torch._grouped_mm``; expert e's rows are ``offsets[e-1] ..
+            offsets[e] - 1`` (``offsets[-1] = 0``), its first ``num_recv_tokens_per_expert[e]`` real, the rest
+            zero padding.
+        recv_pair_row: ``[M, K]`` int32, the expert-major row of every (received token, slot), -1 where the
+            slot's expert is on another rank (or the slot is -1).
+        recv_row_src: ``[num_recv_rows]`` int32, ``m * K + k`` of every row (received token m, slot k), -1 on
+            padding rows.
+        recv_row_weights: ``[num_recv_rows]`` float32 routing weight of every row (0 on padding), or None
+            when the dispatch had no ``topk_weights``: the weights an expert-major combine applies by
+            default.
     Transport-private state is in ``state``.
     """
 
@@ -44,6 +61,18 @@ class DispatchHandle:
     recv_src_idx: torch.Tensor
     num_worst_tokens: int = 0
     state: Any = field(default=None, repr=False)
+    layout: str = "rank_major"
+    expert_alignment: int = 1
+    num_recv_rows: int = 0
+    num_topk: int = 0
+    expert_offsets: Optional[torch.Tensor] = field(default=None, repr=False)
+    recv_pair_row: Optional[torch.Tensor] = field(default=None, repr=False)
+    recv_row_src: Optional[torch.Tensor] = field(default=None, repr=False)
+    recv_row_weights: Optional[torch.Tensor] = field(default=None, repr=False)
+
+    @property
+    def expert_major(self) -> bool:
+        return self.layout == "expert_major"
 
 
 @dataclass(frozen=True, eq=False)

@@ -24,6 +24,15 @@ def compute_dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks:
     return in_rank.sum(0, dtype=torch.int32), per_expert[:num_experts], in_rank
 
 
+LAYOUTS = ("rank_major", "expert_major")
+
+
+def expert_major_rows(num_worst_tokens: int, num_local_experts: int, expert_alignment: int) -> int:
+    """Rows of an expert-major receive with ``num_worst_tokens`` (W): at most W (token, local expert) pairs, and
+    each of the ``E_local`` segments padded by at most ``A - 1`` rows: ``W + E_local * (A - 1)``."""
+    return num_worst_tokens + num_local_experts * (expert_alignment - 1)
+
+
 def count_bad_topk(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Number of entries of ``topk_idx`` outside ``[-1, num_experts)`` (a device scalar, int32)."""
     return ((topk_idx < -1) | (topk_idx >= num_experts)).sum(dtype=torch.int32)

@@ -255,13 +255,15 @@ def _push_tokens(pid, nprog, x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr
                  R_POW2: tl.constexpr, TOK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
                  BLOCK_K: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr,
                  SINGLE_ROUND: tl.constexpr, VEC: tl.constexpr, USE_PTX: tl.constexpr, PMAX: tl.constexpr,
-                 SIG: tl.constexpr):
+                 SIG: tl.constexpr, pidx_ptr=None, HAS_PIDX: tl.constexpr = False):
     """Program ``pid`` of ``nprog`` pushes its contiguous range of tokens ``[t_begin, t_end)``, ``TOK`` at a
     time: reads each row once and stores it, with its record, into every destination it goes to, at row
     ``rank * cap + pos[t, r] - first[r]`` of that destination's area. ``SIG > 0`` (streaming dispatch) also
     reports progress to every destination: first ``begin = tag | pos[lo, r]``, then every ``SIG`` steps and
     at the end ``end = tag | pos past the tokens pushed so far`` (bit 31 set on the last), each after a
-    fence so that it publishes the rows before it (program 0 also announces ``nprog`` and ``first``)."""
+    fence so that it publishes the rows before it (program 0 also announces ``nprog`` and ``first``).
+    ``HAS_PIDX`` (expert-major dispatch, ``epcomm.kernels.expert_major``): records end with K more words,
+    ``pidx [N, K]`` int32 (each pair's index among this rank's pairs of its expert)."""
     per = tl.cdiv(tl.cdiv(t_end - t_begin, nprog), TOK) * TOK
     lo = t_begin + pid * per
     hi = tl.minimum(lo + per, t_end)
@@ -306,6 +308,8 @@ def _push_tokens(pid, nprog, x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr
             idx = tl.load(topk_ptr + t[:, None] * K + kc[None, :], mask=km, other=-1).to(tl.int32)
             if HAS_W:
                 wv = tl.load(w_ptr + t[:, None] * K + kc[None, :], mask=km, other=0.0)
+            if HAS_PIDX:
+                pv = tl.load(pidx_ptr + t[:, None] * K + kc[None, :], mask=km, other=-1)
         for r in tl.static_range(R):
             go, a = _dest_row(itr_ptr, pos_ptr, first_ptr, t, live, r, rank, cap, R, SINGLE_ROUND)
             rec = (tl.load(bases_ptr + r) + meta_off + a * (W * 4)).to(tl.pointer_type(tl.int32))
@@ -321,6 +325,11 @@ def _push_tokens(pid, nprog, x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr
                 if HAS_W:
                     wr = tl.where(mine, wv, 0.0).to(tl.int32, bitcast=True)
                     tl.store(rec[:, None] + 2 + NS + K + kc[None, :], wr, mask=gm)
+                if HAS_PIDX:  # expert-major: the pair indices after the weights
+                    poff = 2 + NS + K
+                    if HAS_W:
+                        poff += K
+                    tl.store(rec[:, None] + poff + kc[None, :], pv, mask=gm)
         t0 += TOK
         steps += 1
         if SIG > 0:
@@ -647,9 +656,10 @@ def chunk_block(words: int, tokens_per_step: int, tile: int = 16384) -> int:
     return max(256, min(next_pow2(max(words, 1)), tile // max(tokens_per_step, 1)))
 
 
-def record_words(num_scales: int, num_topk: int, has_weights: bool) -> int:
-    """int32 words of one record: source token, source rank, scales, local top-k ids, weights."""
-    return 2 + num_scales + num_topk + (num_topk if has_weights else 0)
+def record_words(num_scales: int, num_topk: int, has_weights: bool, has_pidx: bool = False) -> int:
+    """int32 words of one record: source token, source rank, scales, local top-k ids, weights (and, for an
+    expert-major dispatch, the pairs' indices)."""
+    return 2 + num_scales + num_topk + (num_topk if has_weights else 0) + (num_topk if has_pidx else 0)
 
 
 def launch_layout(topk_idx, num_experts: int, num_ranks: int, per_rank, per_expert, itr) -> None:

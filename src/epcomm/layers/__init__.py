@@ -9,8 +9,10 @@
     y = fut.wait()
 
 One forward: router (float32 logits, softmax or sigmoid, top-k, optional normalisation) -> dispatch
-(``Buffer.dispatch``, or ``low_latency_dispatch`` for small batches) -> local SwiGLU experts
-(``torch._grouped_mm`` or a loop) -> combine -> plus shared experts. Dispatch and combine are
+(``Buffer.dispatch(..., layout="expert_major")``: rows arrive grouped by local expert, ready for the grouped
+GEMM; or ``low_latency_dispatch`` for small batches) -> local SwiGLU experts (``torch._grouped_mm`` or a loop)
+-> combine (weighted by the routing weights, each token's rows reduced in a fixed order: deterministic) -> plus
+shared experts. Dispatch and combine are
 ``torch.autograd.Function``s whose backwards are the opposite communication with the same handle, so the
 layer trains, with ``torch.utils.checkpoint`` too; gradients reach the router through the routing weights.
 
@@ -21,7 +23,8 @@ Megatron-LM (Megatron-Core ``TransformerConfig`` / command line):
 * ``--moe-token-dispatcher-type alltoall`` -> ``ep_dispatch="alltoall"``.
 * ``--moe-token-dispatcher-type flex --moe-enable-deepep`` (``moe_flex_dispatcher_backend="deepep"``)
   -> ``ep_dispatch="deepep"`` (an alias of ``"nvlink"``, the fast one-sided path).
-* ``--moe-deepep-num-sms`` (default 20) -> ``num_sms`` (must be even).
+* ``--moe-deepep-num-sms`` (Megatron's default 20) -> ``num_sms`` (must be even) when given explicitly;
+  ``MoEConfig.num_sms`` defaults to None, epcomm's traffic model per call (24-40 SMs at DeepSeek sizes).
 * ``--moe-router-topk``, ``--moe-router-score-function softmax|sigmoid`` -> ``topk``, ``router``;
   ``normalize_topk`` as the model does (Mixtral, DeepSeek-V3: True; Qwen-MoE: its ``norm_topk_prob``).
   ``--moe-router-topk-scaling-factor``, aux losses and expert bias are not part of this layer.
@@ -60,7 +63,8 @@ Paths and their rules
   all-reduce of the batch sizes (a host sync); pass ``mode`` explicitly in decode loops and CUDA graphs.
 * The low-latency path never synchronises with the host (CUDA-graph capturable with a capturable
   transport); the normal path makes one host sync in the dispatch (exact receive sizes).
-* Precision: normal mode sums in float32 and rounds once per rank and once after the combine; the
+* Precision: normal mode sums in float32 and rounds once per rank and once after the combine (in slot
+  order on each rank, then in rank order: ``epcomm.reference.expert_major_combine``); the
   low-latency combine is bfloat16 by design (DeepEP's too): the expert outputs are rounded to bfloat16 and
   the combined result is bfloat16, also for ``dtype=float32``. The gradients of the expert and router
   weights in low-latency mode are exact float32 (see ``epcomm.layers.autograd``).
@@ -69,7 +73,8 @@ Paths and their rules
 
 Buffer sizing: see ``epcomm.layers.buffers`` (``moe_buffer_size_bytes`` and its rule of thumb).
 Timings: ``EPCOMM_DEBUG=1`` makes every rank log each forward's phases (router, layout, dispatch,
-experts, combine, shared, and the backward communication); ``moe.timer.enabled = True`` and
+experts, combine, shared, the backward communication and ``bwd_weighting``, the backward of the combine's
+weighting); ``moe.timer.enabled = True`` and
 ``moe.timer.format_summary()`` give a summary without per-step logs.
 """
 

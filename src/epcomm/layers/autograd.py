@@ -1,6 +1,13 @@
 """Differentiable dispatch and combine: ``torch.autograd.Function`` wrappers of the ``Buffer`` calls.
 
-Normal mode
+Normal mode, expert-major (the default)
+    ``_ExpertMajorDispatch(x, topk_weights) -> (recv_x [rows, H], row_weights [rows])``: rows grouped by local
+    expert (``Buffer.dispatch(..., layout="expert_major")``). Backward: an unweighted expert-major combine of the
+    row gradients, which also returns every row weight's gradient to its ``(token, slot)``.
+    ``_WeightedCombine(expert_out [rows, H], row_weights [rows]) -> combined``: the weighted expert-major
+    combine. Backward: a cached expert-major dispatch of the gradient ``g`` (one row per pair), then per row
+    ``grad_y = w * g`` and ``grad_w = <g, y>`` (float32), one kernel (``weighted_rows_grad``).
+Normal mode, rank-major (``normal_layout="rank_major"``)
     ``_Dispatch(x, topk_weights) -> (recv_x, recv_topk_weights)``. Backward: a combine of the gradients,
     which sums every received row's gradient back to its token and, through ``topk_weights=``, the
     gradient of every ``recv_topk_weights`` entry back to its ``(token, slot)`` (entries of experts on other
@@ -112,6 +119,72 @@ class _Combine(torch.autograd.Function):
         with state.timer.phase("bwd_dispatch"), actionable(state, "backward of combine (a cached dispatch)"):
             recv = state.buffer.dispatch(grad.contiguous(), handle=state.handle, config=state.dispatch_config)[0]
         return recv, None, None
+
+
+class _ExpertMajorDispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topk_weights, state: CallState, topk_idx, layout, fp8: bool, alignment: int):
+        per_rank, per_expert, in_rank = layout
+        payload = per_token_cast_to_fp8(x) if fp8 else x.contiguous()
+        with state.timer.phase("dispatch"), actionable(state, "dispatch"):
+            recv, _, row_w, counts, handle, _ = state.buffer.dispatch(
+                payload, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                topk_idx=topk_idx, topk_weights=topk_weights.detach().float().contiguous(),
+                expert_alignment=alignment, config=state.dispatch_config, layout="expert_major")
+        recv_x = per_token_cast_back(recv[0], recv[1], x.dtype) if fp8 else recv
+        state.handle, state.counts = handle, counts
+        ctx.state, ctx.x_dtype = state, x.dtype
+        return recv_x, row_w
+
+    @staticmethod
+    def backward(ctx, grad_recv_x, grad_row_w):
+        state: CallState = ctx.state
+        h = state.handle
+        values = None
+        if ctx.needs_input_grad[1] and grad_row_w is not None:
+            values = grad_row_w.float().contiguous()
+        if grad_recv_x is None:
+            grad_recv_x = torch.zeros(h.num_recv_rows, h.hidden, dtype=ctx.x_dtype, device=h.expert_offsets.device)
+        with state.timer.phase("bwd_combine"), actionable(state, "backward of dispatch (a combine)"):
+            grad_x, grad_topk_w, _ = state.buffer.combine(grad_recv_x.contiguous(), h, topk_weights=values,
+                                                          weighted=False, config=state.combine_config)
+        return grad_x.to(ctx.x_dtype), grad_topk_w, None, None, None, None, None
+
+
+class _WeightedCombine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, expert_out, row_weights, state: CallState, async_finish: bool):
+        expert_out = expert_out.contiguous()
+        row_w = row_weights.detach().float().contiguous()
+        with state.timer.phase("combine"), actionable(state, "combine"):
+            combined, _, event = state.buffer.combine(expert_out, state.handle, row_weights=row_w,
+                                                      config=state.combine_config, async_finish=async_finish)
+        state.event = event if async_finish else None
+        ctx.state = state
+        ctx.save_for_backward(expert_out, row_w)
+        return combined
+
+    @staticmethod
+    def backward(ctx, grad):
+        from ..transports.expert_major import weighted_rows_grad
+
+        state: CallState = ctx.state
+        y, row_w = ctx.saved_tensors
+        with state.timer.phase("bwd_dispatch"), actionable(state, "backward of combine (a cached dispatch)"):
+            g = state.buffer.dispatch(grad.to(y.dtype).contiguous(), handle=state.handle,
+                                      config=state.dispatch_config)[0]
+        with state.timer.phase("bwd_weighting"):
+            grad_y, grad_w = weighted_rows_grad(g, y if ctx.needs_input_grad[1] else None, row_w,
+                                                state.handle.recv_row_src)
+        return grad_y, grad_w, None, None
+
+
+def expert_major_dispatch(x, topk_weights, state, topk_idx, layout, fp8, alignment):
+    return _ExpertMajorDispatch.apply(x, topk_weights, state, topk_idx, layout, fp8, alignment)
+
+
+def weighted_combine(expert_out, row_weights, state, async_finish):
+    return _WeightedCombine.apply(expert_out, row_weights, state, async_finish)
 
 
 def dispatch(x, topk_weights, state, topk_idx, layout, fp8):

@@ -12,6 +12,7 @@ from ..fp8 import GROUP
 EP_DISPATCH = ("auto", "nvlink", "p2p", "alltoall")
 EP_DISPATCH_ALIASES = {"deepep": "nvlink"}
 ROUTERS = ("softmax", "sigmoid")
+NORMAL_LAYOUTS = ("expert_major", "rank_major")
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
 
 
@@ -36,7 +37,9 @@ class MoEConfig:
             ``"nvlink"``. ``EPCOMM_TRANSPORT`` still overrides it for the whole process.
         buffer_size_gb: bytes (in GiB) of the normal-mode communication buffer; None sizes it with
             ``moe_buffer_size_bytes`` for ``max_tokens_per_rank`` given to ``MoE``.
-        num_sms: SMs the normal-mode kernels may occupy (even, >= 2; DeepEP's and Megatron's default 20).
+        num_sms: SMs the normal-mode kernels may occupy (even, >= 2), or None (the default): each call's
+            from epcomm's traffic model (``epcomm.core.config.model_num_sms``; 24 at DeepSeek sizes over
+            NVLink at up to 4 ranks, 40 at 5-8). Megatron's ``--moe-deepep-num-sms`` maps here when given.
         async_combine: issue the combine asynchronously; ``MoE.forward`` overlaps it with the shared
             experts and ``MoE.forward_async`` returns a future so the caller can overlap its own work.
         fp8_dispatch: send tokens as FP8 e4m3 with per-token, per-128-channel scales
@@ -44,9 +47,16 @@ class MoEConfig:
             pass straight through the cast. Combine and all backward traffic stay in ``dtype``.
         low_latency_max_tokens: T; batches of at most T tokens per rank (on every rank) use
             ``low_latency_dispatch``/``low_latency_combine``; 0 disables the low-latency path.
+        normal_layout: how the normal path receives rows: ``"expert_major"`` (the default: the dispatch
+            groups rows by local expert for the grouped GEMM and the combine applies the routing weights and
+            reduces each token's rows in a fixed order, ``Buffer.dispatch(..., layout="expert_major")``) or
+            ``"rank_major"`` (DeepEP's layout: one row per token and rank; the layer sorts, gathers, pads and
+            scatters the (row, expert) pairs itself around the GEMMs: the earlier path, kept for comparison).
     Experts:
-        grouped_gemm: None (auto: ``torch._grouped_mm`` on CUDA with bf16 on SM90+), True (always, an
-            error where it cannot run), False (a loop over local experts / batched matmul).
+        grouped_gemm: None (auto: ``torch._grouped_mm`` on CUDA with bf16 on SM90+, checked once at
+            construction with a tiny grouped GEMM: a build without it falls back to the loop, with a log
+            line), True (always, an error where it cannot run), False (a loop over local experts / batched
+            matmul).
     """
 
     hidden: int
@@ -59,11 +69,12 @@ class MoEConfig:
     dtype: Union[torch.dtype, str] = torch.bfloat16
     ep_dispatch: str = "auto"
     buffer_size_gb: Optional[float] = None
-    num_sms: int = 20
+    num_sms: Optional[int] = None
     async_combine: bool = False
     fp8_dispatch: bool = False
     low_latency_max_tokens: int = 0
     grouped_gemm: Optional[bool] = None
+    normal_layout: str = "expert_major"
 
     def __post_init__(self) -> None:
         fn = "MoEConfig"
@@ -90,10 +101,12 @@ class MoEConfig:
                                                     and self.buffer_size_gb > 0):
             raise ValueError(f"{fn}: buffer_size_gb={self.buffer_size_gb!r} must be None (auto) or a positive "
                              f"number of GiB")
-        if (not isinstance(self.num_sms, int) or isinstance(self.num_sms, bool) or self.num_sms < 2
-                or self.num_sms % 2):
-            raise ValueError(f"{fn}: num_sms={self.num_sms!r} must be an even integer >= 2 (the normal-mode "
-                             f"kernels pair a sender and a receiver SM per channel), e.g. 20")
+        if self.num_sms is not None and (not isinstance(self.num_sms, int) or isinstance(self.num_sms, bool)
+                                         or self.num_sms < 2 or self.num_sms % 2):
+            raise ValueError(f"{fn}: num_sms={self.num_sms!r} must be None (the traffic model's choice per call) "
+                             f"or an even integer >= 2, e.g. Megatron's --moe-deepep-num-sms 20")
+        if self.normal_layout not in NORMAL_LAYOUTS:
+            raise ValueError(f"{fn}: normal_layout={self.normal_layout!r} must be one of {NORMAL_LAYOUTS}")
         if not isinstance(self.low_latency_max_tokens, int) or self.low_latency_max_tokens < 0:
             raise ValueError(f"{fn}: low_latency_max_tokens={self.low_latency_max_tokens!r} must be an integer "
                              f">= 0 (0 disables the low-latency path)")

@@ -1,8 +1,13 @@
 """The local experts: SwiGLU MLPs over the rows a rank received, as one grouped GEMM or a loop.
 
-Two layouts arrive from the communication:
+Three layouts arrive from the communication:
 
-* normal mode: ``recv_x [M, H]`` with ``recv_topk_idx [M, K]`` local expert ids (-1: not here). The
+* normal mode, expert-major (the default, ``Buffer.dispatch(..., layout="expert_major")``): ``recv_x [rows,
+  H]`` already grouped by local expert, every group starting at a multiple of ``ALIGN`` and padded with zero
+  rows, with its int32 group ends: one grouped GEMM reads it as it is (``expert_major_experts``); the
+  weighting and the reduction per token happen in the combine.
+* normal mode, rank-major (``MoEConfig.normal_layout="rank_major"``, the earlier path): ``recv_x [M, H]``
+  with ``recv_topk_idx [M, K]`` local expert ids (-1: not here). The
   (row, slot) pairs are sorted by expert, the rows gathered (``[T, H]``, T = pairs), the experts run on
   contiguous groups and each output row is scaled by its routing weight and summed back into its row.
 * low-latency mode: ``recv_x [E_local, C, H]`` with ``recv_count [E_local]`` valid rows per expert (C = R * T
@@ -20,12 +25,15 @@ already returned.
 
 from __future__ import annotations
 
+import logging
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
 from .ops import swiglu
+
+log = logging.getLogger("epcomm.layers")
 
 # Rows of each expert group given to torch._grouped_mm are padded to a multiple of ALIGN (16 bytes of bf16):
 # its weight gradient contracts over the rows, and the CUDA kernels want 16-byte-aligned group starts there.
@@ -34,6 +42,49 @@ ALIGN = 8
 
 def grouped_mm_available() -> bool:
     return hasattr(torch, "_grouped_mm")
+
+
+# What torch says when its build or the GPU has no grouped GEMM for a dtype (checked in message text: torch raises
+# plain RuntimeError / NotImplementedError for these, as for real failures).
+_UNSUPPORTED = ("only supported", "not supported", "is not implemented", "not implemented for", "could not run",
+                "unsupported")
+
+
+def grouped_mm_unsupported(exc: BaseException) -> bool:
+    """Whether ``exc`` from ``torch._grouped_mm`` says it is unsupported here (build, GPU or dtype), as opposed to
+    a real failure (out of memory, a CUDA error, a bug), which must propagate."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return False
+    if isinstance(exc, NotImplementedError):
+        return True
+    text = str(exc).lower()
+    if "no kernel image" in text:  # a build without code for this GPU
+        return True
+    if "out of memory" in text or "illegal" in text or "device-side assert" in text or "cuda error" in text:
+        return False
+    return isinstance(exc, RuntimeError) and any(s in text for s in _UNSUPPORTED)
+
+
+def probe_grouped_mm(device: torch.device, dtype: torch.dtype, run=None) -> tuple[bool, str]:
+    """Run a tiny grouped GEMM (2 groups of 8 rows, 16 x 16, forward and backward) once: ``(True, reason)`` when
+    it works, ``(False, reason)`` when torch says it is unsupported here (``grouped_mm_unsupported``); any other
+    error propagates. ``run`` replaces the probe (tests)."""
+    def default_run():
+        a = torch.zeros(16, 16, dtype=dtype, device=device, requires_grad=True)
+        b = torch.zeros(2, 16, 16, dtype=dtype, device=device, requires_grad=True)
+        out = torch._grouped_mm(a, b, offs=torch.tensor([8, 16], dtype=torch.int32, device=device))
+        out.backward(torch.ones_like(out))
+
+    try:
+        (run or default_run)()
+    except (RuntimeError, NotImplementedError) as exc:
+        if not grouped_mm_unsupported(exc):
+            raise
+        first = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        log.warning("MoE: torch._grouped_mm is unsupported on %s with %s (%s: %s); the experts run as a loop",
+                    device, dtype, type(exc).__name__, first)
+        return False, f"auto: torch._grouped_mm unsupported here ({type(exc).__name__})"
+    return True, "auto: torch._grouped_mm"
 
 
 def choose_grouped_gemm(requested, device: torch.device, dtype: torch.dtype, hidden: int, ffn: int) -> tuple[bool, str]:
@@ -57,7 +108,7 @@ def choose_grouped_gemm(requested, device: torch.device, dtype: torch.dtype, hid
         return False, "auto: torch._grouped_mm needs SM90+"
     if not aligned:
         return False, "auto: hidden/ffn_hidden not divisible by 8"
-    return True, "auto: torch._grouped_mm"
+    return probe_grouped_mm(device, dtype)
 
 
 def grouped_swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -73,6 +124,19 @@ def loop_swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts: Se
     also on zero rows, so the control flow (and what autograd saves) is the same on every rank."""
     chunks = torch.split(x, list(counts), dim=0)
     return torch.cat([swiglu(c, w13[e], w2[e]) for e, c in enumerate(chunks)], dim=0)
+
+
+def expert_major_experts(recv_x: torch.Tensor, offsets: torch.Tensor, counts: Sequence[int], w13: torch.Tensor,
+                         w2: torch.Tensor, *, grouped: bool) -> torch.Tensor:
+    """Expert outputs ``[rows, H]`` of expert-major rows ``recv_x [rows, H]`` (group e = rows ``offsets[e-1] ..
+    offsets[e] - 1``, ``offsets [E_local]`` int32 on the device; padding rows zero, so their outputs are zero).
+    ``counts``: the groups' (aligned) sizes on the host, for the loop. Rows past the last group: undefined."""
+    if grouped:
+        return grouped_swiglu(recv_x, w13, w2, offsets)
+    out = loop_swiglu(recv_x[:sum(counts)], w13, w2, counts)
+    if out.size(0) < recv_x.size(0):
+        out = torch.cat([out, out.new_zeros(recv_x.size(0) - out.size(0), out.size(1))])
+    return out
 
 
 def _align(t, alignment: int = ALIGN):

@@ -19,7 +19,7 @@ from ..errors import EpcommError
 from . import autograd as ag
 from .buffers import BufferSizes, get_buffer, moe_buffer_size_bytes
 from .config import MoEConfig
-from .experts import choose_grouped_gemm, low_latency_experts, normal_experts
+from .experts import ALIGN, choose_grouped_gemm, expert_major_experts, low_latency_experts, normal_experts
 from .ops import route, swiglu
 from .timing import PhaseTimer
 from .weights import init_expert_weights, init_router_weight, init_shared_weights
@@ -132,6 +132,7 @@ class MoE(nn.Module):
         self._dispatch_config = dataclasses.replace(Buffer.get_dispatch_config(self.num_ranks), num_sms=config.num_sms)
         self._combine_config = dataclasses.replace(Buffer.get_combine_config(self.num_ranks), num_sms=config.num_sms)
         self.last_mode: Optional[str] = None
+        self.last_handle = None
         buf = self.buffer  # create (or grow) the shared buffer now, so that size / memory errors surface here
         if self.rank == 0:
             log.info("MoE: %d experts over %d ranks on %s, transport %s, experts via %s, buffer %s",
@@ -180,7 +181,8 @@ class MoE(nn.Module):
         return (f"hidden={c.hidden}, ffn_hidden={c.ffn_hidden}, experts={c.num_experts} ({self.num_local_experts} "
                 f"local), topk={c.topk}, router={c.router}, shared={c.num_shared_experts}, dtype={c.dtype}, "
                 f"ep_dispatch={c.ep_dispatch}, fp8_dispatch={c.fp8_dispatch}, "
-                f"low_latency_max_tokens={c.low_latency_max_tokens}, grouped_gemm={self.grouped_gemm}")
+                f"low_latency_max_tokens={c.low_latency_max_tokens}, grouped_gemm={self.grouped_gemm}, "
+                f"normal_layout={c.normal_layout}")
 
     # ------------------------------------------------------------------ forward
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -273,12 +275,20 @@ class MoE(nn.Module):
         c, timer, buf = self.config, self.timer, state.buffer
         with timer.phase("layout"):
             per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, c.num_experts)
-        recv_x, recv_w = ag.dispatch(x, topk_weights, state, topk_idx, (per_rank, per_expert, in_rank),
-                                     c.fp8_dispatch)
-        with timer.phase("experts"):
-            out = self._experts(normal_experts, recv_x, state.recv_topk_idx, recv_w, state.counts,
-                                state.handle.num_recv_tokens_per_expert, self.w13, self.w2)
-        combined = ag.combine(out, state, c.async_combine)
+        layout = (per_rank, per_expert, in_rank)
+        if c.normal_layout == "expert_major":
+            recv_x, row_w = ag.expert_major_dispatch(x, topk_weights, state, topk_idx, layout, c.fp8_dispatch, ALIGN)
+            with timer.phase("experts"):
+                out = self._experts(expert_major_experts, recv_x, state.handle.expert_offsets, state.counts, self.w13,
+                                    self.w2)
+            combined = ag.weighted_combine(out, row_w, state, c.async_combine)
+        else:
+            recv_x, recv_w = ag.dispatch(x, topk_weights, state, topk_idx, layout, c.fp8_dispatch)
+            with timer.phase("experts"):
+                out = self._experts(normal_experts, recv_x, state.recv_topk_idx, recv_w, state.counts,
+                                    state.handle.num_recv_tokens_per_expert, self.w13, self.w2)
+            combined = ag.combine(out, state, c.async_combine)
+        self.last_handle = state.handle  # the last normal-mode dispatch's layout (benchmarks read its sizes)
         waiter = state.event.current_stream_wait if state.event is not None else None
         return MoEFuture(combined, c.dtype, self._waiter(waiter), self._done)
 
@@ -294,19 +304,9 @@ class MoE(nn.Module):
         return MoEFuture(out, c.dtype, self._waiter(state.hook), self._done)
 
     def _experts(self, fn, *args, **kwargs):
-        """``fn(*args, grouped=..., **kwargs)``; in auto mode a grouped GEMM that raises (an unsupported
-        shape or build) switches this layer to the loop, with a warning."""
-        if not self.grouped_gemm:
-            return fn(*args, grouped=False, **kwargs)
-        try:
-            return fn(*args, grouped=True, **kwargs)
-        except (RuntimeError, NotImplementedError) as exc:
-            if self.config.grouped_gemm is not None:
-                raise
-            log.warning("MoE: torch._grouped_mm failed (%s: %s); using the loop over experts from now on",
-                        type(exc).__name__, str(exc).splitlines()[0][:200])
-            self.grouped_gemm, self.grouped_gemm_reason = False, f"auto: torch._grouped_mm raised {type(exc).__name__}"
-            return fn(*args, grouped=False, **kwargs)
+        """``fn(*args, grouped=..., **kwargs)``. Whether the grouped GEMM runs was decided once at construction
+        (``choose_grouped_gemm``); errors here are real and propagate."""
+        return fn(*args, grouped=self.grouped_gemm, **kwargs)
 
     def _waiter(self, fn):
         if fn is None:

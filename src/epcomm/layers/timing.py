@@ -110,3 +110,32 @@ def _split(ms: dict) -> str:
         return "communication -"
     return f"communication {comm:.2f} ms ({100 * comm / total:.0f}%), compute {total - comm:.2f} ms " \
            f"({100 * (total - comm) / total:.0f}%)"
+
+
+# ---------------------------------------------------------------------------------------------- benchmark models
+def expert_gemm_flops(pairs: int, hidden: int, ffn_hidden: int) -> float:
+    """FLOPs of the experts' forward GEMMs over ``pairs`` (token, expert) rows: gate/up ``[P, H] x [H, 2F]`` and
+    down ``[P, F] x [F, H]``, 2 FLOPs per multiply-add: ``6 P H F``."""
+    return 6.0 * pairs * hidden * ffn_hidden
+
+
+def expert_glue_bytes(layout: str, pairs: int, padded_pairs: int, recv_tokens: int, hidden: int,
+                      elem: int = 2) -> int:
+    """Bytes the forward's glue around the expert GEMMs moves through memory on one rank (a model: every tensor
+    operation reads and writes its whole operands once), for ``pairs`` (token, local expert) rows (``padded_pairs``
+    with each expert's group rounded up to the alignment) out of ``recv_tokens`` received rows of ``hidden``
+    elements of ``elem`` bytes.
+
+    ``rank_major`` (``experts.normal_experts``): gather the pairs' rows (2P), a zeroed padded copy and its
+    out-of-place fill (3P' + 2P), gather the outputs back (2P), cast to float32 (3P), scale by the weights (4P),
+    a float32 accumulator (2M) added into out of place (4M + 6P), the cast back (3M): ``19 P + 3 P' + 9 M`` rows
+    of ``hidden * elem`` bytes.
+    ``expert_major``: the permute after the rank-major receive (read M, write P', zeroing the padding) and the
+    weighted reduction of the combine (read P, write M): ``P + P' + 2 M`` rows. (The one-sided transports
+    place rows directly where they run the expert-major copy-out, saving the M rows read; not modelled.)"""
+    row = hidden * elem
+    if layout == "rank_major":
+        return row * (19 * pairs + 3 * padded_pairs + 9 * recv_tokens)
+    if layout == "expert_major":
+        return row * (pairs + padded_pairs + 2 * recv_tokens)
+    raise ValueError(f"expert_glue_bytes: layout={layout!r} must be 'rank_major' or 'expert_major'")

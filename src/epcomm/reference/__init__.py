@@ -14,6 +14,13 @@ Every transport is tested against these functions. They are written to be obviou
   ``epcomm.fp8.per_token_cast_to_fp8`` on the sender.
 * low-latency combine: ``sum over slots k ascending of  w[t, k] * float32(y)`` with the product rounded to
   float32 before the add (no fused multiply-add), starting from +0.0, then one cast to bfloat16.
+* expert-major dispatch (``layout="expert_major"``): one row per received (token, slot) whose expert is local;
+  local expert ``e``'s rows form a segment that starts at the sum of the earlier experts' counts, each rounded
+  up to ``expert_alignment``, ordered by source rank, source token, slot, followed by zero rows (padding) up
+  to the aligned count.
+* expert-major combine: on every rank, for every token it received, the float32 sum in slot order, from +0.0,
+  of ``w[row] * float32(y[row])`` (product rounded first) over the token's rows there, cast once to the rows'
+  dtype (the per-rank partial); then the normal combine of those partials (rank order, biases, one cast).
 """
 
 from __future__ import annotations
@@ -25,8 +32,9 @@ import torch
 
 from ..fp8 import per_token_cast_to_fp8
 
-__all__ = ["Layout", "DispatchOut", "LowLatencyOut", "dispatch_layout", "dispatch", "combine",
-           "low_latency_dispatch", "low_latency_combine", "align_up"]
+__all__ = ["Layout", "DispatchOut", "LowLatencyOut", "ExpertMajorOut", "dispatch_layout", "dispatch", "combine",
+           "expert_major_dispatch", "expert_major_combine", "low_latency_dispatch", "low_latency_combine",
+           "align_up"]
 
 
 def align_up(value: int, alignment: int) -> int:
@@ -145,6 +153,109 @@ def combine(recv_xs: Sequence[torch.Tensor], dispatched: Sequence[DispatchOut], 
             acc += b.cpu().float()
         outs.append((acc.to(out_dtype), wacc))
     return outs
+
+
+@dataclass(frozen=True)
+class ExpertMajorOut:
+    """What rank ``r`` receives in an expert-major dispatch. ``recv_x [rows, H]`` (zero padding rows; and
+    ``recv_scales [rows, S]`` for FP8), ``row_weights [rows]`` float32 (0 on padding; None without weights),
+    ``row_recv``/``row_slot``/``row_src_rank``/``row_src_idx [rows]`` int64 (the rank-major received row, the
+    slot, the source rank and token of every row; -1 on padding), ``offsets [E_local]`` int32 (segment ends),
+    ``counts`` (pairs per local expert), ``pair_row [M, K]`` int64 (row of every (received token, slot), -1 if
+    not local) and the rank-major result ``rank_major``."""
+
+    recv_x: torch.Tensor
+    recv_scales: Optional[torch.Tensor]
+    row_weights: Optional[torch.Tensor]
+    row_recv: torch.Tensor
+    row_slot: torch.Tensor
+    row_src_rank: torch.Tensor
+    row_src_idx: torch.Tensor
+    offsets: torch.Tensor
+    counts: list
+    pair_row: torch.Tensor
+    rank_major: DispatchOut
+
+
+def expert_major_dispatch(xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.Tensor], num_experts: int,
+                          topk_weights: Optional[Sequence[torch.Tensor]] = None,
+                          x_scales: Optional[Sequence[torch.Tensor]] = None,
+                          expert_alignment: int = 1, local_size: Optional[int] = None) -> list[ExpertMajorOut]:
+    """Every rank's expert-major dispatch result (the exact row count: no ``num_worst_tokens`` tail); with
+    ``local_size`` from the hierarchical dispatch (the same rows; its combine adds the domains' partials)."""
+    outs = []
+    for d in dispatch(xs, topk_idxs, num_experts, topk_weights, x_scales, local_size=local_size):
+        idx = d.recv_topk_idx
+        m, k = idx.shape
+        e_local = num_experts // len(xs)
+        rows_of, pair_row = [], torch.full((m, k), -1, dtype=torch.int64)
+        start = 0
+        segs = []
+        for e in range(e_local):
+            mm, kk = torch.nonzero(idx == e, as_tuple=True)  # row-major: (received token, slot) order
+            pair_row[mm, kk] = start + torch.arange(mm.numel())
+            segs.append((start, mm, kk))
+            start += align_up(mm.numel(), expert_alignment)
+        rows = start
+        row_recv = torch.full((rows,), -1, dtype=torch.int64)
+        row_slot = torch.full((rows,), -1, dtype=torch.int64)
+        for s0, mm, kk in segs:
+            row_recv[s0:s0 + mm.numel()] = mm
+            row_slot[s0:s0 + mm.numel()] = kk
+        real = row_recv >= 0
+        safe = row_recv.clamp(min=0)
+
+        def take(t):  # rows of t (any dtype, 2-D) into their expert-major rows, zeros elsewhere
+            b = t.contiguous().view(torch.uint8)
+            out = torch.zeros(rows, b.size(1), dtype=torch.uint8)
+            out[real] = b[safe[real]]
+            return out.view(t.dtype)
+
+        row_w = None
+        if d.recv_topk_weights is not None:
+            row_w = torch.zeros(rows, dtype=torch.float32)
+            row_w[real] = d.recv_topk_weights[safe[real], row_slot[real]]
+        counts = [int(mm.numel()) for _, mm, _ in segs]
+        offsets = torch.tensor([s0 + align_up(c, expert_alignment) for (s0, _, _), c in zip(segs, counts)],
+                               dtype=torch.int32)
+        outs.append(ExpertMajorOut(
+            recv_x=take(d.recv_x), recv_scales=take(d.recv_scales) if d.recv_scales is not None else None,
+            row_weights=row_w, row_recv=row_recv, row_slot=row_slot,
+            row_src_rank=torch.where(real, d.recv_src_rank[safe], -1),
+            row_src_idx=torch.where(real, d.recv_src_idx[safe], -1), offsets=offsets, counts=counts,
+            pair_row=pair_row, rank_major=d))
+    return outs
+
+
+def expert_major_combine(ys: Sequence[torch.Tensor], dispatched: Sequence[ExpertMajorOut], num_tokens: Sequence[int],
+                         row_weights: Optional[Sequence[Optional[torch.Tensor]]] = None,
+                         row_values: Optional[Sequence[torch.Tensor]] = None,
+                         biases: Optional[Sequence[Sequence[torch.Tensor]]] = None,
+                         out_dtype: Optional[torch.dtype] = None) -> list[tuple[torch.Tensor, Optional[torch.Tensor]]]:
+    """Every rank's expert-major combine. ``ys[r] [rows_r, H]`` are rank ``r``'s expert outputs (in
+    ``dispatched[r]`` row order; padding rows are not read); ``row_weights[r] [rows_r]`` the weights (None:
+    unweighted); ``row_values[r] [rows_r]`` float32 values returned to their (token, slot) (the combined
+    ``[N, K]`` values are the second item)."""
+    partials, values = [], []
+    for r, (y, d) in enumerate(zip(ys, dispatched)):
+        m, k = d.pair_row.shape
+        acc = torch.zeros(m, y.size(1), dtype=torch.float32)
+        w = row_weights[r] if row_weights is not None else None
+        for kk in range(k):
+            rows = d.pair_row[:, kk]
+            sel = rows >= 0
+            v = y.cpu()[rows[sel]].float()
+            if w is not None:
+                v = w.cpu().float()[rows[sel]].unsqueeze(1) * v
+            acc[sel] = acc[sel] + v
+        partials.append(acc.to(y.dtype))
+        if row_values is not None:
+            val = torch.zeros(m, k, dtype=torch.float32)
+            sel = d.pair_row >= 0
+            val[sel] = row_values[r].cpu().float()[d.pair_row[sel]]
+            values.append(val)
+    return combine(partials, [d.rank_major for d in dispatched], num_tokens, values if row_values is not None else None,
+                   biases, out_dtype)
 
 
 @dataclass(frozen=True)

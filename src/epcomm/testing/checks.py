@@ -218,6 +218,145 @@ def check_normal(ctx, buf, case: NormalCase) -> CaseResult:
 
 
 @dataclass(frozen=True)
+class ExpertMajorCase:
+    """One expert-major dispatch -> weighted combine case (``layout="expert_major"``); fields as ``NormalCase``.
+    ``worst``: ``num_worst_tokens`` = a bound on the (token, local expert) pairs a rank receives."""
+
+    num_tokens: object = 32
+    hidden: int = 128
+    num_experts: int = 8
+    topk: int = 2
+    routing: str = "uniform"
+    dtype: str = "bf16"  # bf16 | fp8 | fp32 | fp16
+    expert_alignment: int = 8
+    worst: bool = False
+    bias: int = 0
+    with_weights: bool = True
+    strict_sms: Optional[bool] = None  # Config.strict_sms of the dispatch
+    seed: int = 0
+
+    def label(self) -> str:
+        return (f"EM N={self.num_tokens} H={self.hidden} E={self.num_experts} K={self.topk} {self.routing} "
+                f"{self.dtype} align={self.expert_alignment} worst={self.worst} bias={self.bias} "
+                f"weights={self.with_weights}" + (f" strict={self.strict_sms}" if self.strict_sms is not None else ""))
+
+
+def expert_stand_in(rows: torch.Tensor, row_expert: torch.Tensor, rank: int, dtype: torch.dtype) -> torch.Tensor:
+    """A deterministic stand-in for the experts of an expert-major tensor: scale each row by a factor of its
+    rank and local expert (``row_expert``, -1 on padding)."""
+    factor = 1.0 + 0.5 * rank + 0.25 * row_expert.clamp(min=0).float()
+    return (rows.float() * factor.unsqueeze(1)).to(dtype)
+
+
+def check_expert_major(ctx, buf, case: ExpertMajorCase) -> CaseResult:
+    """Expert-major dispatch, its cached repeat and the weighted combine (weighted by the dispatched weights,
+    by given weights, unweighted; with per-row values and biases) on ``buf`` against the reference."""
+    res = CaseResult(case.label())
+    num_ranks, rank, dev = ctx.world_size, ctx.rank, ctx.device
+    e_local = case.num_experts // num_ranks
+    dtype = _DTYPES[case.dtype]
+    fp8 = case.dtype == "fp8"
+    inputs = make_inputs(case.seed, num_ranks, case.num_tokens, case.hidden, case.num_experts, case.topk,
+                         case.routing, dtype)
+    casted = [per_token_cast_to_fp8(i.x) for i in inputs] if fp8 else None
+    mine = inputs[rank].to(dev)
+    x = (casted[rank][0].to(dev), casted[rank][1].to(dev)) if fp8 else mine.x
+    weights = [i.topk_weights for i in inputs] if case.with_weights else None
+    local = getattr(buf, "local_size", num_ranks)
+    ref = reference.expert_major_dispatch([c[0] for c in casted] if fp8 else [i.x for i in inputs],
+                                          [i.topk_idx for i in inputs], case.num_experts, weights,
+                                          [c[1] for c in casted] if fp8 else None, case.expert_alignment, local)
+    mine_ref = ref[rank]
+    rows = mine_ref.recv_x.size(0)
+    worst = max(max(sum(r.counts) for r in ref), 1) + 3 if case.worst else 0
+    if worst and local < num_ranks:  # across domains it also bounds each rank's tokens: N <= worst // R
+        worst = max(worst, num_ranks * max(i.x.size(0) for i in inputs))
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(mine.topk_idx, case.num_experts)
+    config = (replace(buf.get_dispatch_config(num_ranks), strict_sms=case.strict_sms)
+              if case.strict_sms is not None else None)
+    recv_x, offsets, row_w, per_expert_list, handle, _ = buf.dispatch(
+        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+        topk_idx=mine.topk_idx, topk_weights=mine.topk_weights if case.with_weights else None,
+        expert_alignment=case.expert_alignment, num_worst_tokens=worst, layout="expert_major", config=config)
+    total = worst + e_local * (case.expert_alignment - 1) if worst else rows
+    got_x, got_s = recv_x if fp8 else (recv_x, None)
+    res.expect_eq("handle.layout", handle.layout, "expert_major")
+    res.expect_eq("rows", (got_x.size(0), handle.num_recv_rows), (total, total))
+    res.expect("recv_x", got_x[:rows], mine_ref.recv_x)
+    if fp8:
+        res.expect("recv_x scales", got_s[:rows], mine_ref.recv_scales)
+    res.expect("recv_expert_offsets", offsets, mine_ref.offsets)
+    res.expect("handle.expert_offsets", handle.expert_offsets, mine_ref.offsets)
+    if case.with_weights:
+        res.expect("recv_row_weights", row_w[:rows], mine_ref.row_weights)
+        res.expect_eq("recv_row_weights past the segments are 0", bool((row_w[rows:] == 0).all()), True)
+    else:
+        res.expect_eq("recv_row_weights without topk_weights", row_w, None)
+    k = case.topk
+    want_src = torch.where(mine_ref.row_recv >= 0, mine_ref.row_recv * k + mine_ref.row_slot, -1).to(torch.int32)
+    res.expect("handle.recv_row_src", handle.recv_row_src[:rows], want_src)
+    res.expect_eq("recv_row_src past the segments is -1", bool((handle.recv_row_src[rows:] == -1).all()), True)
+    m = mine_ref.pair_row.size(0)
+    res.expect("handle.recv_pair_row", handle.recv_pair_row[:m], mine_ref.pair_row.to(torch.int32))
+    if worst:
+        res.expect_eq("pair_row of padding tokens is -1", bool((handle.recv_pair_row[m:] == -1).all()), True)
+        res.expect_eq("per-expert list with num_worst_tokens", per_expert_list, [])
+    else:
+        res.expect_eq("num_recv_tokens_per_expert_list", per_expert_list,
+                      [reference.align_up(c, case.expert_alignment) for c in mine_ref.counts])
+    res.expect("handle.num_recv_tokens_per_expert", handle.num_recv_tokens_per_expert,
+               torch.tensor(mine_ref.counts, dtype=torch.int32))
+
+    # cached dispatch of new data: expert-major rows again
+    x2_all = [(i.x.float() * 0.5 - 1.0).to(i.x.dtype) for i in inputs]
+    c2 = [per_token_cast_to_fp8(v) for v in x2_all] if fp8 else None
+    x2 = (c2[rank][0].to(dev), c2[rank][1].to(dev)) if fp8 else x2_all[rank].to(dev)
+    cached = buf.dispatch(x2, handle=handle)
+    ref2 = reference.expert_major_dispatch([c[0] for c in c2] if fp8 else x2_all, [i.topk_idx for i in inputs],
+                                           case.num_experts, None, [c[1] for c in c2] if fp8 else None,
+                                           case.expert_alignment, local)
+    got2 = cached[0][0] if fp8 else cached[0]
+    res.expect_eq("cached rows", got2.size(0), total)
+    res.expect("cached recv_x", got2[:rows], ref2[rank].recv_x)
+    if fp8:
+        res.expect("cached recv_x scales", cached[0][1][:rows], ref2[rank].recv_scales)
+
+    # weighted combines: expert stand-in per row, NaN where nothing may be read (padding, the tail)
+    out_dtype = torch.bfloat16 if fp8 else dtype
+    ys = []
+    for r, d in enumerate(ref):
+        rows_r = per_token_cast_back(d.recv_x, d.recv_scales, out_dtype) if fp8 else d.recv_x
+        expert = torch.bucketize(torch.arange(d.recv_x.size(0)), d.offsets.long(), right=True)
+        y_r = expert_stand_in(rows_r, torch.where(d.row_recv >= 0, expert, -1), r, out_dtype)
+        ys.append(torch.where((d.row_recv >= 0).unsqueeze(1), y_r, torch.full((), float("nan"), dtype=out_dtype)))
+    y = torch.full((total, case.hidden), float("nan"), dtype=out_dtype)
+    y[:rows] = ys[rank]
+    gen = torch.Generator().manual_seed(case.seed + 23)
+    biases = [[torch.randn(inputs[s].x.size(0), case.hidden, generator=gen).to(out_dtype) for _ in range(case.bias)]
+              for s in range(num_ranks)]
+    bias = None if not case.bias else tuple(b.to(dev) for b in biases[rank])
+    values = [torch.randn(d.recv_x.size(0), generator=gen) for d in ref]
+    given = [torch.rand(d.recv_x.size(0), generator=gen) + 0.5 for d in ref]
+    n_tokens = [i.x.size(0) for i in inputs]
+
+    def padded(t):
+        out = torch.zeros(total, dtype=torch.float32)
+        out[:rows] = t
+        return out.to(dev)
+
+    for label, kw, ref_w in (
+            ("weighted by the dispatch", {}, [d.row_weights for d in ref] if case.with_weights else None),
+            ("given row_weights", {"row_weights": padded(given[rank])}, given),
+            ("unweighted", {"weighted": False}, None)):
+        combined, combined_v, _ = buf.combine(y.to(dev), handle, topk_weights=padded(values[rank]), bias=bias, **kw)
+        want = reference.expert_major_combine(ys, ref, n_tokens, ref_w, values, biases if case.bias else None,
+                                              out_dtype)
+        res.expect(f"combined_x ({label})", combined, want[rank][0])
+        res.expect(f"combined values ({label})", combined_v, want[rank][1])
+    return res
+
+
+@dataclass(frozen=True)
 class LowLatencyCase:
     num_tokens: object = 8  # per rank, <= max_tokens
     max_tokens: int = 16
@@ -316,10 +455,11 @@ class GraphCase:
     topk: int = 4
     replays: int = 3
     seed: int = 40
+    expert_major: bool = False  # normal mode with layout="expert_major" (num_worst_tokens: a pairs bound)
 
     def label(self) -> str:
-        return (f"graph {'LL' if self.low_latency else 'normal'} N={self.num_tokens} H={self.hidden} "
-                f"E={self.num_experts} K={self.topk}")
+        kind = "LL" if self.low_latency else "expert-major" if self.expert_major else "normal"
+        return f"graph {kind} N={self.num_tokens} H={self.hidden} E={self.num_experts} K={self.topk}"
 
 
 def check_graph(ctx, buf, case: GraphCase) -> CaseResult:
@@ -334,8 +474,18 @@ def check_graph(ctx, buf, case: GraphCase) -> CaseResult:
     x_s, idx_s, w_s = (t.to(dev).clone() for t in (data[0][rank].x, data[0][rank].topk_idx,
                                                    data[0][rank].topk_weights))
     worst = case.num_tokens * num_ranks
+    e_local = case.num_experts // num_ranks
+    if case.expert_major:
+        worst = case.num_tokens * num_ranks * min(case.topk, e_local)  # every pair a rank can receive
 
     def step():
+        if case.expert_major:
+            per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx_s, case.num_experts)
+            recv_x, offs, row_w, _, handle, _ = buf.dispatch(
+                x_s, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                topk_idx=idx_s, topk_weights=w_s, num_worst_tokens=worst, expert_alignment=8, layout="expert_major")
+            combined, _, _ = buf.combine(recv_x * 2, handle)
+            return recv_x, combined, offs, row_w
         if case.low_latency:
             recv, _, handle, _, _ = buf.low_latency_dispatch(x_s, idx_s, case.num_tokens, case.num_experts,
                                                              use_fp8=False)
@@ -360,7 +510,16 @@ def check_graph(ctx, buf, case: GraphCase) -> CaseResult:
         torch.cuda.synchronize()
         xs, idxs, ws = [d.x for d in data[i]], [d.topk_idx for d in data[i]], [d.topk_weights for d in data[i]]
         local = getattr(buf, "local_size", num_ranks)
-        if case.low_latency:
+        if case.expert_major:
+            ref = reference.expert_major_dispatch(xs, idxs, case.num_experts, ws, expert_alignment=8, local_size=local)
+            rows = ref[rank].recv_x.size(0)
+            res.expect(f"replay {i} recv_x", outs[0][:rows], ref[rank].recv_x)
+            res.expect(f"replay {i} offsets", outs[2], ref[rank].offsets)
+            res.expect(f"replay {i} row weights", outs[3][:rows], ref[rank].row_weights)
+            ys = [(r.recv_x.float() * 2).to(torch.bfloat16) for r in ref]
+            want = reference.expert_major_combine(ys, ref, [x.size(0) for x in xs], [r.row_weights for r in ref])
+            res.expect(f"replay {i} combined", outs[1], want[rank][0])
+        elif case.low_latency:
             ref = reference.low_latency_dispatch(xs, idxs, case.num_experts, use_fp8=False, local_size=local)
             for e in range(case.num_experts // num_ranks):
                 res.expect(f"replay {i} recv_x[{e}]", outs[0][e, :ref[rank].count[e]], ref[rank].x[e])
@@ -392,7 +551,8 @@ def run_cases(ctx, cases: Sequence, transport="alltoall", buffer_kwargs: Optiona
     failed = []
     for case in cases:
         check = (check_low_latency if isinstance(case, LowLatencyCase) else
-                 check_graph if isinstance(case, GraphCase) else check_normal)
+                 check_graph if isinstance(case, GraphCase) else
+                 check_expert_major if isinstance(case, ExpertMajorCase) else check_normal)
         try:
             result = check(ctx, buf, case)
         except Exception as exc:

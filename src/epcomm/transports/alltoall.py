@@ -118,6 +118,10 @@ class AllToAllTransport(Transport):
         return dist.all_to_all_single(_as_bytes(out), _as_bytes(inp), out_splits, in_splits, group=self.group,
                                       async_op=async_op)
 
+    @property
+    def expert_major_errors(self) -> torch.Tensor:
+        return self._errors[:1]
+
     def _describe_errors(self, words: list) -> list:
         """``DeviceErrors.describe`` of ``_errors``."""
         overflow_worst, overflow_ll = words
@@ -125,7 +129,9 @@ class AllToAllTransport(Transport):
         if overflow_worst:
             errors.append((NORMAL, f"rank {self.rank}: {overflow_worst} received rows did not fit num_worst_tokens "
                                    f"or had invalid expert ids; pass a num_worst_tokens at least the largest number "
-                                   f"of tokens a rank can receive, and ids in [-1, num_experts)"))
+                                   f"of tokens a rank can receive (of (token, local expert) pairs with "
+                                   f"layout='expert_major'), ids in [-1, num_experts) and num_tokens_per_expert "
+                                   f"of the same get_dispatch_layout"))
         if overflow_ll:
             errors.append((LOW_LATENCY, f"rank {self.rank}: {overflow_ll} low-latency rows did not fit their slots or "
                                         f"had invalid expert ids; expert ids within a token must be distinct, in "

@@ -49,6 +49,7 @@ class DispatchRequest:
     overlapped: bool = False  # runs on the communication stream, meant to overlap the caller's kernels
     # with num_worst_tokens, rows each peer may send (0: num_worst_tokens); the portable transport's padded slots
     peer_capacity: int = 0
+    layout: str = "rank_major"  # "expert_major": Transport.dispatch_expert_major
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class CombineRequest:
     bias: tuple
     config: Config
     overlapped: bool = False  # runs on the communication stream, meant to overlap the caller's kernels
+    row_weights: Optional[torch.Tensor] = None  # expert-major combine: [rows] float32 weight of every row
 
 
 @dataclass(frozen=True)
@@ -158,6 +160,54 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def combine(self, req: CombineRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]: ...
+
+    def dispatch_expert_major(self, req: DispatchRequest) -> DispatchResult:
+        """The dispatch with ``layout="expert_major"`` (and cached dispatches of expert-major handles): here the
+        rank-major dispatch followed by the permute of ``epcomm.transports.expert_major`` (``recv_topk_idx`` of
+        the result holds the segment ends, ``recv_topk_weights`` the row weights)."""
+        from .expert_major import cached_to_expert_major, to_expert_major
+
+        res = self.dispatch(req)
+        if req.handle is not None:
+            key = ("expert_major", res.recv_x.dtype, res.recv_x.size(1), req.handle.num_topk, res.recv_scales is None)
+            return self._local_pass("Buffer.dispatch", key, res.recv_x, lambda: cached_to_expert_major(res, req.handle))
+        key = ("expert_major", res.recv_x.dtype, res.recv_x.size(1), req.topk_idx.size(1), res.recv_scales is None,
+               req.topk_weights is None)
+        return self._local_pass("Buffer.dispatch", key, res.recv_x,
+                                lambda: to_expert_major(res, req, self.expert_major_errors))
+
+    def combine_expert_major(self, req: CombineRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The combine of an expert-major handle: ``req.x [rows, H]``, ``req.topk_weights [rows]`` float32 values
+        returned to their (token, slot), ``req.row_weights [rows]`` float32 or None. Here the local reduction of
+        ``epcomm.transports.expert_major.reduce_pairs`` followed by the rank-major combine of its partials."""
+        from .expert_major import reduce_pairs
+
+        h: DispatchHandle = req.handle
+        key = ("expert_major_combine", req.x.dtype, req.x.size(1), h.num_topk, req.row_weights is None,
+               req.topk_weights is None)
+        partial, values = self._local_pass("Buffer.combine", key, req.x, lambda: reduce_pairs(
+            req.x, h.recv_pair_row, req.row_weights, req.topk_weights, req.x.dtype))
+        return self.combine(CombineRequest(partial, h, values, req.bias, req.config, req.overlapped))
+
+    def _local_pass(self, fn: str, key: tuple, t: torch.Tensor, run: Callable[[], Any]):
+        """``run()`` (local kernels, no waits); where it launches kernels, the first call of ``key`` compiles
+        them and meets the other ranks first (``first_call``), so that no rank compiles while its peers wait."""
+        from .expert_major import use_kernels
+
+        if not use_kernels(t):
+            return run()
+        out: list = []
+        self.first_call(fn, key, lambda: out.append(run()))
+        return out[-1]
+
+    @property
+    def expert_major_errors(self) -> torch.Tensor:
+        """An int32 ``[1]`` device word counted as a normal-mode error (pairs an expert-major dispatch could not
+        place); transports with error words return one of theirs."""
+        word = getattr(self, "_expert_major_err", None)
+        if word is None:
+            word = self._expert_major_err = torch.zeros(1, dtype=torch.int32, device=self.device)
+        return word
 
     @abc.abstractmethod
     def low_latency_dispatch(self, req: LowLatencyDispatchRequest) -> LowLatencyDispatchResult: ...

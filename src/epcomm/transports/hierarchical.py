@@ -198,6 +198,10 @@ class HierarchicalTransport(Transport):
     def checks_topk(self, x: torch.Tensor, num_worst_tokens: int) -> bool:
         return self.rail.checks_topk(x, num_worst_tokens)
 
+    @property
+    def expert_major_errors(self) -> torch.Tensor:
+        return self.rail.expert_major_errors  # one of the words its DeviceErrors watch
+
     # ------------------------------------------------------------------ normal mode
     def dispatch(self, req: DispatchRequest) -> DispatchResult:
         fn = "Buffer.dispatch"

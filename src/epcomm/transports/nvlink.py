@@ -17,6 +17,8 @@ Normal dispatch (``epcomm.kernels.ep``):
      (``Config.strict_sms``) the push publishes at its end and ``dispatch_copyout`` copies afterwards on
      ``num_sms`` programs. Traffic larger than the buffer is split into rounds over token ranges; each
      round begins with a barrier.
+Expert-major dispatch (``layout="expert_major"``): the same steps with the pair indices in the records
+(``epcomm.kernels.expert_major``): the receiving programs store every row straight into its expert-major rows.
 Combine: per round one launch of ``combine_push``, which passes a barrier, returns every row to its source
 rank's area (rows a rank sends itself stay where they are; up to ``NARROW_RANKS`` ranks each program pushes
 one contiguous slice of the rows, so it writes to one or two peers, and above that each program takes a slice
@@ -244,6 +246,10 @@ class NVLinkTransport(Transport):
         return (f"rank {self.rank}: {ERROR_NAMES.get(code, code)} waiting for rank {peer} (its flag still said "
                 f"{seen}) after {env.timeout_s():g} s: a peer is stuck, died, or did not make the same call")
 
+    @property
+    def expert_major_errors(self) -> torch.Tensor:
+        return self.deferred
+
     def _describe_errors(self, words: list) -> list:
         """``DeviceErrors.describe`` of this transport's block (see ``__init__``)."""
         found = []
@@ -270,11 +276,90 @@ class NVLinkTransport(Transport):
 
     # ------------------------------------------------------------------ normal mode
     def dispatch(self, req: DispatchRequest) -> DispatchResult:
+        from ..kernels.ep import SUMMARY_HEAD
+
+        if req.handle is not None:
+            return self._cached_dispatch(req)
+        itr, pos, summary, num_recv, per_expert_list, n_max, max_pair, host, worst = self._exchange(req)
+        num_ranks, x, n, e_local = self.num_ranks, req.x, req.x.size(0), req.num_experts // self.num_ranks
+        outs = self._alloc_recv(num_recv, x, req.x_scales, req.topk_idx, req.topk_weights is not None, bool(worst))
+        recv_x, recv_scales, recv_idx, recv_w, recv_src = outs
+        state = _NVLinkState(summary=summary, recv_src=recv_src, pos=pos, num_tokens_per_rank=req.num_tokens_per_rank,
+                             num_tokens_max=n_max, max_pair=max_pair)
+        self._run_dispatch(req, itr, state, outs, num_recv, worst)
+        b = SUMMARY_HEAD
+        handle = DispatchHandle(
+            buffer_id=self.buffer_id, transport=self.name, num_ranks=num_ranks, num_experts=req.num_experts,
+            num_tokens=n, hidden=x.size(1), is_token_in_rank=itr,
+            num_tokens_per_rank=None if worst else tuple(host[b + 2 * num_ranks:b + 3 * num_ranks]),
+            num_recv_tokens=num_recv,
+            num_recv_tokens_per_rank=None if worst else tuple(host[b + num_ranks:b + 2 * num_ranks]),
+            num_recv_tokens_per_expert=summary[b + 3 * num_ranks:b + 3 * num_ranks + e_local],
+            recv_src_rank=recv_src[:, 1], recv_src_idx=recv_src[:, 0], num_worst_tokens=worst, state=state)
+        return DispatchResult(recv_x, recv_scales, recv_idx, recv_w, per_expert_list, handle)
+
+    def dispatch_expert_major(self, req: DispatchRequest) -> DispatchResult:
+        """The expert-major dispatch with the rows stored straight into their expert-major rows by the receiving
+        programs (``epcomm.kernels.expert_major``: the sender's records carry each pair's index among its pairs
+        of that expert, the receiver places them from the exchanged count matrix); no rank-major copy and no
+        permute. Cached dispatches of expert-major handles take the generic path (rank-major, then permute)."""
+        from ..core.layout import expert_major_rows
+        from ..kernels.ep import SUMMARY_HEAD
+        from ..kernels.expert_major import ExpertMajorTargets, launch_em_pad, launch_em_table, launch_pair_rows
+
+        if req.handle is not None:
+            return super().dispatch_expert_major(req)
+        itr, pos, summary, num_recv, per_expert_list, n_max, max_pair, host, worst = self._exchange(req)
+        num_ranks, x, dev = self.num_ranks, req.x, self.device
+        n, k, align = x.size(0), req.topk_idx.size(1), req.expert_alignment
+        e_local = req.num_experts // num_ranks
+        rows = expert_major_rows(worst, e_local, align) if worst else sum(per_expert_list)
+        # sender: each pair's index among this rank's pairs of its expert; receiver: where each source's pairs of
+        # each local expert start, from the count matrix the exchange all-gathered
+        pidx = torch.empty(n, k, dtype=torch.int32, device=dev)
+        if n:
+            launch_pair_rows(req.topk_idx, req.num_tokens_per_expert, None,
+                             torch.empty(req.num_experts, dtype=torch.int32, device=dev), pidx, None, None,
+                             self.deferred, (1 << 31) - 1, 1, local_index=True)
+        base = torch.empty(num_ranks, e_local, dtype=torch.int32, device=dev)
+        offs = torch.empty(e_local, dtype=torch.int32, device=dev)
+        launch_em_table(self.mat, base, offs, self.deferred, self.rank, rows, align)
+        counts = summary[SUMMARY_HEAD + 3 * num_ranks:SUMMARY_HEAD + 3 * num_ranks + e_local]
+        recv_x = torch.empty(rows, x.size(1), dtype=x.dtype, device=dev)
+        recv_scales = (torch.empty(rows, req.x_scales.size(1), dtype=req.x_scales.dtype, device=dev)
+                       if req.x_scales is not None else None)
+        row_w = torch.empty(rows, dtype=torch.float32, device=dev) if req.topk_weights is not None else None
+        row_src = torch.empty(rows, dtype=torch.int32, device=dev)
+        pair_row = (torch.full if worst else _empty)((num_recv, k), -1, dtype=torch.int32, device=dev)
+        recv_src = (torch.full if worst else _empty)((num_recv, 2), -1, dtype=torch.int32, device=dev)
+        targets = ExpertMajorTargets(
+            recv_x.view(torch.int32), recv_scales.view(torch.int32) if recv_scales is not None else None, row_w,
+            row_src, pair_row, recv_src, base, pidx, rows)
+        if rows:
+            launch_em_pad(targets, counts, align)
+        state = _NVLinkState(summary=summary, recv_src=recv_src, pos=pos, num_tokens_per_rank=req.num_tokens_per_rank,
+                             num_tokens_max=n_max, max_pair=max_pair)
+        self._run_dispatch(req, itr, state, None, num_recv, worst, em=targets)
+        b = SUMMARY_HEAD
+        handle = DispatchHandle(
+            buffer_id=self.buffer_id, transport=self.name, num_ranks=num_ranks, num_experts=req.num_experts,
+            num_tokens=n, hidden=x.size(1), is_token_in_rank=itr,
+            num_tokens_per_rank=None if worst else tuple(host[b + 2 * num_ranks:b + 3 * num_ranks]),
+            num_recv_tokens=num_recv,
+            num_recv_tokens_per_rank=None if worst else tuple(host[b + num_ranks:b + 2 * num_ranks]),
+            num_recv_tokens_per_expert=counts, recv_src_rank=recv_src[:, 1], recv_src_idx=recv_src[:, 0],
+            num_worst_tokens=worst, state=state, layout="expert_major", expert_alignment=align, num_recv_rows=rows,
+            num_topk=k, expert_offsets=offs, recv_pair_row=pair_row, recv_row_src=row_src, recv_row_weights=row_w)
+        return DispatchResult(recv_x, recv_scales, offs, row_w, per_expert_list, handle)
+
+    def _exchange(self, req: DispatchRequest):
+        """The first part of a dispatch: the count exchange (``exchange_kernel``) and, in exact mode, its one read
+        by the host. Returns ``(is_token_in_rank, pos, summary, num_recv, per_expert_list, n_max, max_pair, host,
+        worst)``."""
         from ..kernels.ep import SUMMARY_HEAD, exchange_kernel, pow2_block
 
         fn = "Buffer.dispatch"
-        if req.handle is not None:
-            return self._cached_dispatch(req)
+        host = None
         if self.heap is None:
             self._size_storage(req, fn)
         num_ranks, rank, dev = self.num_ranks, self.rank, self.device
@@ -315,21 +400,7 @@ class NVLinkTransport(Transport):
             per_expert_list = ([align_up(c, req.expert_alignment) for c in host[SUMMARY_HEAD + 3 * num_ranks:
                                                                                  SUMMARY_HEAD + 3 * num_ranks + e_local]]
                                if req.num_tokens_per_expert is not None else [])
-        outs = self._alloc_recv(num_recv, x, req.x_scales, req.topk_idx, req.topk_weights is not None, bool(worst))
-        recv_x, recv_scales, recv_idx, recv_w, recv_src = outs
-        state = _NVLinkState(summary=summary, recv_src=recv_src, pos=pos, num_tokens_per_rank=req.num_tokens_per_rank,
-                             num_tokens_max=n_max, max_pair=max_pair)
-        self._run_dispatch(req, itr, state, outs, num_recv, worst)
-        b = SUMMARY_HEAD
-        handle = DispatchHandle(
-            buffer_id=self.buffer_id, transport=self.name, num_ranks=num_ranks, num_experts=req.num_experts,
-            num_tokens=n, hidden=x.size(1), is_token_in_rank=itr,
-            num_tokens_per_rank=None if worst else tuple(host[b + 2 * num_ranks:b + 3 * num_ranks]),
-            num_recv_tokens=num_recv,
-            num_recv_tokens_per_rank=None if worst else tuple(host[b + num_ranks:b + 2 * num_ranks]),
-            num_recv_tokens_per_expert=summary[b + 3 * num_ranks:b + 3 * num_ranks + e_local],
-            recv_src_rank=recv_src[:, 1], recv_src_idx=recv_src[:, 0], num_worst_tokens=worst, state=state)
-        return DispatchResult(recv_x, recv_scales, recv_idx, recv_w, per_expert_list, handle)
+        return itr, pos, summary, num_recv, per_expert_list, n_max, max_pair, host, worst
 
     def _alloc_recv(self, num_recv: int, x, x_scales, topk_idx, has_w: bool, padded: bool):
         dev = x.device
@@ -346,7 +417,10 @@ class NVLinkTransport(Transport):
         recv_src = (torch.full if padded else _empty)((num_recv, 2), -1, dtype=torch.int32, device=dev)
         return recv_x, recv_scales, recv_idx, recv_w, recv_src
 
-    def _run_dispatch(self, req: DispatchRequest, itr, state: _NVLinkState, outs, num_recv: int, worst: int) -> None:
+    def _run_dispatch(self, req: DispatchRequest, itr, state: _NVLinkState, outs, num_recv: int, worst: int,
+                      em=None) -> None:
+        """The dispatch's rounds into ``outs`` (rank-major), or with ``em`` (``ExpertMajorTargets``) into the
+        expert-major outputs."""
         from ..kernels.ep import PROGRESS_SLOTS, record_words
 
         x, scales = req.x, req.x_scales
@@ -354,10 +428,14 @@ class NVLinkTransport(Transport):
         ns = scales.size(1) if scales is not None else 0
         k = req.topk_idx.size(1) if req.topk_idx is not None else 0
         has_w = req.topk_weights is not None
-        mw = record_words(ns, k, has_w)
+        mw = record_words(ns, k, has_w, em is not None)
         rounds = state.rounds((xw + mw) * 4, self.area_bytes, self.num_ranks, worst, "Buffer.dispatch")
         grid = self._num_sms(req.config, x.size(0) * (min(self.num_ranks, k) if k else self.num_ranks), (xw + mw) * 4)
         strict = _strict(req)
+        if em is not None and not strict and req.config.num_sms is None:
+            # expert-major: a receiving program stores each row once per local slot, and each copies the stretches
+            # of one sending program: at least enough pushes that the pushes and their receivers fill the GPU
+            grid = max(grid, self.sms // (self.num_ranks + 1) // 2 * 2)
         if not strict:  # streaming: receiving programs copy rows out while the pushes run
             grid = min(grid, PROGRESS_SLOTS)
         if rounds.num_rounds > 1 and self._sized_by_call and self.rank == 0:
@@ -366,15 +444,18 @@ class NVLinkTransport(Transport):
                         "sized (%d bytes); they move in %d rounds. Pass num_nvl_bytes (Buffer.get_normal_size_hint) "
                         "or Buffer.warmup with the largest num_tokens first", self.area_bytes, rounds.num_rounds)
         # the first dispatch of a kind compiles its kernels before any rank waits (Transport.first_call)
-        key = ("dispatch", x.dtype, x.size(1), ns, k, has_w, req.num_experts, bool(worst), rounds.num_rounds == 1)
+        key = ("dispatch", x.dtype, x.size(1), ns, k, has_w, req.num_experts, bool(worst), rounds.num_rounds == 1,
+               em is not None)
         self.first_call("Buffer.dispatch", key,
-                        lambda: self._push_rounds(req, itr, state, rounds, outs, num_recv, grid, strict))
+                        lambda: self._push_rounds(req, itr, state, rounds, outs, num_recv, grid, strict, em))
 
     def _push_rounds(self, req: DispatchRequest, itr, state: _NVLinkState, rounds: _Rounds, outs, num_recv: int,
-                     grid: int, strict: bool) -> None:
+                     grid: int, strict: bool, em=None) -> None:
         """The dispatch's launches, round by round, with ``grid`` pushing programs (see the module docstring);
-        ``strict``: push, then copy out on the same programs."""
-        from ..kernels.ep import ReceiveSide, dispatch_copyout_kernel, launch_push, pow2_block, record_words
+        ``strict``: push, then copy out on the same programs. ``em``: expert-major outputs
+        (``epcomm.kernels.expert_major.launch_em_round``)."""
+        from ..kernels.ep import (PROGRESS_SLOTS, SIGNAL_TOKENS, ReceiveSide, dispatch_copyout_kernel, launch_push,
+                                  pow2_block, record_words)
 
         num_ranks, rank, dev = self.num_ranks, self.rank, self.device
         x, scales = req.x, req.x_scales
@@ -382,7 +463,7 @@ class NVLinkTransport(Transport):
         xw = _words(x)
         ns = scales.size(1) if scales is not None else 0
         k = req.topk_idx.size(1) if req.topk_idx is not None else 0
-        mw = record_words(ns, k, req.topk_weights is not None)
+        mw = record_words(ns, k, req.topk_weights is not None, em is not None)
         cap = rounds.cap
         area_off = self._off(self.area)
         meta_rel = align_up(num_ranks * cap * xw * 4, 256)
@@ -395,7 +476,8 @@ class NVLinkTransport(Transport):
         cum = None if single else torch.cat([torch.zeros(1, num_ranks, dtype=torch.int64, device=dev),
                                              torch.cumsum(itr, dim=0, dtype=torch.int64)])
         # the outputs as the kernels take them (None: nothing to write)
-        out_x, out_scales, out_idx, out_w, out_src = [t if t is not None and num_recv else None for t in outs]
+        out_x, out_scales, out_idx, out_w, out_src = [t if t is not None and num_recv else None
+                                                      for t in (outs or (None,) * 5)]
         out_x = out_x.view(torch.int32) if out_x is not None else None
         out_scales = out_scales.view(torch.int32) if out_scales is not None else None
         out_idx = out_idx if k else None
@@ -408,6 +490,20 @@ class NVLinkTransport(Transport):
             else:
                 first = cum[lo].to(torch.int32)
                 rows = (cum[hi] - cum[lo]).to(torch.int32)
+            if em is not None:  # expert-major outputs (epcomm.kernels.expert_major)
+                from ..kernels.expert_major import launch_em_round
+
+                launch_em_round(
+                    x=x, scales=scales, topk_idx=req.topk_idx, topk_weights=req.topk_weights, itr=itr, pos=state.pos,
+                    first=first, rows_ptr=rows, bases=self.heap.peer_bases, area_off=area_off,
+                    meta_off=area_off + meta_rel, hdr_off=self._off(self.hdr), arrive_off=self._off(self.arrive),
+                    prog=self.prog, prog_off=self._off(self.prog), epoch=self.epoch, counter=self.counters,
+                    err=self.err, prefix=state.recv_prefix, hdr=self.hdr, area_rows=area_rows, meta_rows=meta_rows,
+                    t_begin=lo, t_end=hi, cap=cap, rank=rank, world=num_ranks, num_experts=req.num_experts, grid=grid,
+                    tokens_per_step=tok, use_ptx=self.device.type == "cuda", single_round=single, strict=strict,
+                    num_recv=num_recv, timeout=self._timeout(), targets=em, dummy=dummy,
+                    progress_slots=PROGRESS_SLOTS, signal_tokens=SIGNAL_TOKENS)
+                continue
             receive = None if strict else ReceiveSide(
                 area_rows, meta_rows, self.prog, self._off(self.prog), self.err, state.recv_prefix, out_x, out_scales,
                 out_idx, out_w, out_src, num_recv, self._timeout(), grid)
