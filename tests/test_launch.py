@@ -162,11 +162,12 @@ def test_waiting_kernels_do_not_specialise_on_per_call_counts():
     ``Buffer.warmup``): an integer that differs between ranks or calls (token and row counts, chunk bounds, the
     timeout) must not select a new variant, or a rank would compile inside the device timeout."""
     pytest.importorskip("triton")
-    from epcomm.kernels import ep, reduce, shmem
+    from epcomm.kernels import ep, expert_major, reduce, shmem
 
-    per_call = {"n", "t_begin", "t_end", "cap", "num_push", "num_recv_progs", "out_rows", "num_rows", "timeout",
+    per_call = {"n", "t_begin", "t_end", "cap", "num_push", "out_rows", "rows_out", "num_rows", "timeout",
                 "value", "slot"}  # (an all-gather's shard size is the same on every rank)
     kernels = [ep.exchange_kernel, ep.dispatch_push_kernel, ep.dispatch_copyout_kernel, ep.dispatch_kernel,
+               expert_major.em_dispatch_kernel, expert_major.em_push_kernel, expert_major.em_copyout_kernel,
                ep.combine_push_kernel, reduce._reduce_kernel, shmem._wait_kernel, shmem._barrier_kernel,
                shmem._allgather_kernel, shmem._allgather_lines_kernel]
     for kernel in kernels:

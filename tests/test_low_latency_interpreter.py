@@ -427,11 +427,11 @@ def test_kernels_compile_for_sm90():
         pytest.skip(f"cannot drive Triton's compiler offline here: {e}")
     disp, comb, d_args, c_args = _sample_args()
     ptx = compile_for(K.ll_dispatch_kernel, d_args, dict(disp, DO_SEND=True, DO_RECV=True)).asm["ptx"]
-    for needle in ("st.global.v4", "ld.global.cg.v4", "fence.acq_rel.sys", "st.release.sys", "ld.global.sys.acquire",
+    for needle in ("st.global.v4", "ld.global.cg.v4", "fence.acq_rel.sys", "st.release.sys", "ld.acquire.sys.global",
                    "%globaltimer", "div.rn.f32"):
         assert needle in ptx, f"dispatch PTX lacks {needle}"
     ptx = compile_for(K.ll_combine_kernel, c_args, dict(comb, DO_SEND=True, DO_RECV=True,
                                                         enable_fp_fusion=False)).asm["ptx"]
-    for needle in ("st.global.v4", "ld.global.cg.v4", "st.release.sys", "ld.global.sys.acquire", "mul.rn.f32"):
+    for needle in ("st.global.v4", "ld.global.cg.v4", "st.release.sys", "ld.acquire.sys.global", "mul.rn.f32"):
         assert needle in ptx, f"combine PTX lacks {needle}"
     assert "fma" not in ptx, "the combine's products must be rounded before the add (no FMA)"

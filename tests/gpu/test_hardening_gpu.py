@@ -1,8 +1,10 @@
 """Production hardening on GPUs: device errors of calls without host synchronisation become exceptions at the next
-interaction with the Buffer; calls of one Buffer on two streams are ordered; compilation stays out of the device
-timeouts; and a soak of 10^4 mixed calls (normal, cached, num_worst_tokens, low latency plain / hook / async,
-CUDA-graph replays where the group can capture, a GEMM running on another stream) is bit-exact in every call
-with flat memory. The CPU side of the same guarantees: tests/test_hardening.py."""
+interaction with the Buffer (an overflowing num_worst_tokens on every transport); calls of one Buffer on two streams
+are ordered; two Buffers on two streams, and calls beside long GEMMs on another stream, finish (bit-exact, or with
+an error naming a rank, never a hang); compilation stays out of the device timeouts; and a soak of 10^4 mixed calls
+(normal, cached, num_worst_tokens, low latency plain / hook / async, CUDA-graph replays where the group can capture,
+a GEMM running on another stream) is bit-exact in every call with flat memory. The CPU side of the same guarantees:
+tests/test_hardening.py and tests/test_hardening_device.py."""
 
 import random
 
@@ -22,12 +24,12 @@ def _need(n: int) -> None:
 # ---------------------------------------------------------------------------------------------------------
 # sticky errors of calls without host synchronisation
 # ---------------------------------------------------------------------------------------------------------
-def _sticky(ctx, transport):
+def _sticky(ctx, transport, bad_input="worst"):
     """A low-latency call whose rows overflow (each token selecting a peer's expert twice) and a normal dispatch
-    without host synchronisation with bad input (alltoall: too few num_worst_tokens; nvlink: invalid expert ids)
-    return without an error (unless the device finished them before their exit check); once the device finished
-    them (``torch.cuda.synchronize()``, nothing of epcomm's), the next call raises, and so does every later one.
-    ``clean_low_latency_buffer`` on every rank recovers from the first, not from the second."""
+    without host synchronisation with bad input (``bad_input``: "worst", too few num_worst_tokens; "ids", invalid
+    expert ids) return without an error (unless the device finished them before their exit check); once the device
+    finished them (``torch.cuda.synchronize()``, nothing of epcomm's), the next call raises, and so does every later
+    one. ``clean_low_latency_buffer`` on every rank recovers from the first, not from the second."""
     from epcomm.buffer import Buffer
     from epcomm.testing.checks import LowLatencyCase, check_low_latency
 
@@ -46,7 +48,7 @@ def _sticky(ctx, transport):
     idx = (torch.arange(64, device=dev) % world).unsqueeze(1)
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, world)
     xs = torch.randn(64, 128, device=dev).to(torch.bfloat16)
-    if transport == "alltoall":  # too few num_worst_tokens; the one-sided push does not bound its rows yet
+    if bad_input == "worst":  # too few num_worst_tokens (the one-sided push drops the rows past them)
         bad = dict(num_worst_tokens=2)
     else:  # an invalid expert id in a call without host synchronisation
         bad = dict(num_worst_tokens=64 * world, topk_idx=idx.clone().fill_(world), num_tokens_per_expert=per_expert)
@@ -61,10 +63,10 @@ def _sticky(ctx, transport):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("transport", ["nvlink", "alltoall"])
-def test_gpu_errors_of_sync_free_calls_raise_at_the_next_call(transport):
+@pytest.mark.parametrize("transport,bad_input", [("nvlink", "worst"), ("nvlink", "ids"), ("alltoall", "worst")])
+def test_gpu_errors_of_sync_free_calls_raise_at_the_next_call(transport, bad_input):
     _need(2)
-    for rank, out in enumerate(spawn(_sticky, 2, transport, device="cuda", timeout_s=300)):
+    for rank, out in enumerate(spawn(_sticky, 2, transport, bad_input, device="cuda", timeout_s=300)):
         # nothing synchronised: the call itself raises only if the device got there before its exit check
         assert out["overflowing call"] == "no exception" or "did not fit" in out["overflowing call"], out
         assert out["next call"].startswith("Buffer.low_latency_dispatch: a call failed on the device"), out
@@ -147,6 +149,129 @@ def test_gpu_two_streams_one_buffer(transport, monkeypatch):
     _need(2)
     monkeypatch.setenv("EPCOMM_TIMEOUT_S", "20")
     assert spawn(_two_streams, 2, transport, device="cuda", timeout_s=600) == [0, 0]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# two Buffers on two streams; long GEMMs beside the calls (co-residency)
+# ---------------------------------------------------------------------------------------------------------
+def _two_buffers(ctx, transport, rounds: int):
+    """Two Buffers of the same group, each on its own stream, each making a low-latency dispatch (64 tokens, hidden
+    7168, 32 experts, top-4, BF16) and combine per round, both streams enqueued back to back ``rounds`` times with
+    no synchronisation. Kernels of the two Buffers may wait for each other across ranks (each GPU may run the other
+    Buffer's kernel first), so a round may end in a timeout error instead of results; it must end either way.
+    Every result is compared bit for bit on the device. Returns (the first error's message or None, mismatching
+    elements per Buffer, rounds made)."""
+    import torch.distributed as dist
+
+    from epcomm import reference
+    from epcomm.buffer import Buffer
+    from epcomm.errors import EpcommError
+    from epcomm.testing.routing import make_inputs
+
+    rank, world, dev = ctx.rank, ctx.world_size, ctx.device
+    t_max, hidden, num_experts, topk = 64, 7168, 32, 4
+    e_local = num_experts // world
+    bufs = [Buffer(ctx.group, transport=transport) for _ in range(2)]
+    streams = [torch.cuda.Stream(dev) for _ in range(2)]
+    mine, want_recv, mask, y_in, want = [], [], [], [], []
+    for j in range(2):
+        inputs = make_inputs(90 + j, world, t_max, hidden, num_experts, topk, "uniform", torch.bfloat16)
+        ref = reference.low_latency_dispatch([i.x for i in inputs], [i.topk_idx for i in inputs], num_experts,
+                                             use_fp8=False)
+        ys = [[(xe.float() * (1.0 + 0.25 * e)).to(torch.bfloat16) for e, xe in enumerate(r.x)] for r in ref]
+        full = torch.zeros(e_local, world * t_max, hidden, dtype=torch.bfloat16)
+        rows = torch.zeros(e_local, world * t_max, 1, dtype=torch.bool)
+        y = torch.zeros_like(full)
+        for e, c in enumerate(ref[rank].count):
+            full[e, :c], rows[e, :c], y[e, :c] = ref[rank].x[e], True, ys[rank][e]
+        mine.append(inputs[rank].to(dev))
+        want_recv.append(full.to(dev))
+        mask.append(rows.to(dev))
+        y_in.append(y.to(dev))
+        want.append(reference.low_latency_combine(ys, ref, [i.topk_idx for i in inputs],
+                                                  [i.topk_weights for i in inputs], num_experts)[rank].to(dev))
+    bad = torch.zeros(2, dtype=torch.int64, device=dev)
+    error, made = None, 0
+    torch.cuda.synchronize()  # the inputs are on the device before the streams read them
+    try:
+        for made in range(1, rounds + 1):
+            for j in range(2):
+                with torch.cuda.stream(streams[j]):
+                    recv, _, handle, _, _ = bufs[j].low_latency_dispatch(mine[j].x, mine[j].topk_idx, t_max,
+                                                                         num_experts, use_fp8=False)
+                    bad[j] += ((recv.view(torch.int16) != want_recv[j].view(torch.int16)) & mask[j]).sum()
+                    combined, _, _ = bufs[j].low_latency_combine(y_in[j], mine[j].topk_idx, mine[j].topk_weights,
+                                                                 handle)
+                    bad[j] += (combined.view(torch.int16) != want[j].view(torch.int16)).sum()
+    except EpcommError as exc:
+        error = str(exc)
+    torch.cuda.synchronize()
+    for b in bufs:
+        try:
+            b.check_errors()
+        except EpcommError as exc:
+            error = error or str(exc)
+    dist.barrier(group=ctx.group)
+    for b in bufs:
+        try:
+            b.destroy()
+        except EpcommError:
+            pass  # reported above
+    return error, bad.tolist(), made
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transport", ["nvlink", "alltoall"])
+def test_gpu_two_buffers_on_two_streams_finish(transport, monkeypatch):
+    """300 rounds (see ``_two_buffers``): bit-exact, or an error that names the rank and what it waited for; never a
+    hang (a short device timeout, and the launcher's limit on the whole run)."""
+    _need(2)
+    monkeypatch.setenv("EPCOMM_TIMEOUT_S", "10")
+    for rank, (error, bad, made) in enumerate(spawn(_two_buffers, 2, transport, 300, device="cuda",
+                                                    timeout_s=900)):
+        if error is None:
+            assert made == 300 and bad == [0, 0], f"rank {rank}: mismatching elements per Buffer {bad}"
+        else:  # a timeout between the Buffers' kernels: it must say so
+            assert "a call failed on the device" in error and "rank" in error and "timed out" in error, error
+
+
+def _beside_gemms(ctx, transport: str, rounds: int):
+    """Each round queues three 8192^3 BF16 GEMMs on another stream (nothing waits for them; each holds every SM it
+    can get for milliseconds), then makes a normal dispatch + combine, a num_worst_tokens one and a low-latency
+    dispatch + combine (plain and hook) on the current stream, every result compared bit for bit on the device.
+    Returns (mismatches per operation of ``_Soak``, rounds)."""
+    from epcomm.buffer import Buffer
+
+    dev = ctx.device
+    buf = Buffer(ctx.group, transport=transport)
+    soak = _Soak(ctx, buf, False)
+    side = torch.cuda.Stream(dev)
+    a = torch.randn(8192, 8192, device=dev).to(torch.bfloat16)
+    c = torch.empty_like(a)
+    for op in ("normal", "worst", "ll", "ll_hook"):  # first calls (compilation, storage) before the GEMMs
+        _run_op(soak, op, 0)
+    torch.cuda.synchronize()
+    for r in range(rounds):
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                torch.matmul(a, a, out=c)
+        for op in ("normal", "worst", "ll", "ll_hook"):
+            _run_op(soak, op, r % 2)
+    torch.cuda.synchronize()
+    buf.check_errors()
+    bad = soak.bad.tolist()
+    buf.destroy()
+    return bad, rounds
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transport", ["nvlink", "alltoall"])
+def test_gpu_calls_beside_long_gemms(transport, monkeypatch):
+    _need(2)
+    monkeypatch.setenv("EPCOMM_TIMEOUT_S", "30")
+    for rank, (bad, rounds) in enumerate(spawn(_beside_gemms, 2, transport, 20, device="cuda", timeout_s=900)):
+        assert rounds == 20 and not any(bad), f"rank {rank}: mismatching elements per operation {bad}"
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -39,12 +39,13 @@ import triton.language as tl
 
 from .launch import cdiv, launch, next_pow2
 from .numerics import pick
-from .shmem import arrive_last, barrier_enter, block_barrier, fence_sys, ld_acquire, st_release, wait_all_ge, wait_until
-from .shmem_codes import CMP_GE, ERR_BARRIER_TIMEOUT, ERR_DONE_TIMEOUT
+from .shmem import (arrive_last, barrier_enter, block_barrier, fence_sys, record_error, st_release, wait_after,
+                    wait_all_ge)
+from .shmem_codes import CMP_AFTER, ERR_BARRIER_TIMEOUT, ERR_DONE_TIMEOUT
 
 _K_ERR_BARRIER = tl.constexpr(ERR_BARRIER_TIMEOUT)
 _K_ERR_DONE = tl.constexpr(ERR_DONE_TIMEOUT)
-_K_CMP_GE = tl.constexpr(CMP_GE)
+_K_CMP_AFTER = tl.constexpr(CMP_AFTER)
 
 SUMMARY_HEAD = 8  # summary words before recv_prefix
 PUSH_WARPS = 8  # warps per push program (dispatch and combine)
@@ -217,12 +218,15 @@ def _publish(bases_ptr, hdr_first_ptr, hdr_rows_ptr, hdr_off, arrive_off, epoch_
 @triton.jit
 def _dest_row(itr_ptr, pos_ptr, first_ptr, t, live, r, rank, cap, R: tl.constexpr, SINGLE_ROUND: tl.constexpr):
     """For tokens ``t``: whether each goes to rank ``r`` and its row ``rank * cap + pos[t, r] - first[r]`` in
-    that rank's area (``first`` is 0 in a single round)."""
+    that rank's area (``first`` is 0 in a single round). A row past the ``cap`` rows of this rank's region (more
+    rows than an overflowing ``num_worst_tokens``) goes nowhere: nothing is written out of the region. ``cap`` 0:
+    one unbounded region (the portable transport's local packing)."""
     go = live & (tl.load(itr_ptr + t * R + r, mask=live, other=0) != 0)
-    a = rank * cap + tl.load(pos_ptr + t * R + r, mask=go, other=0)
+    a = tl.load(pos_ptr + t * R + r, mask=go, other=0)
     if not SINGLE_ROUND:
         a -= tl.load(first_ptr + r)
-    return go, a.to(tl.int64)
+    go = go & ((a < cap) | (cap == 0))
+    return go, (rank * cap + a).to(tl.int64)
 
 
 @triton.jit
@@ -428,7 +432,8 @@ def dispatch_copyout_kernel(area_ptr, meta_ptr, hdr_ptr, bases_ptr, arrive_off, 
                             USE_PTX: tl.constexpr, USE_TIMER: tl.constexpr, ONE_SIDED: tl.constexpr = True):
     """Wait for every source's round, then copy its rows from the area into the outputs and unpack the
     records (``_copy_rows``). Source ``s``'s rows of this round land at ``prefix[s] + first``; rows past
-    ``out_rows`` (an overflowing ``num_worst_tokens``, reported on the host side) are dropped. Programs take
+    ``out_rows`` or past the ``cap`` rows of a region (an overflowing ``num_worst_tokens``, reported on the host
+    side; the push sent no row past ``cap``) are dropped. Programs take
     ``ROWS`` rows at a time, cycling over every source's rows (a local copy: launch many programs).
     ``ONE_SIDED=False`` (the portable transport, whose all_to_all already put the rows in place): no wait,
     no rows to copy, one region of ``out_rows`` records to unpack (``R`` must be 1)."""
@@ -443,7 +448,7 @@ def dispatch_copyout_kernel(area_ptr, meta_ptr, hdr_ptr, bases_ptr, arrive_off, 
             first = tl.load(hdr_ptr + s * 2)
             rows = tl.load(hdr_ptr + s * 2 + 1)
             out0 = tl.load(prefix_ptr + s) + first
-            rows = tl.minimum(rows, tl.maximum(out_rows - out0, 0))
+            rows = tl.minimum(tl.minimum(rows, cap), tl.maximum(out_rows - out0, 0))  # past cap: not sent
         else:
             rows = out_rows
             out0 = 0
@@ -453,23 +458,24 @@ def dispatch_copyout_kernel(area_ptr, meta_ptr, hdr_ptr, bases_ptr, arrive_off, 
 
 
 @triton.jit
-def _await(ptr, value, timeout, err_ptr, rank, peer, slot, USE_TIMER: tl.constexpr):
-    """Wait until ``*ptr >= value`` (acquire loads; one load when it already holds, ``wait_until`` with its
-    timeout otherwise), then return the low 32 bits of the word, or -1 after a timeout."""
-    word = ld_acquire(ptr).to(tl.int64)
-    ok = word >= value
-    if word < value:
-        ok = wait_until(ptr, _K_CMP_GE, value, timeout, err_ptr, _K_ERR_DONE, rank, peer, slot, USE_TIMER) != 0
-        word = ld_acquire(ptr).to(tl.int64)
-    low = word - ((word >> 32) << 32)
+def _await(ptr, value, timeout, err_ptr, rank, peer, slot, USE_PTX: tl.constexpr, USE_TIMER: tl.constexpr):
+    """Wait until the progress word at ``ptr`` carries ``value``'s epoch (its high 32 bits, compared exactly)
+    and low 32 bits at least ``value``'s (``wait_after``: acquire loads, one when it already holds, a timeout
+    otherwise), then return the word's low 32 bits, or -1 after a timeout. A word of another epoch never
+    satisfies the wait (an error is recorded if it is already past this one), so a stale or early word cannot
+    end it and nothing spins without the timeout."""
+    word = wait_after(ptr, value, timeout, err_ptr, _K_ERR_DONE, rank, peer, slot, USE_PTX, USE_TIMER)
+    ok = ((word - value) >= 0) & ((word >> 32) == (value >> 32))
+    if ((word - value) >= 0) & ((word >> 32) != (value >> 32)):  # a later epoch than this round's
+        record_error(err_ptr, _K_ERR_DONE, rank, peer, slot, value, word, _K_CMP_AFTER)
+    low = word & 0xFFFFFFFF
     return tl.where(ok, low, -1)
 
 
-@triton.jit(do_not_specialize=["t_begin", "t_end", "cap", "num_push", "num_recv_progs", "out_rows",
-                                "timeout"])
+@triton.jit(do_not_specialize=["t_begin", "t_end", "cap", "num_push", "out_rows", "timeout"])
 def dispatch_kernel(x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_ptr, itr_ptr, pos_ptr, first_ptr,
                     bases_ptr, area_off, meta_off, prog_off, epoch_ptr, t_begin, t_end, cap, rank, world, num_push,
-                    num_recv_progs, area_ptr, meta_ptr, prog_ptr, err_ptr, prefix_ptr, out_x_ptr, out_scales_ptr,
+                    area_ptr, meta_ptr, prog_ptr, err_ptr, prefix_ptr, out_x_ptr, out_scales_ptr,
                     out_idx_ptr, out_w_ptr, out_src_ptr, out_rows, timeout, XW: tl.constexpr, W: tl.constexpr,
                     NS: tl.constexpr, K: tl.constexpr, E_LOCAL: tl.constexpr, R: tl.constexpr, R_POW2: tl.constexpr,
                     TOK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -479,24 +485,24 @@ def dispatch_kernel(x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_ptr, 
     """Streaming dispatch: push and receive in one launch, so that received rows are copied out while the
     pushes are still running.
 
-    Programs ``[0, num_push)`` push (``_push_tokens`` with progress reports); programs ``num_push + s *
-    num_recv_progs + q`` receive from source ``s``: for each of the sender's programs ``p = q, q +
-    num_recv_progs, ...`` (the sender announces how many it runs), they wait for its ``begin`` word, then
-    copy each newly reported stretch of rows ``[copied, end)`` into the outputs (``_copy_rows``) until the
-    ``end`` word carries the last-report bit. Received rows of source ``s`` with global position ``g`` go
-    to output row ``prefix[s] + g``; rows at or past ``out_rows`` are dropped (an overflowing
+    Programs ``[0, num_push)`` push (``_push_tokens`` with progress reports); the others receive, ``nrp =
+    (programs - num_push) // world`` per source (spare ones exit): program ``num_push + s * nrp + q`` receives
+    from source ``s``: for each of the sender's programs ``p = q, q + nrp, ...`` (the sender announces how many
+    it runs), they wait for its ``begin`` word, then copy each newly reported stretch of rows ``[copied, end)``
+    into the outputs (``_copy_rows``) until the ``end`` word carries the last-report bit. Received rows of
+    source ``s`` with global position ``g`` go to output row ``prefix[s] + g``; rows at or past ``out_rows``,
+    and rows past the ``cap`` of the source's region, are dropped: they were not sent (an overflowing
     ``num_worst_tokens``, reported on the host side).
 
     Progress words (int64, this rank's heap, ``prog`` ``[R_src, PMAX + 2, 2]``; every word has one writer,
     the sender): ``[s, 0, :]`` = (programs of s, first position of s's round), ``[s, 2 + p, :]`` = (begin,
-    end) of s's program p. Each word is ``epoch << 32 | value``: the epoch is this round's barrier epoch
-    (equal on every rank), so words of earlier rounds never satisfy a wait (``>=`` comparisons) and the
-    words need no reset (CUDA-graph replays work).
+    end) of s's program p. Each word is ``epoch << 32 | value``: the epoch's low 32 bits are this round's
+    barrier epoch (equal on every rank), compared exactly (``_await``), so words of other rounds never satisfy a
+    wait, whatever the epoch's wrap, and the words need no reset (CUDA-graph replays work).
 
-    A receiving program may wait for a pushing program of the same launch (its own rank's rows): pushing
-    programs have the lower ids and never wait for anything, and blocks are dispatched in id order, so they
-    are resident first (the same forward-progress argument as a decoupled look-back scan). The Triton
-    interpreter runs programs in id order, which satisfies it too."""
+    A receiving program may wait for a pushing program of the same launch (its own rank's rows): on GPUs the
+    kernel is launched cooperatively with a grid that fits the GPU at once (``launch_push``), so every pushing
+    program runs whatever else holds SMs. The Triton interpreter runs programs in id order, pushers first."""
     pid = tl.program_id(0)
     tag = tl.load(epoch_ptr) << 32
     if pid < num_push:
@@ -505,31 +511,34 @@ def dispatch_kernel(x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_ptr, 
                      NS, K, E_LOCAL, R, R_POW2, TOK, BLOCK, BLOCK_S, BLOCK_K, HAS_SCALES, HAS_TOPK, HAS_W,
                      SINGLE_ROUND, VEC, USE_PTX, PMAX, SIG)
     else:
+        nrp = (tl.num_programs(0) - num_push) // world  # receiving programs per source
         j = pid - num_push
-        s = j // num_recv_progs
-        q = j % num_recv_progs
-        row = prog_ptr + s * (PMAX + 2) * 2
-        nsend = _await(row, tag, timeout, err_ptr, rank, s, -1, USE_TIMER)
-        first = _await(row + 1, tag, timeout, err_ptr, rank, s, -1, USE_TIMER)
-        ok = (nsend >= 0) & (first >= 0)
-        base = tl.load(prefix_ptr + s)
-        p = q
-        while ok & (p < nsend):
-            start = _await(row + (2 + p) * 2, tag, timeout, err_ptr, rank, s, p, USE_TIMER)
-            ok = start >= 0
-            copied = start
-            fin = tl.zeros([], tl.int64)
-            while ok & (fin == 0):
-                word = _await(row + (2 + p) * 2 + 1, tag + copied + 1, timeout, err_ptr, rank, s, p, USE_TIMER)
-                ok = word >= 0
-                fin = (word >> 31) & 1
-                end = tl.where(ok, word & 0x7FFFFFFF, copied)
-                hi = tl.minimum(end, out_rows - base)
-                _copy_rows(area_ptr, meta_ptr, out_x_ptr, out_scales_ptr, out_idx_ptr, out_w_ptr, out_src_ptr,
-                           s * cap - first, base, copied, hi, ROWS, XW, W, NS, K, ROWS, 1024, BLOCK_K, BLOCK_S,
-                           HAS_SCALES, HAS_IDX, HAS_W, VEC, True)
-                copied = end
-            p += num_recv_progs
+        s = j // nrp
+        q = j % nrp
+        if s < world:
+            row = prog_ptr + s * (PMAX + 2) * 2
+            nsend = _await(row, tag, timeout, err_ptr, rank, s, -1, USE_PTX, USE_TIMER)
+            first = _await(row + 1, tag, timeout, err_ptr, rank, s, -1, USE_PTX, USE_TIMER)
+            ok = (nsend >= 0) & (first >= 0)
+            base = tl.load(prefix_ptr + s)
+            p = q
+            while ok & (p < nsend):
+                start = _await(row + (2 + p) * 2, tag, timeout, err_ptr, rank, s, p, USE_PTX, USE_TIMER)
+                ok = start >= 0
+                copied = start
+                fin = tl.zeros([], tl.int64)
+                while ok & (fin == 0):
+                    word = _await(row + (2 + p) * 2 + 1, tag + copied + 1, timeout, err_ptr, rank, s, p, USE_PTX,
+                                  USE_TIMER)
+                    ok = word >= 0
+                    fin = (word >> 31) & 1
+                    end = tl.where(ok, word & 0x7FFFFFFF, copied)
+                    hi = tl.minimum(tl.minimum(end, out_rows - base), first + cap)  # rows past the region: not sent
+                    _copy_rows(area_ptr, meta_ptr, out_x_ptr, out_scales_ptr, out_idx_ptr, out_w_ptr, out_src_ptr,
+                               s * cap - first, base, copied, hi, ROWS, XW, W, NS, K, ROWS, 1024, BLOCK_K, BLOCK_S,
+                               HAS_SCALES, HAS_IDX, HAS_W, VEC, True)
+                    copied = end
+                p += nrp
 
 
 @triton.jit
@@ -592,7 +601,12 @@ def combine_push_kernel(x_ptr, w_ptr, src_ptr, prefix_ptr, dst_row_ptr, bases_pt
         count = tl.load(prefix_ptr + world + rs, mask=(rs < world) & (rs != rank), other=0)
         per_s = tl.cdiv(tl.cdiv(count, nprog), TOK) * TOK
         lo_s = first + pid * per_s
-        hi_s = tl.minimum(lo_s + per_s, first + count)
+        # within the rows there are and, in a single round, within the cap rows of this rank's region at the source
+        # (the prefix of an overflowing num_worst_tokens dispatch counts rows that were never received)
+        end_s = tl.minimum(first + count, num_rows)
+        if SINGLE_ROUND:
+            end_s = tl.minimum(end_s, first + cap)
+        hi_s = tl.minimum(lo_s + per_s, end_s)
         steps = tl.where(entered, tl.max(tl.where(hi_s > lo_s, tl.cdiv(hi_s - lo_s, TOK), 0)), 0)
         j = 0
         while j < steps:
@@ -728,7 +742,8 @@ def launch_push(*, x, scales, topk_idx, topk_weights, itr, pos, first, rows, bas
     """``dispatch_push_kernel`` for rows of ``x [N, H]`` (any dtype; rows a multiple of 4 bytes), optional
     ``scales [N, S]`` (4-byte dtype, any strides), ``topk_idx``/``topk_weights [N, K]``; with ``receive``,
     the streaming ``dispatch_kernel`` instead (``grid`` pushing programs, at most ``PROGRESS_SLOTS``, plus
-    ``receive.programs`` receiving programs per source)."""
+    ``receive.programs`` receiving programs per source, fewer where they would not fit the GPU at once: the
+    kernel is launched cooperatively)."""
     import torch
 
     n = x.size(0)
@@ -752,9 +767,33 @@ def launch_push(*, x, scales, topk_idx, topk_weights, itr, pos, first, rows, bas
         raise ValueError(f"launch_push: {grid} pushing programs; a streaming dispatch runs 1..{PROGRESS_SLOTS}")
     rv = receive
     out = [t if t is not None else dummy for t in (rv.out_x, rv.out_scales, rv.out_idx, rv.out_w, rv.out_src)]
-    launch(dispatch_kernel, (grid + world * rv.programs,),
+    # receivers wait for the pushers of their launch: a cooperative launch, as many receivers as fit beside them
+    launch(dispatch_kernel, _StreamingGrid(grid, world, rv.programs),
         *push_args, bases, area_off, meta_off, rv.prog_off, epoch, t_begin, t_end, cap, rank, world, grid,
-        rv.programs, rv.area_rows, rv.meta_rows, rv.prog, rv.err, rv.prefix, *out, rv.out_rows, rv.timeout,
+        rv.area_rows, rv.meta_rows, rv.prog, rv.err, rv.prefix, *out, rv.out_rows, rv.timeout,
         HAS_IDX=rv.out_idx is not None, USE_TIMER=use_ptx, PMAX=PROGRESS_SLOTS,
-        SIG=max(1, SIGNAL_TOKENS // tokens_per_step), ROWS=4, **meta)
+        SIG=max(1, SIGNAL_TOKENS // tokens_per_step), ROWS=4, **(_COOPERATIVE if use_ptx else {}), **meta)
+
+
+# a streaming dispatch on GPUs: all programs resident at once, 2 per SM (uncapped, ptxas gives it 121-128 registers)
+_COOPERATIVE = dict(launch_cooperative_grid=True, maxnreg=128)
+
+
+@dataclass(frozen=True)
+class _StreamingGrid:
+    """The grid of a streaming dispatch (``dispatch_kernel``) as a function of the programs the GPU holds at once
+    (``resident``, None: no limit): ``push`` pushing programs and up to ``recv`` receiving programs per source, as
+    many as fit beside the pushers (the kernel takes its receivers per source from the grid)."""
+
+    push: int
+    world: int
+    recv: int
+
+    def __call__(self, resident: Optional[int]) -> tuple:
+        recv = self.recv if resident is None else min(self.recv, (resident - self.push) // self.world)
+        if recv < 1:
+            raise ValueError(f"Buffer.dispatch: {self.push} pushing programs and one receiving program per rank "
+                             f"({self.world}) do not fit the GPU at once (it holds {resident} programs of the "
+                             f"dispatch kernel); pass a smaller Config.num_sms, or Config(strict_sms=True)")
+        return (self.push + self.world * recv,)
 

@@ -307,10 +307,10 @@ def _copy_rows_em(area_ptr, meta_ptr, out_x_ptr, out_s_ptr, out_w_ptr, out_src_p
         i0 += step
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["t_begin", "t_end", "cap", "num_push", "out_rows", "rows_out", "timeout"])
 def em_dispatch_kernel(x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_ptr, itr_ptr, pos_ptr, first_ptr,
                        pidx_ptr, bases_ptr, area_off, meta_off, prog_off, epoch_ptr, t_begin, t_end, cap, rank, world,
-                       num_push, num_recv_progs, area_ptr, meta_ptr, prog_ptr, err_ptr, prefix_ptr, out_x_ptr,
+                       num_push, area_ptr, meta_ptr, prog_ptr, err_ptr, prefix_ptr, out_x_ptr,
                        out_s_ptr, out_w_ptr, out_src_ptr, row_src_ptr, pair_row_ptr, em_base_ptr, out_rows, rows_out,
                        timeout, XW: tl.constexpr, W: tl.constexpr, NS: tl.constexpr, K: tl.constexpr,
                        E_LOCAL: tl.constexpr, R: tl.constexpr, R_POW2: tl.constexpr, TOK: tl.constexpr,
@@ -319,7 +319,7 @@ def em_dispatch_kernel(x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_pt
                        USE_TIMER: tl.constexpr, PMAX: tl.constexpr, SIG: tl.constexpr, ROWS: tl.constexpr):
     """``epcomm.kernels.ep.dispatch_kernel`` (the same push, progress words and receive protocol; see there), with
     records carrying the pair indices and receiving programs that copy into the expert-major outputs
-    (``_copy_rows_em``) instead of rank-major rows."""
+    (``_copy_rows_em``) instead of rank-major rows. Launched cooperatively like it (every program resident)."""
     pid = tl.program_id(0)
     tag = tl.load(epoch_ptr) << 32
     if pid < num_push:
@@ -328,34 +328,37 @@ def em_dispatch_kernel(x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_pt
                      NS, K, E_LOCAL, R, R_POW2, TOK, BLOCK, BLOCK_S, BLOCK_K, HAS_SCALES, True, HAS_W,
                      SINGLE_ROUND, VEC, USE_PTX, PMAX, SIG, pidx_ptr, True)
     else:
+        nrp = (tl.num_programs(0) - num_push) // world  # receiving programs per source
         j = pid - num_push
-        s = j // num_recv_progs
-        q = j % num_recv_progs
-        row = prog_ptr + s * (PMAX + 2) * 2
-        nsend = _await(row, tag, timeout, err_ptr, rank, s, -1, USE_TIMER)
-        first = _await(row + 1, tag, timeout, err_ptr, rank, s, -1, USE_TIMER)
-        ok = (nsend >= 0) & (first >= 0)
-        base = tl.load(prefix_ptr + s)
-        p = q
-        while ok & (p < nsend):
-            start = _await(row + (2 + p) * 2, tag, timeout, err_ptr, rank, s, p, USE_TIMER)
-            ok = start >= 0
-            copied = start
-            fin = tl.zeros([], tl.int64)
-            while ok & (fin == 0):
-                word = _await(row + (2 + p) * 2 + 1, tag + copied + 1, timeout, err_ptr, rank, s, p, USE_TIMER)
-                ok = word >= 0
-                fin = (word >> 31) & 1
-                end = tl.where(ok, word & 0x7FFFFFFF, copied)
-                hi = tl.minimum(end, out_rows - base)
-                _copy_rows_em(area_ptr, meta_ptr, out_x_ptr, out_s_ptr, out_w_ptr, out_src_ptr, row_src_ptr,
-                              pair_row_ptr, em_base_ptr, s, s * cap - first, base, copied, hi, ROWS, rows_out, XW, W,
-                              NS, K, E_LOCAL, ROWS, 1024, BLOCK_K, BLOCK_S, HAS_SCALES, HAS_W, VEC)
-                copied = end
-            p += num_recv_progs
+        s = j // nrp
+        q = j % nrp
+        if s < world:
+            row = prog_ptr + s * (PMAX + 2) * 2
+            nsend = _await(row, tag, timeout, err_ptr, rank, s, -1, USE_PTX, USE_TIMER)
+            first = _await(row + 1, tag, timeout, err_ptr, rank, s, -1, USE_PTX, USE_TIMER)
+            ok = (nsend >= 0) & (first >= 0)
+            base = tl.load(prefix_ptr + s)
+            p = q
+            while ok & (p < nsend):
+                start = _await(row + (2 + p) * 2, tag, timeout, err_ptr, rank, s, p, USE_PTX, USE_TIMER)
+                ok = start >= 0
+                copied = start
+                fin = tl.zeros([], tl.int64)
+                while ok & (fin == 0):
+                    word = _await(row + (2 + p) * 2 + 1, tag + copied + 1, timeout, err_ptr, rank, s, p, USE_PTX,
+                                  USE_TIMER)
+                    ok = word >= 0
+                    fin = (word >> 31) & 1
+                    end = tl.where(ok, word & 0x7FFFFFFF, copied)
+                    hi = tl.minimum(tl.minimum(end, out_rows - base), first + cap)  # rows past the region: not sent
+                    _copy_rows_em(area_ptr, meta_ptr, out_x_ptr, out_s_ptr, out_w_ptr, out_src_ptr, row_src_ptr,
+                                  pair_row_ptr, em_base_ptr, s, s * cap - first, base, copied, hi, ROWS, rows_out,
+                                  XW, W, NS, K, E_LOCAL, ROWS, 1024, BLOCK_K, BLOCK_S, HAS_SCALES, HAS_W, VEC)
+                    copied = end
+                p += nrp
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["t_begin", "t_end", "cap"])
 def em_push_kernel(x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_ptr, itr_ptr, pos_ptr, first_ptr, rows_ptr,
                    pidx_ptr, bases_ptr, area_off, meta_off, hdr_off, arrive_off, epoch_ptr, counter_ptr, t_begin, t_end,
                    cap, rank, world, XW: tl.constexpr, W: tl.constexpr, NS: tl.constexpr, K: tl.constexpr,
@@ -377,7 +380,7 @@ def em_push_kernel(x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_ptr, i
                  SINGLE_ROUND, USE_PTX)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["out_rows", "rows_out", "cap", "timeout"])
 def em_copyout_kernel(area_ptr, meta_ptr, hdr_ptr, bases_ptr, arrive_off, epoch_ptr, err_ptr, prefix_ptr, out_x_ptr,
                       out_s_ptr, out_w_ptr, out_src_ptr, row_src_ptr, pair_row_ptr, em_base_ptr, out_rows, rows_out,
                       cap, rank, world, timeout, XW: tl.constexpr, W: tl.constexpr, NS: tl.constexpr,
@@ -395,7 +398,7 @@ def em_copyout_kernel(area_ptr, meta_ptr, hdr_ptr, bases_ptr, arrive_off, epoch_
         first = tl.load(hdr_ptr + s * 2)
         rows = tl.load(hdr_ptr + s * 2 + 1)
         out0 = tl.load(prefix_ptr + s) + first
-        rows = tl.minimum(rows, tl.maximum(out_rows - out0, 0))
+        rows = tl.minimum(tl.minimum(rows, cap), tl.maximum(out_rows - out0, 0))  # past cap: not sent
         _copy_rows_em(area_ptr, meta_ptr, out_x_ptr, out_s_ptr, out_w_ptr, out_src_ptr, row_src_ptr, pair_row_ptr,
                       em_base_ptr, s, s * cap, out0, pid * ROWS, rows, nprog * ROWS, rows_out, XW, W, NS, K, E_LOCAL,
                       ROWS, BLOCK, BLOCK_K, BLOCK_S, HAS_SCALES, HAS_W, VEC)
@@ -559,7 +562,7 @@ def launch_em_round(*, x, scales, topk_idx, topk_weights, itr, pos, first, rows_
     """One round of the one-sided expert-major dispatch: ``em_dispatch_kernel`` (``grid`` pushing programs plus
     ``grid`` receiving programs per source), or with ``strict`` ``em_push_kernel`` then ``em_copyout_kernel`` on
     ``grid`` programs; the arguments are those of ``epcomm.kernels.ep.launch_push`` and the copy-out."""
-    from .ep import PUSH_WARPS, chunk_block, pow2_block, record_words
+    from .ep import _COOPERATIVE, PUSH_WARPS, _StreamingGrid, chunk_block, pow2_block, record_words
 
     n = x.size(0)
     xw = x.size(1) * x.element_size() // 4
@@ -584,12 +587,13 @@ def launch_em_round(*, x, scales, topk_idx, topk_weights, itr, pos, first, rows_
     if not strict:
         if not 1 <= grid <= progress_slots:
             raise ValueError(f"launch_em_round: {grid} pushing programs; a streaming dispatch runs 1..{progress_slots}")
-        launch(em_dispatch_kernel, (grid + world * grid,),
-               *push, t.pidx, bases, area_off, meta_off, prog_off, epoch, t_begin, t_end, cap, rank, world, grid, grid,
+        # receivers wait for the pushers of their launch: a cooperative launch, as many receivers as fit beside them
+        launch(em_dispatch_kernel, _StreamingGrid(grid, world, grid),
+               *push, t.pidx, bases, area_off, meta_off, prog_off, epoch, t_begin, t_end, cap, rank, world, grid,
                area_rows, meta_rows, prog, err, prefix, *outs, num_recv, t.rows, timeout, **shape,
                TOK=tokens_per_step, BLOCK=chunk_block(xw, tokens_per_step), SINGLE_ROUND=single_round,
                USE_TIMER=use_ptx, PMAX=progress_slots, SIG=max(1, signal_tokens // tokens_per_step), ROWS=4,
-               num_warps=PUSH_WARPS, **common)
+               num_warps=PUSH_WARPS, **(_COOPERATIVE if use_ptx else {}), **common)
         return
     launch(em_push_kernel, (grid,), *push, rows_ptr, t.pidx, bases, area_off, meta_off, hdr_off, arrive_off, epoch,
            counter, t_begin, t_end, cap, rank, world, **shape, TOK=tokens_per_step,

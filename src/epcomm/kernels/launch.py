@@ -22,13 +22,28 @@ and load it onto the device, without running anything; the next real launch of i
 transports use it to compile a call's kernels before any rank's kernel starts waiting (compilation time differs
 between ranks and must not count against the device timeouts), ``Buffer.warmup`` to compile whole
 configurations, several variants at once on a pool of threads (Triton's compiler releases the GIL).
+
+Co-residency. A GPU runs a launch's programs as SMs free up; nothing guarantees that every program of a launch
+runs at the same time, least of all while other kernels (a GEMM, a tensor-parallel collective, another
+micro-batch's communication) hold SMs. So a program may wait for another program of its own launch only if
+the kernel is launched *cooperatively* (``launch_cooperative_grid=True``, a Triton launch option: CUDA starts
+all programs together or refuses the launch) with a grid that fits the GPU at once. The grid of such a launch
+is a function of what fits: ``launch(kernel, lambda resident: grid, ...)``, where ``resident`` is how many
+programs of the compiled kernel the GPU holds at once (``resident_programs``: occupancy per SM times SMs;
+None under the interpreter, which runs programs one after another in id order). Kernels launched so: the
+fused low-latency kernel (every program waits for the flag the last one releases) and the streaming dispatch
+(receivers wait for the pushers of their launch). Every other waiting kernel waits only for flags written by
+other launches. Either way every wait also times out from a start its own program takes (``kernels.shmem``),
+so a kernel whose peer never runs still ends, with an error. On a device without cooperative launches (or one
+that refuses them) the launch goes on without the option, with a warning: waits then still end, by timeout.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Any, Optional
+import logging
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -38,6 +53,9 @@ except ImportError:  # older Triton: every launch goes through Triton
     _knobs = None
 
 FAST_LAUNCH = True  # False: always go through Triton's argument binding (for debugging)
+
+log = logging.getLogger(__name__)
+Grid = Union[tuple, Callable[[Optional[int]], tuple]]  # a grid, or a function of the programs that fit at once
 
 _I32 = (-(1 << 31), (1 << 31) - 1)
 _I64_MAX = (1 << 63) - 1
@@ -68,13 +86,15 @@ def arg_key(value: Any, specialize: bool = True):
 class Launcher:
     """Launches one ``@triton.jit`` kernel, caching its compiled variants (see the module docstring).
 
-    ``launcher(grid, args, kwargs)``: ``grid`` a tuple of 1-3 ints, ``args`` the runtime arguments in
+    ``launcher(grid, args, kwargs)``: ``grid`` a tuple of 1-3 ints (or a function of the programs that fit at once,
+    returning one: "Co-residency"), ``args`` the runtime arguments in
     signature order (every constexpr parameter must come after them), ``kwargs`` the constexpr values by
     name plus launch options; the same as ``kernel[grid](*args, **kwargs)``."""
 
     def __init__(self, kernel) -> None:
         self.kernel = kernel
         self._compiled: dict = {}
+        self._fits: dict = {}  # variant key -> programs the GPU holds at once (grid functions, cooperative launches)
         self._layout = None  # (specialize flag per runtime parameter, (name, default) per constexpr)
 
     def _fast(self) -> bool:  # a JITFunction (the interpreter's kernels and test stand-ins have no params)
@@ -123,41 +143,84 @@ class Launcher:
         self._compiled[key] = (compiled, compiled.run, compiled.function, compiled.packed_metadata,
                                self.arguments((), kwargs))
 
-    def _compile(self, grid: tuple, args: tuple, kwargs: dict) -> None:
+    def _compile(self, grid: Grid, args: tuple, kwargs: dict) -> None:
         """``compile_only()``'s part of a launch: compile the variant, launch nothing."""
         self._check_keywords(kwargs)
+        grid = grid if isinstance(grid, tuple) else (1,)  # compiling does not depend on the grid
         if not self._fast():
             self.kernel.warmup(*args, grid=grid, **kwargs)  # Triton keeps it (the interpreter: nothing to do)
             return
+        kwargs = _usable_options(kwargs, _current_device())
         self._check_arity(args)
         key = self._key(_current_device(), args, kwargs)
         if key not in self._compiled and not any(other is self and k == key for other, k, _, _ in _ahead):
             _ahead.append((self, key, kwargs, self.kernel.warmup(*args, grid=grid, **kwargs)))
 
-    def __call__(self, grid: tuple, args: tuple, kwargs: dict) -> None:
+    def __call__(self, grid: Grid, args: tuple, kwargs: dict) -> None:
         if _ahead is not None:
             self._compile(grid, args, kwargs)
             return
         if not self._fast():
             self._check_keywords(kwargs)
+            if not isinstance(grid, tuple):
+                grid = grid(self._slow_resident(args, kwargs))
             self.kernel[grid](*args, **kwargs)
             return
         device = _current_device()
+        cooperative = kwargs.get("launch_cooperative_grid", False)
+        if cooperative:
+            kwargs = _usable_options(kwargs, device)
         key = self._key(device, args, kwargs)
         entry = self._compiled.get(key)
-        if entry is None:  # first launch of this variant: Triton binds, compiles (or loads) and launches
-            self._check_keywords(kwargs)
-            self._check_arity(args)
-            compiled = self.kernel[grid](*args, **kwargs)
-            self._compiled[key] = (compiled, compiled.run, compiled.function, compiled.packed_metadata,
-                                   self.arguments((), kwargs))
-            return
-        compiled, run, function, packed, tail = entry
-        g = grid + (1, 1)
-        if _hooks_set(_knobs.runtime.launch_enter_hook) or _hooks_set(_knobs.runtime.launch_exit_hook):
-            compiled[g[:3]](*args, *tail)  # a profiler's launch hooks are set: let Triton call them
-            return
-        run(g[0], g[1], g[2], _current_stream(device), function, packed, None, None, None, *args, *tail)
+        try:
+            if entry is None:  # first launch of this variant: Triton binds, compiles (or loads) and launches
+                self._check_keywords(kwargs)
+                self._check_arity(args)
+                if not isinstance(grid, tuple) or kwargs.get("launch_cooperative_grid"):
+                    compiled = self.kernel.warmup(*args, grid=(1,), **kwargs)  # the grid depends on what fits
+                    compiled._init_handles()
+                    grid = self._fit(grid, resident_programs(compiled, device), kwargs)
+                compiled = self.kernel[grid](*args, **kwargs)
+                self._compiled[key] = (compiled, compiled.run, compiled.function, compiled.packed_metadata,
+                                       self.arguments((), kwargs))
+                return
+            compiled, run, function, packed, tail = entry
+            if not isinstance(grid, tuple) or cooperative:
+                grid = self._fit(grid, self._resident(key, compiled, device), kwargs)
+            g = grid + (1, 1)
+            if _hooks_set(_knobs.runtime.launch_enter_hook) or _hooks_set(_knobs.runtime.launch_exit_hook):
+                compiled[g[:3]](*args, *tail)  # a profiler's launch hooks are set: let Triton call them
+                return
+            run(g[0], g[1], g[2], _current_stream(device), function, packed, None, None, None, *args, *tail)
+        except RuntimeError as exc:
+            if not kwargs.get("launch_cooperative_grid") or not _refuse_cooperative(device, exc):
+                raise
+            self(grid, args, kwargs)  # again, without the option
+
+    def _fit(self, grid: Grid, resident: int, kwargs: dict) -> tuple:
+        """The grid of a launch whose kernel holds ``resident`` programs at once on this GPU: ``grid(resident)`` for
+        a grid function; a cooperative grid must fit."""
+        if not isinstance(grid, tuple):
+            grid = grid(resident)
+        if kwargs.get("launch_cooperative_grid") and _programs(grid) > resident:
+            raise ValueError(f"Launcher: a cooperative launch of {self.kernel.fn.__name__} with {_programs(grid)} "
+                             f"programs; this GPU holds at most {resident} of them at once (pass a grid function)")
+        return grid
+
+    def _resident(self, key: tuple, compiled, device: int) -> int:
+        resident = self._fits.get(key)
+        if resident is None:
+            resident = self._fits[key] = resident_programs(compiled, device)
+        return resident
+
+    def _slow_resident(self, args: tuple, kwargs: dict) -> Optional[int]:
+        """``resident`` for a grid function outside the fast path: None under the interpreter (it runs programs one
+        after another), else from the compiled kernel."""
+        if not hasattr(self.kernel, "params") or type(self.kernel).__name__ == "InterpretedFunction":
+            return None
+        compiled = self.kernel.warmup(*args, grid=(1,), **kwargs)
+        compiled._init_handles()
+        return resident_programs(compiled, _current_device())
 
 
 @contextlib.contextmanager
@@ -209,13 +272,126 @@ def _current_stream(device: int) -> int:
 _LAUNCHERS: dict = {}
 
 
-def launch(kernel, grid: tuple, *args, **kwargs) -> None:
+def launch(kernel, grid: Grid, *args, **kwargs) -> None:
     """``kernel[grid](*args, **kwargs)`` through the kernel's ``Launcher`` (runtime arguments positional,
-    constexprs and options by keyword)."""
+    constexprs and options by keyword). ``grid``: a tuple, or a function of the programs the GPU holds at once
+    (module docstring, "Co-residency")."""
     launcher = _LAUNCHERS.get(kernel)
     if launcher is None:
         launcher = _LAUNCHERS[kernel] = Launcher(kernel)
     launcher(grid, args, kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Co-residency (module docstring)
+# ---------------------------------------------------------------------------------------------------------
+def programs_per_sm(regs_per_thread: int, threads: int, shared_bytes: int, regs_per_sm: int = 65536,
+                    threads_per_sm: int = 2048, shared_per_sm: int = 233472, max_programs: int = 32,
+                    reg_unit: int = 256, shared_reserved: int = 1024) -> int:
+    """How many programs of ``threads`` threads, ``regs_per_thread`` registers each and ``shared_bytes`` of shared
+    memory one SM holds at once (CUDA's occupancy rules: registers are allocated per warp in units of
+    ``reg_unit``, each program reserves ``shared_reserved`` bytes of shared memory; defaults: sm_90). The fallback
+    of ``resident_programs`` where the driver cannot be asked."""
+    warps = -(-max(threads, 1) // 32)
+    regs_per_warp = -(-max(regs_per_thread, 1) * 32 // reg_unit) * reg_unit
+    by_regs = (regs_per_sm // regs_per_warp) // warps
+    by_threads = threads_per_sm // (warps * 32)
+    by_shared = shared_per_sm // (shared_bytes + shared_reserved)
+    return max(0, min(max_programs, by_regs, by_threads, by_shared))
+
+
+def resident_programs(compiled, device: int) -> int:
+    """How many programs of ``compiled`` (a Triton kernel loaded on GPU ``device``) the GPU holds at once: the
+    driver's occupancy per SM (``cuOccupancyMaxActiveBlocksPerMultiprocessor``, what bounds a cooperative launch)
+    times the SMs this process sees (under MPS, its share), or ``programs_per_sm`` from the kernel's registers,
+    shared memory and warps where the driver cannot be asked."""
+    threads = 32 * compiled.metadata.num_warps
+    shared = compiled.metadata.shared
+    props = torch.cuda.get_device_properties(device)
+    per_sm = _driver_occupancy(compiled.function, threads, shared)
+    if per_sm is None:
+        per_sm = programs_per_sm(compiled.n_regs, threads, shared,
+                                 getattr(props, "regs_per_multiprocessor", 65536),
+                                 getattr(props, "max_threads_per_multi_processor", 2048),
+                                 getattr(props, "shared_memory_per_multiprocessor", 233472))
+    return max(1, per_sm) * props.multi_processor_count
+
+
+def _programs(grid: tuple) -> int:
+    n = 1
+    for g in grid:
+        n *= g
+    return n
+
+
+_CUDA_LIB: list = []  # [libcuda handle or None], loaded once
+_COOPERATIVE: dict = {}  # device -> whether cooperative launches are used there
+
+
+def _libcuda():
+    if not _CUDA_LIB:
+        import ctypes
+
+        try:
+            _CUDA_LIB.append(ctypes.CDLL("libcuda.so.1"))
+        except OSError:
+            _CUDA_LIB.append(None)
+    return _CUDA_LIB[0]
+
+
+def _driver_occupancy(function: int, threads: int, shared: int) -> Optional[int]:
+    """Programs of the loaded kernel ``function`` (a CUfunction) one SM holds at once, or None."""
+    import ctypes
+
+    lib = _libcuda()
+    if lib is None:
+        return None
+    n = ctypes.c_int(0)
+    rc = lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), ctypes.c_void_p(function),
+                                                         ctypes.c_int(threads), ctypes.c_size_t(shared))
+    return n.value if rc == 0 else None
+
+
+def cooperative_launches(device: int) -> bool:
+    """Whether launches on GPU ``device`` use ``launch_cooperative_grid`` (the device supports it and has not
+    refused one)."""
+    ok = _COOPERATIVE.get(device)
+    if ok is None:
+        import ctypes
+
+        ok, lib = True, _libcuda()
+        if lib is not None:
+            handle, value = ctypes.c_int(0), ctypes.c_int(1)
+            if lib.cuDeviceGet(ctypes.byref(handle), ctypes.c_int(device)) == 0 and lib.cuDeviceGetAttribute(
+                    ctypes.byref(value), ctypes.c_int(95), handle) == 0:  # CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH
+                ok = bool(value.value)
+        if not ok:
+            log.warning("GPU %d does not support cooperative launches: kernels whose programs wait for each other are "
+                        "launched without the guarantee that they all run at once (their waits still time out)",
+                        device)
+        _COOPERATIVE[device] = ok
+    return ok
+
+
+def _usable_options(kwargs: dict, device: int) -> dict:
+    """``kwargs`` without ``launch_cooperative_grid`` where this device does not take cooperative launches (left out,
+    not False: the launch is then the same variant as one that never asked)."""
+    if kwargs.get("launch_cooperative_grid") and not cooperative_launches(device):
+        kwargs = {k: v for k, v in kwargs.items() if k != "launch_cooperative_grid"}
+    return kwargs
+
+
+def _refuse_cooperative(device: int, exc: Exception) -> bool:
+    """A cooperative launch on ``device`` failed with ``exc`` (a device or an MPS client that does not take them, or
+    a grid larger than the driver allows there): stop using them on that device and return True (launch again
+    without); False if they were already off (the failure is something else)."""
+    if not _COOPERATIVE.get(device, True):
+        return False
+    _COOPERATIVE[device] = False
+    log.warning("GPU %d refused a cooperative launch (%s): kernels whose programs wait for each other are launched "
+                "without the guarantee that they all run at once from now on (their waits still time out)", device,
+                exc)
+    return True
 
 
 def next_pow2(v: int) -> int:

@@ -21,8 +21,9 @@ fences (system scope) and arrives on a local counter; the last one releases the 
 flag. Receivers acquire-poll their flags with a timeout that records an error instead of hanging, then read
 with ``.cg`` loads (L2, never a stale L1 line). A kernel may run the send half, the receive half or both
 (``DO_SEND``/``DO_RECV``): fused, every program waits for flags that the same launch's last program releases,
-so the fused form needs all programs resident at once (grid <= SMs on a GPU; grid 1 under the interpreter,
-which runs programs one after another).
+so the fused form needs all programs resident at once: on a GPU it is launched cooperatively with at most as
+many programs as fit (``StageLauncher``); under the interpreter, which runs programs one after another, with one
+program.
 
 Numerics: the FP8 cast is ``epcomm.fp8``'s definition computed in integer and correctly rounded float32
 operations (bit-identical to torch on GPUs and under the interpreter), and the combine adds
@@ -242,7 +243,7 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, out_x_ptr, out_s_ptr, hmeta_ptr, bases_pt
             rcall = tl.load(ctl_ptr + _K_CTL_INFO + info_slot)
         rpar = rcall & 1
         rarea = local_base + OFF_D + rpar * D_BYTES
-        if ld_acquire(err_ptr) == 0:  # after a timeout every later receive fails fast
+        if ld_acquire(err_ptr, USE_PTX) == 0:  # after a timeout every later receive fails fast
             wait_all_ge(local_base, OFF_FLAG + rpar * (R * 8), R, rcall + 1, timeout, err_ptr, _K_ERR_DISPATCH,
                         RANK, R_P, USE_PTX, USE_TIMER)
         tl.debug_barrier()
@@ -388,7 +389,7 @@ def ll_combine_kernel(y_ptr, idx_ptr, w_ptr, out_ptr, hmeta_ptr, bases_ptr, ctl_
             rcall = tl.load(ctl_ptr + _K_CTL_INFO + _K_INFO_RING + info_slot)
         rpar = rcall & 1
         rarea = local_base + OFF_C + rpar * C_BYTES
-        if ld_acquire(err_ptr) == 0:
+        if ld_acquire(err_ptr, USE_PTX) == 0:
             wait_all_ge(local_base, OFF_FLAG + (2 + rpar) * (R * 8), R, rcall + 1, timeout, err_ptr,
                         _K_ERR_COMBINE, RANK, R_P, USE_PTX, USE_TIMER)
         tl.debug_barrier()
@@ -414,23 +415,47 @@ def ll_combine_kernel(y_ptr, idx_ptr, w_ptr, out_ptr, hmeta_ptr, bases_ptr, ctl_
 # ---------------------------------------------------------------------------------------------------------
 # Launchers
 # ---------------------------------------------------------------------------------------------------------
+# Registers per thread of a fused low-latency kernel (256 threads): 2 programs per SM. Uncapped, ptxas gave the FP8
+# dispatch 166 (1 program per SM: one fused call filled the GPU) and, after small changes elsewhere in the kernel,
+# 128 with spills; capped, 124 without spills (sm_90, hidden 7168, top-8).
+FUSED_MAXNREG = 128
+
+
 class StageLauncher:
     """``ll_dispatch_kernel`` / ``ll_combine_kernel`` with the transport's fixed constants; each call picks
     the halves to run (``DO_SEND`` / ``DO_RECV``). Launches go through ``launch.Launcher`` (no argument
     binding after the first launch of a variant); integer arguments are ``do_not_specialize`` except
-    ``local_base``, which is always a multiple of 256."""
+    ``local_base``, which is always a multiple of 256. On GPUs the fused form (both halves: every program waits
+    for the flag its launch's last program releases) is launched cooperatively, its grid capped at the programs
+    the GPU holds at once (``epcomm.kernels.launch``, "Co-residency"), and compiled with at most ``FUSED_MAXNREG``
+    registers per thread: two programs per SM, so that two fused calls (two Buffers, or two micro-batches on two
+    streams) are resident together and cannot wait for each other."""
 
     def __init__(self, kernel, consts: dict, options: dict) -> None:
         self.launcher = Launcher(kernel)
-        self._kwargs = {(s, r): dict(consts, **options, DO_SEND=s, DO_RECV=r) for s in (False, True)
-                        for r in (False, True)}
+        fused = dict(launch_cooperative_grid=True, maxnreg=FUSED_MAXNREG) if consts.get("USE_PTX") else {}
+        self._kwargs = {(s, r): dict(consts, **options, DO_SEND=s, DO_RECV=r, **(fused if s and r else {}))
+                        for s in (False, True) for r in (False, True)}
+        self._grids: dict = {}
 
     def kwargs(self, send: bool, recv: bool) -> dict:
         """The constexprs and options of a launch running the given halves."""
         return self._kwargs[(send, recv)]
 
     def __call__(self, grid: int, args: tuple, send: bool, recv: bool) -> None:
-        self.launcher((grid,), args, self._kwargs[(send, recv)])
+        kwargs = self._kwargs[(send, recv)]
+        if kwargs.get("launch_cooperative_grid"):  # at most ``grid`` programs, as many as fit at once
+            fit = self._grids.get(grid)
+            if fit is None:
+                fit = self._grids[grid] = _capped(grid)
+            self.launcher(fit, args, kwargs)
+        else:
+            self.launcher((grid,), args, kwargs)
+
+
+def _capped(grid: int):
+    """The grid function of a launch of ``grid`` programs that must all be resident at once."""
+    return lambda resident: (grid if resident is None else max(1, min(grid, resident)),)
 
 
 def dispatch_launcher(consts: dict) -> StageLauncher:

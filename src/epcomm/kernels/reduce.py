@@ -25,10 +25,10 @@ from .numerics import f32_to_bf16_rne
 @triton.jit(do_not_specialize=["cap", "t_begin", "t_end"])
 def _reduce_kernel(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, t_begin, t_end, b0_ptr, b1_ptr, out_ptr,
                    wbuf_ptr, wout_ptr, hidden, buf_stride, b0_stride, b1_stride, out_stride, self_ptr, self_w_ptr,
-                   self_base_ptr, self_rank, self_stride, NUM_SLOTS: tl.constexpr, FROM_LAYOUT: tl.constexpr,
-                   FIRST_ZERO: tl.constexpr, HAS_B0: tl.constexpr, HAS_B1: tl.constexpr, HAS_W: tl.constexpr,
-                   K: tl.constexpr, BLOCK_K: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr,
-                   PERSISTENT: tl.constexpr = False, HAS_SELF: tl.constexpr = False):
+                   self_base_ptr, self_rank, self_stride, self_rows, NUM_SLOTS: tl.constexpr,
+                   FROM_LAYOUT: tl.constexpr, FIRST_ZERO: tl.constexpr, HAS_B0: tl.constexpr, HAS_B1: tl.constexpr,
+                   HAS_W: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr, OUT_BF16: tl.constexpr,
+                   BLOCK: tl.constexpr, PERSISTENT: tl.constexpr = False, HAS_SELF: tl.constexpr = False):
     """Program ``(p, c)`` reduces columns block ``c`` of token ``t_begin + p``; ``PERSISTENT``: of tokens
     ``t_begin + p``, ``t_begin + p + P``, ... below ``t_end`` (a grid of ``P`` programs per column block,
     to keep the kernel on a bounded number of SMs)."""
@@ -37,20 +37,20 @@ def _reduce_kernel(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, t_begin,
         while token < t_end:
             _reduce_one(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, token, b0_ptr, b1_ptr, out_ptr,
                         wbuf_ptr, wout_ptr, hidden, buf_stride, b0_stride, b1_stride, out_stride, self_ptr, self_w_ptr,
-                        self_base_ptr, self_rank, self_stride, NUM_SLOTS, FROM_LAYOUT, FIRST_ZERO, HAS_B0, HAS_B1,
-                        HAS_W, K, BLOCK_K, OUT_BF16, BLOCK, HAS_SELF)
+                        self_base_ptr, self_rank, self_stride, self_rows, NUM_SLOTS, FROM_LAYOUT, FIRST_ZERO, HAS_B0,
+                        HAS_B1, HAS_W, K, BLOCK_K, OUT_BF16, BLOCK, HAS_SELF)
             token += tl.num_programs(0)
     else:
         _reduce_one(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, (t_begin + tl.program_id(0)).to(tl.int64),
                     b0_ptr, b1_ptr, out_ptr, wbuf_ptr, wout_ptr, hidden, buf_stride, b0_stride, b1_stride,
-                    out_stride, self_ptr, self_w_ptr, self_base_ptr, self_rank, self_stride, NUM_SLOTS, FROM_LAYOUT,
-                    FIRST_ZERO, HAS_B0, HAS_B1, HAS_W, K, BLOCK_K, OUT_BF16, BLOCK, HAS_SELF)
+                    out_stride, self_ptr, self_w_ptr, self_base_ptr, self_rank, self_stride, self_rows, NUM_SLOTS,
+                    FROM_LAYOUT, FIRST_ZERO, HAS_B0, HAS_B1, HAS_W, K, BLOCK_K, OUT_BF16, BLOCK, HAS_SELF)
 
 
 @triton.jit
 def _reduce_one(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, token, b0_ptr, b1_ptr, out_ptr,
                 wbuf_ptr, wout_ptr, hidden, buf_stride, b0_stride, b1_stride, out_stride, self_ptr, self_w_ptr,
-                self_base_ptr, self_rank, self_stride, NUM_SLOTS: tl.constexpr, FROM_LAYOUT: tl.constexpr,
+                self_base_ptr, self_rank, self_stride, self_rows, NUM_SLOTS: tl.constexpr, FROM_LAYOUT: tl.constexpr,
                 FIRST_ZERO: tl.constexpr, HAS_B0: tl.constexpr, HAS_B1: tl.constexpr, HAS_W: tl.constexpr,
                 K: tl.constexpr, BLOCK_K: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr,
                 HAS_SELF: tl.constexpr):
@@ -65,18 +65,22 @@ def _reduce_one(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, token, b0_p
         if FROM_LAYOUT:
             present = tl.load(itr_ptr + token * NUM_SLOTS + r) != 0
             p = tl.load(pos_ptr + token * NUM_SLOTS + r)
-            slot = r * cap + p
+            rel = p
             if not FIRST_ZERO:
-                slot -= tl.load(first_ptr + r)
-            slot = tl.where(present, slot, -1).to(tl.int64)
+                rel -= tl.load(first_ptr + r)
+            # a row past the cap rows of rank r's region was never sent (an overflowing num_worst_tokens, an error
+            # recorded by the dispatch): read nothing there; cap 0: one unbounded region
+            present = present & ((rel < cap) | (cap == 0))
+            slot = tl.where(present, r * cap + rel, -1).to(tl.int64)
         else:
             slot = tl.load(slot_ptr + token * NUM_SLOTS + r).to(tl.int64)
         row_ptr = buf_ptr + slot * buf_stride
         w_row_ptr = wbuf_ptr + slot * K
-        if HAS_SELF:  # (only with FROM_LAYOUT) rank self_rank's rows come from self_ptr
+        if HAS_SELF:  # (only with FROM_LAYOUT) rank self_rank's rows come from self_ptr, rows [0, self_rows)
             srow = (tl.load(self_base_ptr) + p).to(tl.int64)
             row_ptr = tl.where(r == self_rank, self_ptr + srow * self_stride, row_ptr)
             w_row_ptr = tl.where(r == self_rank, self_w_ptr + srow * K, w_row_ptr)
+            slot = tl.where((r == self_rank) & (srow >= self_rows), -1, slot)
         # a masked-out slot adds +0.0, which leaves acc unchanged (acc is never -0.0: it starts at +0.0)
         v = tl.load(row_ptr + cols, mask=col_mask & (slot >= 0), other=0.0)
         acc += v.to(tl.float32)
@@ -122,8 +126,9 @@ def _launch(buf, slot, itr, pos, first, cap, t_begin, t_end, bias, out, w_buf, w
         b0.stride(0) if b0 is not None else 0, b1.stride(0) if b1 is not None else 0, out.stride(0),
         own.x if own is not None else dummy, own.w if own is not None and own.w is not None else dummy,
         own.base if own is not None else dummy, own.rank if own is not None else -1,
-        own.x.stride(0) if own is not None else 0, HAS_SELF=own is not None, NUM_SLOTS=num_slots, FROM_LAYOUT=slot is None, FIRST_ZERO=first is None, HAS_B0=b0 is not None,
-        HAS_B1=b1 is not None, HAS_W=w_out is not None, K=k, BLOCK_K=max(16, next_pow2(k)),
+        own.x.stride(0) if own is not None else 0, own.x.size(0) if own is not None else 0,
+        HAS_SELF=own is not None, NUM_SLOTS=num_slots, FROM_LAYOUT=slot is None, FIRST_ZERO=first is None,
+        HAS_B0=b0 is not None, HAS_B1=b1 is not None, HAS_W=w_out is not None, K=k, BLOCK_K=max(16, next_pow2(k)),
         OUT_BF16=out.dtype == torch.bfloat16, BLOCK=block, PERSISTENT=programs is not None, num_warps=warps)
     return out
 

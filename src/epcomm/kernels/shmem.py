@@ -20,29 +20,49 @@ Memory-ordering rules (PTX memory model, system scope because the observer is an
   Payload written by *several programs* is published by the last one to arrive (``arrive_last``): each
   program fences and arrives on a device-local counter with acq_rel (GPU scope); the program that sees the
   count complete has therefore observed all payload and releases the flag at system scope.
-* **Flag, then data.** The consumer polls with an **acquire** load at system scope (``ld_acquire``); once it
-  sees the expected value, every write the producer released before the flag is visible to the polling
-  thread, and to the program's other threads after the ``bar.sync`` with which Triton broadcasts the
-  polled value. Later kernels on the consumer's stream see the data too (kernel boundary).
-* **Flag inside the data.** For small transfers the flag can travel with the data instead: an aligned
-  8-byte store is single-copy atomic (also as an element of a vector store), so a consumer that loads the
-  8-byte line ``epoch << 32 | word`` sees either the old line or the whole new one. It polls with
-  ``volatile`` loads (they bypass L1) until every line of its block carries the epoch; no fence, release or
-  acquire is needed, at the price of twice the bytes (NCCL's LL protocol). Lines of consecutive calls
-  alternate between two buffers so that a writer never overwrites lines still being read.
+* **Flag, then data.** The consumer polls with an **acquire** load at system scope, ``ld_acquire``: thread 0
+  of the program executes ``ld.acquire.sys.global`` (inline PTX) and a reduction over the program's threads
+  hands the value to all of them (the poll is uniform, see below). Once thread 0 sees the expected value,
+  every write the producer released before the flag is visible to it; the program's other threads are
+  ordered after that acquire by a block barrier (``bar.sync``, which synchronises the threads of a program in
+  the PTX memory model: acquire by thread 0, barrier, then their reads). The barrier is explicit: every wait
+  helper (``wait_until``, ``wait_after``, ``wait_all_ge``) ends with ``tl.debug_barrier()``, once per wait and
+  not per poll; code that reads published data after a bare ``ld_acquire`` issues it itself. Later kernels
+  on the consumer's stream see the data too (kernel boundary).
+* **Flag inside the data.** For small transfers the flag can travel with the data instead: each 4-byte word
+  travels in the 8-byte line ``epoch << 32 | word``, stored with ``st_relaxed`` (one ``st.relaxed.sys.global.b64``
+  per line: a strong store, single-copy atomic towards any observer) and polled with ``volatile`` loads
+  (``ld.volatile``, which the PTX memory model treats as relaxed loads at system scope, and which bypass L1).
+  Both sides being strong, the race on a line is not a data race: the consumer sees either the old line or
+  the whole new one, and polls until every line of its block carries the epoch. No fence, release or acquire
+  is needed (each line is its own flag), at the price of twice the bytes (NCCL's LL protocol). Lines of
+  consecutive calls alternate between two buffers so that a writer never overwrites lines still being read.
 * **Uniform polls.** A poll loop's condition must have the same value in every thread of the program:
-  Triton places ``bar.sync`` inside scalar atomics and reductions, and threads that left a loop at
-  different iterations would deadlock there. ``ld_acquire`` (one thread loads, all get its value), ``now``
-  and ``wait_all_ge`` (per-thread reads, then a reduction over every thread) are uniform; never branch on
-  a per-thread inline-PTX load without such a reduction.
+  Triton places ``bar.sync`` inside reductions and scalar atomics, and threads that left a loop at
+  different iterations would deadlock there. ``ld_acquire`` (one thread loads, a reduction broadcasts),
+  ``now`` and ``wait_all_ge`` (per-thread reads, then a reduction over every thread) are uniform; never branch
+  on a per-thread inline-PTX load without such a reduction.
 * **Who writes which flag.** Every flag has exactly one writer unless it is incremented with
   ``atomic_add_release`` (remote atomics need native P2P atomics: ``epcomm.shmem.p2p_atomics_supported``).
-  Single-writer flags hold monotonically increasing epochs (``>=`` comparisons), so they never need to be
-  reset and are safe to replay in a CUDA graph: the epoch lives in device memory, it is not a constant
-  baked in at capture.
+  Single-writer flags hold epochs that grow by one per call, so they never need to be reset and are safe to
+  replay in a CUDA graph: the epoch lives in device memory, it is not a constant baked in at capture.
+* **Epochs wrap.** An int64 epoch cannot wrap in practice (2**63 calls), but a tagged word carries only the
+  low 32 bits of its epoch (``epoch << 32 | value``), which change sign after 2**31 calls and wrap after
+  2**32: at two calls per MoE layer and step, days to weeks of serving. Epochs and tagged words are therefore
+  never compared with ``>=``: every such comparison is a signed difference (``CMP_AFTER``, ``wait_after``,
+  ``wait_all_ge``: ``(v - value) >= 0`` in the word's width), which is right across any wrap as long as the two
+  values are less than half the range apart (the protocols keep a flag within a few calls of what its reader
+  expects), and the parity of an epoch is ``e & 1`` (``%`` of a wrapped, negative epoch is negative). A test
+  hook starts a transport's epochs near a wrap (``_start_epochs`` of the transports and of ``SymmetricHeap``).
 * **Kernel boundaries.** A kernel's writes are complete when it ends; a later kernel on the same stream
   sees them. Kernels that start by releasing a flag (``signal``, ``barrier``) issue ``fence_sys()`` first
   so that the release also covers what earlier kernels on the stream wrote to peers.
+* **No wait without an end.** Every poll loop times out from a start time its own program takes (``now()``,
+  ``%globaltimer``), records an error naming the rank, the peer and what it waited for (``record_error``) and
+  lets the program finish, so that every kernel terminates. A program waits only for flags written by other
+  launches (other ranks, earlier kernels of its stream), unless its kernel is launched cooperatively with a
+  grid that fits the GPU at once (``epcomm.kernels.launch``, "Co-residency"): with another kernel holding SMs,
+  a program of the same launch that it waits for might otherwise never be scheduled.
 
 CPU testing: under the Triton interpreter (``TRITON_INTERPRET=1``) inline PTX and ``globaltimer`` do not
 exist, so the helpers that need them take ``USE_PTX`` / ``USE_TIMER`` constexprs. Launchers set both from
@@ -66,9 +86,9 @@ import triton.language as tl
 from triton.language.extra import cuda as _cuda_ext
 
 from .launch import cdiv, launch, next_pow2
-from .shmem_codes import (CMP_CODES, CMP_EQ, CMP_GE, CMP_GT, CMP_LE, CMP_LT, CMP_NE, ERR_BARRIER_TIMEOUT,  # noqa: F401
-                           ERR_DONE_TIMEOUT, ERR_READY_TIMEOUT, ERR_WAIT_TIMEOUT, ERROR_NAMES, ERROR_WORDS, SIGNAL_ADD,
-                           SIGNAL_SET)
+from .shmem_codes import (CMP_AFTER, CMP_CODES, CMP_EQ, CMP_GE, CMP_GT, CMP_LE, CMP_LT, CMP_NE,  # noqa: F401
+                           ERR_BARRIER_TIMEOUT, ERR_DONE_TIMEOUT, ERR_READY_TIMEOUT, ERR_WAIT_TIMEOUT, ERROR_NAMES,
+                           ERROR_WORDS, SIGNAL_ADD, SIGNAL_SET)
 
 # jitted code may only read globals that are tl.constexpr
 _K_ERR_WAIT = tl.constexpr(ERR_WAIT_TIMEOUT)
@@ -76,6 +96,7 @@ _K_ERR_BARRIER = tl.constexpr(ERR_BARRIER_TIMEOUT)
 _K_ERR_READY = tl.constexpr(ERR_READY_TIMEOUT)
 _K_ERR_DONE = tl.constexpr(ERR_DONE_TIMEOUT)
 _K_CMP_GE = tl.constexpr(CMP_GE)
+_K_CMP_AFTER = tl.constexpr(CMP_AFTER)
 
 # Under the interpreter a timeout counts polls. One poll there costs about 1-4 ms of Python, so a timeout is
 # only approximate in that mode (about as long as asked, up to a few times longer).
@@ -109,16 +130,32 @@ def fence_sys(USE_PTX: tl.constexpr):
 
 
 @triton.jit
-def ld_acquire(ptr):
-    """Acquire load at system scope of a scalar int32/int64 flag: reads made after it see every write the
-    flag's writer released before storing the value. Returns the same value in every thread of the program.
+def ld_acquire(ptr, USE_PTX: tl.constexpr):
+    """Acquire load at system scope of a scalar int32/int64 flag, the same value in every thread of the program.
 
-    Written as ``tl.atomic_add(ptr, 0, sem="acquire", scope="sys")``: Triton lowers it to one
-    ``ld.global.sys.acquire`` by a single thread and broadcasts the value through shared memory. That
-    uniformity matters: a per-thread inline-PTX load could give threads different values of a changing flag,
-    their poll loops would exit at different iterations, and the ``bar.sync`` that Triton puts inside
-    scalar atomics and reductions would then deadlock."""
-    return tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+    With ``USE_PTX``: thread 0 alone executes ``ld.acquire.sys.global`` (the others take 0) and a sum over the
+    program's threads hands its value to every thread (a reduction: shuffles inside each warp, shared memory and
+    ``bar.sync`` across warps); without (the interpreter), an atomic add of 0 with acquire semantics. The value
+    is uniform, so poll loops built on it leave together (module docstring, "Uniform polls"). Reads that thread
+    0 makes afterwards see everything the flag's writer released before storing the value; the other threads'
+    reads are ordered after the acquire only by a block barrier: call ``tl.debug_barrier()`` before reading
+    published data (the wait helpers end with one)."""
+    if USE_PTX:
+        lanes = tl.zeros([_cuda_ext.num_threads()], tl.int32)  # one element per thread: no replicas
+        if ptr.dtype.element_ty.primitive_bitwidth == 64:
+            v = tl.inline_asm_elementwise(
+                "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; mov.b64 $0, 0; "
+                "@p ld.acquire.sys.global.b64 $0, [$1]; }", "=l,l", [ptr + lanes], dtype=tl.int64, is_pure=False,
+                pack=1)
+        else:
+            v = tl.inline_asm_elementwise(
+                "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; mov.b32 $0, 0; "
+                "@p ld.acquire.sys.global.b32 $0, [$1]; }", "=r,l", [ptr + lanes], dtype=tl.int32, is_pure=False,
+                pack=1)
+        value = tl.sum(v, axis=0)
+    else:
+        value = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+    return value
 
 
 @triton.jit
@@ -136,6 +173,20 @@ def st_release(ptr, value, USE_PTX: tl.constexpr):
                                       [ptr, tl.cast(value, tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
     else:
         tl.atomic_xchg(ptr, value, sem="release", scope="sys")
+
+
+@triton.jit
+def st_relaxed(ptrs, values, mask, USE_PTX: tl.constexpr):
+    """Store the int64 ``values`` at ``ptrs`` (tensors) where ``mask``: with ``USE_PTX`` one strong
+    ``st.relaxed.sys.global.b64`` per element, single-copy atomic towards a concurrent reader on any GPU (the lines
+    of "Flag inside the data" in the module docstring); a plain store in the interpreter (sequential)."""
+    if USE_PTX:
+        tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.s32 p, $3, 0; @p st.relaxed.sys.global.b64 [$1], $2; } "
+                                  "mov.u32 $0, 0;", "=r,l,l,r", [ptrs, tl.cast(values, tl.int64),
+                                                                 mask.to(tl.int32)],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.store(ptrs, values, mask=mask)
 
 
 @triton.jit
@@ -160,12 +211,14 @@ def signal_flag(flag_addr, value, SIGNAL_OP: tl.constexpr, USE_PTX: tl.constexpr
 
 @triton.jit
 def compare(v, cmp, value):
-    """``v <cmp> value`` for the runtime comparison code ``cmp`` (CMP_EQ .. CMP_LE)."""
+    """``v <cmp> value`` for the runtime comparison code ``cmp`` (CMP_EQ .. CMP_LE, or CMP_AFTER: ``v`` at or
+    after ``value`` in wrap-around order, a signed difference in the values' width)."""
     return tl.where(cmp == 0, v == value,
                     tl.where(cmp == 1, v != value,
                              tl.where(cmp == 2, v > value,
                                       tl.where(cmp == 3, v >= value,
-                                               tl.where(cmp == 4, v < value, v <= value)))))
+                                               tl.where(cmp == 4, v < value,
+                                                        tl.where(cmp == 5, v <= value, (v - value) >= 0))))))
 
 
 @triton.jit
@@ -210,38 +263,64 @@ def record_error(err_ptr, code, rank, peer, slot, expected, seen, cmp):
 
 
 @triton.jit
-def wait_until(ptr, cmp, value, timeout, err_ptr, err_code, rank, peer, slot, USE_TIMER: tl.constexpr):
-    """Poll the scalar int32/int64 flag at ``ptr`` (acquire, system scope) until ``*ptr <cmp> value``.
+def wait_until(ptr, cmp, value, timeout, err_ptr, err_code, rank, peer, slot, USE_PTX: tl.constexpr,
+               USE_TIMER: tl.constexpr):
+    """Poll the scalar int32/int64 flag at ``ptr`` (``ld_acquire``: acquire, system scope) until ``*ptr <cmp>
+    value`` (``CMP_AFTER`` for epochs: wrap-safe).
 
-    ``timeout``: nanoseconds of ``%globaltimer`` with ``USE_TIMER``, else a number of polls. On expiry the
-    error record at ``err_ptr`` gets ``[err_code, rank, peer, slot, value, last value seen, cmp]`` and the
-    helper returns 0 instead of hanging; it returns 1 when the condition held. Every thread of the program
-    runs it and sees the same values (``ld_acquire`` and ``now`` are uniform), so all leave the loop
-    together. Other threads' reads of data published before the flag are ordered after the poll by the
-    ``bar.sync`` inside ``ld_acquire``'s broadcast."""
-    seen = ld_acquire(ptr)
+    ``timeout``: nanoseconds of ``%globaltimer`` with ``USE_TIMER``, else a number of polls; the clock starts when
+    this program starts waiting. On expiry the error record at ``err_ptr`` gets ``[err_code, rank, peer, slot,
+    value, last value seen, cmp]`` and the helper returns 0 instead of hanging; it returns 1 when the condition
+    held. Every thread of the program runs it and sees the same values (``ld_acquire`` and ``now`` are uniform),
+    so all leave the loop together; it ends with a block barrier, which orders every thread's later reads after
+    the acquire."""
+    seen = ld_acquire(ptr, USE_PTX)
     ok = compare(seen, cmp, value).to(tl.int32)
     t0 = now(USE_TIMER)
     polls = tl.full([], 0, tl.int64)
     late = tl.full([], 0, tl.int32)
     while (ok == 0) & (late == 0):
-        seen = ld_acquire(ptr)
+        seen = ld_acquire(ptr, USE_PTX)
         ok = compare(seen, cmp, value).to(tl.int32)
         polls += 1
         late = expired(t0, polls, timeout, USE_TIMER)
     if ok == 0:
         record_error(err_ptr, err_code, rank, peer, slot, value, seen, cmp)
+    tl.debug_barrier()  # the acquire's block barrier (module docstring, "Flag, then data")
     return ok
+
+
+@triton.jit
+def wait_after(ptr, value, timeout, err_ptr, err_code, rank, peer, slot, USE_PTX: tl.constexpr,
+               USE_TIMER: tl.constexpr):
+    """Wait until the scalar int64 word at ``ptr`` is at or after ``value`` in wrap-around order (``CMP_AFTER``);
+    one acquire load when it already is. Returns the word's last value seen (uniform), which is before ``value``
+    only after a timeout (recorded as ``wait_until`` does). Ends with a block barrier."""
+    seen = ld_acquire(ptr, USE_PTX).to(tl.int64)
+    if (seen - value) < 0:
+        t0 = now(USE_TIMER)
+        polls = tl.full([], 0, tl.int64)
+        late = tl.full([], 0, tl.int32)
+        while ((seen - value) < 0) & (late == 0):
+            seen = ld_acquire(ptr, USE_PTX).to(tl.int64)
+            polls += 1
+            late = expired(t0, polls, timeout, USE_TIMER)
+        if (seen - value) < 0:
+            record_error(err_ptr, err_code, rank, peer, slot, value, seen, _K_CMP_AFTER)
+    tl.debug_barrier()  # the acquire's block barrier (module docstring, "Flag, then data")
+    return seen
 
 
 @triton.jit
 def wait_all_ge(base, flags_off, world, value, timeout, err_ptr, err_code, rank, R_POW2: tl.constexpr,
                 USE_PTX: tl.constexpr, USE_TIMER: tl.constexpr):
-    """Wait until the int64 flags ``[world]`` at ``base + flags_off`` (this rank's heap) are all ``>= value``,
-    every flag read in each poll: each thread acquire-loads flag ``thread % R_POW2`` and the smallest value
-    over all threads (a reduction across the program's warps, so the same in every thread) decides; one
-    memory round trip per poll. Timeout and error record as ``wait_until`` (``peer``: the first flag still
-    below ``value``, ``slot`` -1). Returns 1, or 0 after the timeout."""
+    """Wait until the int64 epoch flags ``[world]`` at ``base + flags_off`` (this rank's heap) are all at or after
+    ``value`` in wrap-around order (``(flag - value) >= 0``, ``CMP_AFTER``), every flag read in each poll: each
+    thread acquire-loads flag ``thread % R_POW2`` and the smallest difference over all threads (a reduction across
+    the program's warps, so the same in every thread) decides; one memory round trip per poll. Timeout and error
+    record as ``wait_until`` (``peer``: the first flag still before ``value``, ``slot`` -1). Returns 1, or 0 after
+    the timeout. Ends with a block barrier (each thread acquired one flag; the barrier orders its later reads
+    after every thread's acquire)."""
     if USE_PTX:
         lanes = tl.arange(0, _cuda_ext.num_threads()) % R_POW2  # one element per thread
     else:
@@ -249,21 +328,22 @@ def wait_all_ge(base, flags_off, world, value, timeout, err_ptr, err_code, rank,
     live = lanes < world
     ptrs = (base + flags_off + tl.where(live, lanes, 0) * 8).to(tl.pointer_type(tl.int64))
     big = tl.full([], 1 << 62, tl.int64)
-    seen = tl.min(tl.where(live, _ld_acquire_lanes(ptrs, USE_PTX), big), axis=0)
-    ok = (seen >= value).to(tl.int32)
+    lag = tl.min(tl.where(live, _ld_acquire_lanes(ptrs, USE_PTX) - value, big), axis=0)
+    ok = (lag >= 0).to(tl.int32)
     t0 = now(USE_TIMER)
     polls = tl.full([], 0, tl.int64)
     late = tl.full([], 0, tl.int32)
     while (ok == 0) & (late == 0):
-        seen = tl.min(tl.where(live, _ld_acquire_lanes(ptrs, USE_PTX), big), axis=0)
-        ok = (seen >= value).to(tl.int32)
+        lag = tl.min(tl.where(live, _ld_acquire_lanes(ptrs, USE_PTX) - value, big), axis=0)
+        ok = (lag >= 0).to(tl.int32)
         polls += 1
         late = expired(t0, polls, timeout, USE_TIMER)
     if ok == 0:
-        v = tl.where(live, _ld_acquire_lanes(ptrs, USE_PTX), big)
-        peer = tl.min(tl.where(v < value, lanes, R_POW2), axis=0)
-        record_error(err_ptr, err_code, rank, peer, -1, value, tl.min(tl.where(lanes == peer, v, big), axis=0),
-                     _K_CMP_GE)
+        d = tl.where(live, _ld_acquire_lanes(ptrs, USE_PTX) - value, big)
+        peer = tl.min(tl.where(d < 0, lanes, R_POW2), axis=0)
+        record_error(err_ptr, err_code, rank, peer, -1, value, value + tl.min(tl.where(lanes == peer, d, big), axis=0),
+                     _K_CMP_AFTER)
+    tl.debug_barrier()  # the acquires' block barrier (module docstring, "Flag, then data")
     return ok
 
 
@@ -296,10 +376,10 @@ def arrive_last(counter_ptr, total):
 def barrier_enter(bases_ptr, flags_off, epoch, err_ptr, rank, world, timeout, err_code,
                   R_POW2: tl.constexpr, USE_PTX: tl.constexpr, USE_TIMER: tl.constexpr):
     """The two steps of ``block_barrier`` for a caller that keeps the epoch itself: release ``epoch`` into slot
-    ``rank`` of every peer's flags, then acquire-poll the local flags until all are ``>= epoch``. Any number
-    of programs of one launch may call it with the same ``epoch`` (they store the same value, so every slot
-    still has one writing rank); the caller stores the new epoch once all of them have passed (e.g. in the
-    last program of ``arrive_last``). Returns 1, or 0 after a timeout."""
+    ``rank`` of every peer's flags, then acquire-poll the local flags until all are at ``epoch`` or later
+    (``wait_all_ge``, wrap-safe). Any number of programs of one launch may call it with the same ``epoch`` (they
+    store the same value, so every slot still has one writing rank); the caller stores the new epoch once all of
+    them have passed (e.g. in the last program of ``arrive_last``). Returns 1, or 0 after a timeout."""
     fence_sys(USE_PTX)
     tl.debug_barrier()
     peers = tl.arange(0, R_POW2)
@@ -319,7 +399,7 @@ def block_barrier(bases_ptr, flags_off, epoch_ptr, err_ptr, rank, world, timeout
     ``flags_off``: byte offset in every heap of ``int64[world]`` arrival flags; slot ``r`` is written only by
     rank ``r`` (single writer, no atomics). ``epoch_ptr``: this rank's int64 barrier counter (local device
     memory, starts at 0). Each call: epoch += 1, release-store the epoch into slot ``rank`` of every peer's
-    flags, then acquire-poll the local flags until all are >= epoch (``barrier_enter``). Epochs only grow, so
+    flags, then acquire-poll the local flags until all are at epoch or later (``barrier_enter``). Epochs only grow, so
     no flag is ever reset and replays of a captured CUDA graph keep working. Orders this program's earlier
     writes (and those of earlier kernels on the stream) before every peer's later reads. Only one program of
     a launch may call it with a given (flags_off, epoch_ptr)."""
@@ -402,8 +482,8 @@ def _signal_kernel(sig_addr, value, SIGNAL_OP: tl.constexpr, USE_PTX: tl.constex
 
 
 @triton.jit(do_not_specialize=["value", "timeout", "slot"])
-def _wait_kernel(sig_addr, cmp, value, timeout, err_ptr, rank, slot, USE_TIMER: tl.constexpr):
-    wait_until(addr_to_ptr(sig_addr, tl.int64), cmp, value, timeout, err_ptr, _K_ERR_WAIT, rank, -1, slot,
+def _wait_kernel(sig_addr, cmp, value, timeout, err_ptr, rank, slot, USE_PTX: tl.constexpr, USE_TIMER: tl.constexpr):
+    wait_until(addr_to_ptr(sig_addr, tl.int64), cmp, value, timeout, err_ptr, _K_ERR_WAIT, rank, -1, slot, USE_PTX,
                USE_TIMER)
 
 
@@ -442,7 +522,8 @@ def _allgather_kernel(bases_ptr, src_addr, out_off, shard_bytes, ready_off, done
     ok = tl.full([], 1, tl.int32)
     if j != 0:
         ready_local = (base_local + ready_off + dst * 8).to(tl.pointer_type(tl.int64))
-        ok = wait_until(ready_local, _K_CMP_GE, e, timeout, err_ptr, _K_ERR_READY, rank, dst, -1, USE_TIMER)
+        ok = wait_until(ready_local, _K_CMP_AFTER, e, timeout, err_ptr, _K_ERR_READY, rank, dst, -1, USE_PTX,
+                        USE_TIMER)
     if ok != 0:
         dst_addr = tl.load(bases_ptr + dst) + out_off + tl.cast(rank, tl.int64) * shard_bytes
         copy_bytes(src_addr, dst_addr, shard_bytes, pid, nprog, BLOCK, ALIGNED16)
@@ -458,22 +539,24 @@ def _allgather_kernel(bases_ptr, src_addr, out_off, shard_bytes, ready_off, done
 
 @triton.jit(do_not_specialize=["timeout"])
 def _allgather_lines_kernel(bases_ptr, src_addr, out_addr, shard_bytes, stage_off, slot_words, state_ptr, err_ptr,
-                            rank, world, timeout, BLOCK: tl.constexpr, VEC: tl.constexpr, USE_TIMER: tl.constexpr):
+                            rank, world, timeout, BLOCK: tl.constexpr, VEC: tl.constexpr, USE_PTX: tl.constexpr,
+                            USE_TIMER: tl.constexpr):
     """All-gather of small shards (``shard_bytes`` a multiple of 4, both addresses 4-byte aligned) with the
     flag inside the data: every 4-byte word travels as one 8-byte line ``e << 32 | word`` (``e``: the call's
     epoch), see "Flag inside the data" in the module docstring. No fence, no flag, no handshake.
 
     Grid (P, R). ``stage_off``: byte offset in every heap of the staging lines, int64 ``[2, R, slot_words]``
-    (slot ``e % 2``, row = the writing rank). Program (p, j != 0) stores its share of the shard as lines
-    into row ``rank`` of slot ``e % 2`` of rank ``(rank + j) % R``, then polls its share of row
+    (slot ``e & 1``, row = the writing rank). Program (p, j != 0) stores its share of the shard as lines
+    (``st_relaxed``) into row ``rank`` of slot ``e & 1`` of rank ``(rank + j) % R``, then polls its share of row
     ``(rank - j) % R`` of its own staging until every line carries ``e`` and writes the words into that row
     of ``out_addr`` (this rank's output, ``[R, shard_bytes]``); program (p, 0) copies the own shard into
     ``out_addr`` directly. ``VEC``: ``src_addr``, ``out_addr`` and ``shard_bytes`` are multiples of 16 (16-byte
     accesses); the staging rows always are (``stage_off`` a multiple of 16, ``slot_words`` even).
     ``state_ptr``: int64[2] local [epoch, arrival counter]; the last program to finish
-    stores the epoch. Two slots suffice: a rank writes call e + 2 into slot e % 2 only after its call e + 1
+    stores the epoch. Two slots suffice: a rank writes call e + 2 into slot e & 1 only after its call e + 1
     has finished, i.e. after every rank's lines of call e + 1 arrived, which a rank writes only once its own
-    stream has left call e (its reads of slot e % 2). Epochs only grow: graph-replay safe."""
+    stream has left call e (its reads of slot e & 1). Lines match the epoch's low 32 bits exactly, so epochs may
+    wrap. Epochs only grow: graph-replay safe."""
     pid = tl.program_id(0)
     j = tl.program_id(1)
     nprog = tl.num_programs(0)
@@ -494,7 +577,7 @@ def _allgather_lines_kernel(bases_ptr, src_addr, out_addr, shard_bytes, stage_of
             tl.store(own + o, tl.load(src_w + o, mask=m), mask=m)
             blk += nprog
     else:
-        slot = (e % 2) * world
+        slot = (e & 1) * world
         dst = (rank + j) % world
         row = tl.multiple_of((tl.load(bases_ptr + dst) + stage_off + (slot + rank) * slot_words * 8).to(
             tl.pointer_type(tl.int64)), 16)
@@ -505,7 +588,7 @@ def _allgather_lines_kernel(bases_ptr, src_addr, out_addr, shard_bytes, stage_of
             o = blk * BLOCK + offs
             m = o < n_words
             word = tl.load(src_w + o, mask=m).to(tl.int64) & low
-            tl.store(row + o, tag | word, mask=m)
+            st_relaxed(row + o, tag | word, m, USE_PTX)
             blk += nprog
         src = (rank - j + world) % world
         mine = tl.multiple_of((tl.load(bases_ptr + rank) + stage_off + (slot + src) * slot_words * 8).to(
@@ -643,7 +726,7 @@ def launch_wait(signal_addr: int, cmp: int, value: int, timeout_s: float, err: t
     """Wait on the current stream until the int64 flag at ``signal_addr`` satisfies ``cmp`` against ``value``
     or ``timeout_s`` passes (then ``err``, int64[ERROR_WORDS], records it)."""
     launch(_wait_kernel, (1,), signal_addr, cmp, value, timeout_units(timeout_s, device), err, rank, slot, num_warps=1,
-           USE_TIMER=device.type == "cuda")
+           USE_TIMER=device.type == "cuda", **_flags(device))
 
 
 def launch_barrier(bases: torch.Tensor, flags_off: int, epoch: torch.Tensor, err: torch.Tensor, rank: int,
@@ -687,5 +770,5 @@ def launch_allgather_lines(bases: torch.Tensor, src_addr: int, out_addr: int, sh
     vec = src_addr % 16 == 0 and out_addr % 16 == 0 and shard_bytes % 16 == 0
     launch(_allgather_lines_kernel, (per_rank, world), bases, src_addr, out_addr, shard_bytes, stage_off, slot_words,
            state, err, rank, world, timeout_units(timeout_s, device), BLOCK=_LINE_BLOCK, VEC=vec, num_warps=4,
-           USE_TIMER=device.type == "cuda")
+           USE_TIMER=device.type == "cuda", **_flags(device))
 

@@ -16,6 +16,11 @@ ERROR_NAMES = {ERR_WAIT_TIMEOUT: "wait timeout", ERR_BARRIER_TIMEOUT: "barrier t
 CMP_EQ, CMP_NE, CMP_GT, CMP_GE, CMP_LT, CMP_LE = range(6)
 CMP_CODES = {"eq": CMP_EQ, "ne": CMP_NE, "gt": CMP_GT, "ge": CMP_GE, "lt": CMP_LT, "le": CMP_LE}
 CMP_SYMBOLS = {"eq": "==", "ne": "!=", "gt": ">", "ge": ">=", "lt": "<", "le": "<="}
+# Internal (not a user comparison): the flag is at or after ``value`` in wrap-around order, ``(v - value) >= 0`` as a
+# signed difference of the flag's width. Epochs and epoch-tagged words compare this way, so that counters that wrap
+# (the 32-bit epochs of tagged words after 2**31 calls, or 64-bit ones after 2**63) still compare correctly as long
+# as the two values are less than half the range apart.
+CMP_AFTER = 6
 
 SIGNAL_SET = 0
 SIGNAL_ADD = 1

@@ -72,6 +72,24 @@ class AllGather:
         self.protocol = "auto"
         heap.barrier()  # every rank's flags are zero before anyone signals into them
 
+    def _start_epochs(self, epoch: int) -> None:
+        """For tests only (collective, nothing in flight): the epoch, the ready/done flags and every staged line at
+        ``epoch`` (lines carry its low 32 bits), as if that many calls had completed: the next calls cross the wrap
+        of the lines' 32-bit epochs (from 2**31 - 1, 2**32 - 1) or of the int64 epoch (from 2**63 - 1)."""
+        heap = self.heap
+        if heap.device.type == "cuda":
+            torch.cuda.synchronize(heap.device)
+        import torch.distributed as dist
+
+        dist.barrier(group=heap.group)
+        tag = (epoch & 0xFFFFFFFF) << 32
+        self._state[0] = epoch
+        self._flags.fill_(epoch)
+        self._stage.fill_(tag - (1 << 64) if tag >= 1 << 63 else tag)
+        if heap.device.type == "cuda":
+            torch.cuda.synchronize(heap.device)
+        dist.barrier(group=heap.group)
+
     @staticmethod
     def _small(world_size: int, max_shard_bytes: int, small_shard_bytes: Optional[int]) -> int:
         if small_shard_bytes is None:

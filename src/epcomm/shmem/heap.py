@@ -378,13 +378,13 @@ class SymmetricHeap:
                 self._host_sync(fn, timeout_s)
                 self.check_errors(fn)
             return
-        epoch = int(self._barrier_epoch[0]) + 1
+        epoch = _int64(int(self._barrier_epoch[0]) + 1)
         for peer in range(self.world_size):
             self._flags(peer)[self.rank] = epoch
         local = self._flags(self.rank)
         deadline = time.monotonic() + timeout_s
         while True:
-            lag = [q for q in range(self.world_size) if int(local[q]) < epoch]
+            lag = [q for q in range(self.world_size) if _int64(int(local[q]) - epoch) < 0]  # wrap-safe, as on GPUs
             if not lag:
                 break
             if time.monotonic() > deadline:
@@ -396,6 +396,18 @@ class SymmetricHeap:
                 raise EpcommTimeoutError(self._barrier_message(fn, timeout_s, lag[0], epoch, int(local[lag[0]])))
             time.sleep(1e-4)
         self._barrier_epoch[0] = epoch
+
+    def _start_epochs(self, epoch: int) -> None:
+        """For tests only (collective, nothing in flight): the barrier epoch and every barrier flag at ``epoch`` (an
+        int64, e.g. just below 2**63), as if that many barriers had passed: the next ones cross the wrap."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)
+        self._barrier_epoch.fill_(epoch)
+        self._flags(self.rank).fill_(epoch)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)
 
     def quiet(self) -> None:
         """Make the current stream wait for every ``nonblocking`` operation issued so far (their data is then
@@ -420,7 +432,7 @@ class SymmetricHeap:
             raise EpcommTimeoutError(self._barrier_message(fn, t, peer, expected, seen))
         what = codes.ERROR_NAMES.get(code, f"device error {code}")
         raise EpcommTimeoutError(f"{fn}: rank {rank}: {what} after {t:g} s waiting on rank {peer}: expected a "
-                                 f"flag >= {expected}, saw {seen}")
+                                 f"flag at {expected} or later, saw {seen}")
 
     def signal_value(self, slot: int) -> int:
         """This rank's signal ``slot`` as the host reads it now (synchronises; for tests and debugging)."""
@@ -638,6 +650,11 @@ class SymmetricHeap:
     def __repr__(self) -> str:
         return (f"SymmetricHeap(rank={self.rank}, world_size={self.world_size}, device={self.device}, "
                 f"nbytes={self.nbytes}, used={self.used_bytes}{', destroyed' if self._destroyed else ''})")
+
+
+def _int64(v: int) -> int:
+    """``v`` wrapped to a signed 64-bit integer (what the device's int64 arithmetic gives)."""
+    return (v + (1 << 63)) % (1 << 64) - (1 << 63)
 
 
 def _kernels_module(device: torch.device):

@@ -30,8 +30,9 @@ Protocol (no host synchronisation, fixed shapes, no remote atomics, single-write
   * combine call ``c`` uses parity ``c & 1``: the send half stores each received row into row
     ``token * K + slot`` of its source's combine area and releases epoch ``c + 1`` to every rank; the receive
     half waits for all ``R`` flags and reduces ``sum_k w * float(y)`` in slot order into bf16.
-  * A plain call is one fused kernel on GPUs (the send half, then the receive half in the same programs;
-    grid = SMs, so every program is resident) or two launches (``fused=False``; the interpreter). With
+  * A plain call is one fused kernel on GPUs (the send half, then the receive half in the same programs; a
+    cooperative launch of at most one program per SM, so that every program is resident whatever else runs) or
+    two launches (``fused=False``; the interpreter). With
     ``return_recv_hook=True`` the call launches the send half and returns; ``hook()`` launches the receive
     half (the first time it is called).
 
@@ -142,7 +143,10 @@ class OneSidedLowLatency:
     def _attach(self, heap, nbytes: int) -> None:
         flags = heap.empty((2, 2, self.num_ranks), torch.int64)
         area = heap.empty((max(nbytes, 1),), torch.uint8)
-        flags.zero_()
+        # each kind's flags start at its call counter (0, unless start_epochs moved it): the calls of the counter
+        # and after wait for later epochs
+        state = self._ctl[self._K.CTL_STATE:self._K.CTL_STATE + 2]
+        flags.copy_(state.view(2, 1, 1).expand(2, 2, self.num_ranks))
         if self._on_gpu:
             torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)  # every flag is zero before any peer may release into it
@@ -288,7 +292,8 @@ class OneSidedLowLatency:
                          combine=self._K.combine_launcher(combine_consts))
 
     def _grid(self, fused: bool) -> int:
-        # fused: every program must be resident (a GPU runs one per SM; the interpreter runs programs in turn)
+        # fused: every program must be resident (a cooperative launch on GPUs, capped at what fits: StageLauncher;
+        # the interpreter runs programs in turn)
         return 1 if fused and not self._on_gpu else self._sms
 
     def _timeout(self) -> int:
@@ -445,8 +450,9 @@ class OneSidedLowLatency:
         if code:
             what = {K.ERR_LL_DISPATCH: "dispatch rows", K.ERR_LL_COMBINE: "combine rows"}.get(code, f"code {code}")
             errors.append(f"rank {rank}: low-latency receive timed out after {env.timeout_s():g} s waiting for rank "
-                          f"{peer}'s {what} of call {expected - 1} (its flag holds epoch {seen}, expected >= "
-                          f"{expected}); rank {peer} is stuck, died or did not make the same low_latency_* call")
+                          f"{peer}'s {what} of call {expected - 1} (its flag holds epoch {seen}, expected "
+                          f"{expected} or later); rank {peer} is stuck, died or did not make the same low_latency_* "
+                          f"call")
         overflow, bad = words[K.CTL_OVERFLOW - K.CTL_ERR], words[K.CTL_BAD - K.CTL_ERR]
         if bad:
             errors.append(f"rank {self.rank}: {bad} low-latency top-k entries were outside [-1, num_experts) and were "
@@ -455,6 +461,14 @@ class OneSidedLowLatency:
             errors.append(f"rank {self.rank}: {overflow} low-latency rows did not fit their slots and were dropped; "
                           f"expert ids within a token must be distinct")
         return errors
+
+    def start_epochs(self, epoch: int) -> None:
+        """For tests only (the owner makes it collective, with no call in flight): both call counters and every flag
+        at ``epoch``, as if ``epoch`` calls of each kind had completed (e.g. just below 2**63: the next calls cross
+        the int64 wrap). Storage made later starts its flags at the counters too (``_attach``)."""
+        self._ctl[self._K.CTL_STATE:self._K.CTL_STATE + 2] = epoch
+        if self._heap is not None:
+            self._flags.fill_(epoch)
 
     def reset(self) -> None:
         """Collective, with no call of this instance in flight on any rank: zero the arrival flags of the present

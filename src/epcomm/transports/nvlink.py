@@ -266,6 +266,26 @@ class NVLinkTransport(Transport):
         ll = words[_LL_CTL + CTL_ERR:_LL_CTL + CTL_BAD + 1]
         return found + [(LOW_LATENCY, m) for m in self._ll.describe_errors(ll)]
 
+    def _start_epochs(self, epoch: int) -> None:
+        """For tests only (collective, no call in flight, normal-mode storage made): put every epoch of this transport,
+        normal and low-latency mode, at ``epoch`` (an int64, e.g. just below 2**31, 2**32 or 2**63) as if that many
+        calls of each kind had completed, so that the next calls cross the wrap of their 32-bit tags or of the int64
+        itself. Flags hold ``epoch``, progress words its tag ``epoch << 32``."""
+        import torch.distributed as dist
+
+        if self.heap is None:
+            raise RuntimeError(f"{type(self).__name__}._start_epochs: make the normal-mode storage first")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)  # nobody still reads or releases a flag
+        for t in (self.epoch, self.flags, self.arrive):
+            t.fill_(epoch)
+        self.prog.fill_(_tag(epoch))
+        self._ll.start_epochs(epoch)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)  # every rank's flags are set before any rank releases into them
+
     def clean_low_latency(self) -> None:
         self._ll.reset()
         self.errors.clear(LOW_LATENCY)
@@ -385,7 +405,9 @@ class NVLinkTransport(Transport):
         if worst:
             num_recv, per_expert_list, n_max, max_pair = worst, [], None, None
             head = summary[:5]
-            self.deferred += head[3] + head[4] + (head[0] > worst).to(torch.int32)
+            # bad ids, a bad layout, more rows for this rank than num_worst_tokens, or for any rank from one source
+            # (every rank sees that one: the pushes drop rows past a source's num_worst_tokens region)
+            self.deferred += head[3] + head[4] + (head[:2] > worst).sum(dtype=torch.int32)
         else:
             host = summary.tolist()
             num_recv, max_pair, n_max, bad_topk, bad_layout, code, peer, seen = host[:SUMMARY_HEAD]
@@ -636,6 +658,12 @@ class P2PTransport(NVLinkTransport):
     name = "p2p"
     link_gbps = 25.0  # PCIe 4/5 x16 in practice
     description = "one-sided Triton kernels with single-writer flags, for P2P without NVLink or atomics"
+
+
+def _tag(epoch: int) -> int:
+    """``epoch << 32`` as an int64 (the low 32 bits of the epoch in the high half), as the kernels tag words."""
+    tag = (epoch & 0xFFFFFFFF) << 32
+    return tag - (1 << 64) if tag >= 1 << 63 else tag
 
 
 def _words(t: torch.Tensor) -> int:
