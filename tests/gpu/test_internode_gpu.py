@@ -26,7 +26,7 @@ def large_cases():
 @pytest.mark.gpu
 @pytest.mark.parametrize("suite", ["small", "large", "graph"])
 @pytest.mark.parametrize("transport", ["nvlink", "p2p", "alltoall"])
-@pytest.mark.parametrize("world_size,local", [(4, 2), (8, 4), (8, 2)])
+@pytest.mark.parametrize("world_size,local", [(2, 1), (4, 2), (8, 4), (8, 2)])
 def test_gpu_hierarchical_matches_reference(world_size, local, transport, suite):
     if gpu_ranks() < world_size:
         pytest.skip(f"needs {world_size} GPU rank slots")
@@ -37,5 +37,7 @@ def test_gpu_hierarchical_matches_reference(world_size, local, transport, suite)
                                                          num_experts=32, topk=8)]
     else:
         cases = internode_cases(world_size) if suite == "small" else large_cases()
+        if world_size == 2:  # the uneven token counts of the large cases are written for 4 ranks
+            cases = [c for c in cases if not isinstance(c.num_tokens, tuple)]
     _assert_clean(spawn(run_cases, world_size, cases, transport, {"ranks_per_node": local}, device="cuda",
                         timeout_s=600))
