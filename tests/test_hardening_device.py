@@ -447,3 +447,41 @@ def test_kernels_that_wait_within_their_launch_fit_twice_per_sm():
                 for w, nxt in zip(line.split(), line.split()[1:]) if nxt.startswith("registers")]
         assert regs and regs[0] <= 128, f"{name}: {info}"
         assert "0 bytes spill stores" in info, f"{name} spills: {info}"
+
+
+def _mirror(ctx, dtype):
+    import os
+
+    os.environ["TRITON_INTERPRET"] = "1"
+    from epcomm.kernels import shmem
+
+    src = torch.arange(1, 6, dtype=dtype) * 7
+    dst = torch.full((8,), -1, dtype=dtype)
+    shmem.mirror_kernel[(1,)](src, dst.data_ptr(), 5, DTYPE=shmem.tl.int64 if dtype == torch.int64 else
+                              shmem.tl.int32, BLOCK=16)
+    return dst.tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_error_words_mirror_kernel(dtype):
+    """The kernel that refreshes the host copy of the error words (``DeviceErrors.refresh`` on GPUs) stores every
+    word to the host address and nothing past it (interpreter, in a process of its own: a host buffer standing for
+    the pinned copy, with a guard after it)."""
+    assert spawn(_mirror, 1, dtype, device="cpu")[0] == [7, 14, 21, 28, 35, -1, -1, -1]
+
+def test_error_words_mirror_kernel_compiles_for_sm90():
+    """The mirror kernel compiles for sm_90: a store through a 64-bit address."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("kernels are interpreted in this process")
+    from epcomm.kernels import shmem
+    from epcomm.testing.compile_check import offline_compiler
+
+    try:
+        compile_for = offline_compiler()
+    except Exception as e:  # noqa: BLE001 - another Triton version's internals
+        pytest.skip(f"cannot drive Triton's compiler offline here: {e}")
+    ptx = compile_for(shmem.mirror_kernel, (torch.empty(4, dtype=torch.int32), 1 << 40, 4),
+                      dict(DTYPE=shmem.tl.int32, BLOCK=16, num_warps=1)).asm["ptx"]
+    assert "st.global" in ptx and "ld.volatile.global" in ptx
