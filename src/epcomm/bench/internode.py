@@ -217,14 +217,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nvlink-gbps", type=float, default=None,
                         help="the model's intranode rate (default: the measured intranode FP8 dispatch of "
                              "benchmarks/results/bench_dispatch_8ranks.md, 322 GB/s)")
+    parser.add_argument("--chunk-fixed-us", type=float, default=None,
+                        help="the model's cost of a chunk besides its bytes (default: this run's 8-token dispatch)")
+    parser.add_argument("--model-only", action="store_true",
+                        help="write the traffic model's table (with --chunk-fixed-us, default 0) and run nothing")
     args = parser.parse_args(argv)
     per_node = args.ranks_per_node or env.ranks_per_node() or max(1, args.world_size // 2)
     opts = InternodeBenchOptions(args.tokens, args.ll_tokens, args.hidden, args.topk, args.experts, per_node,
                                  tuple(args.routings.split(",")), args.max_groups, args.domain_transport, args.iters)
+    if args.model_only:
+        fixed = args.chunk_fixed_us or 0.0
+        model = model_rows(opts, args.nic_gbps, args.nvlink_gbps or 322.0, fixed)
+        notes = (f"Traffic model only (epcomm.bench.traffic.internode_estimate): NIC {args.nic_gbps:g} GB/s per GPU, "
+                 f"intranode {args.nvlink_gbps or 322.0:g} GB/s, 8 GPUs per node, {fixed:g} us per chunk besides "
+                 f"its bytes; DeepEP's published internode figures beside it (H800 + ConnectX-7 400 Gb/s). "
+                 "DeepEP published low latency (128 tokens, us, dispatch / combine): "
+                 + ", ".join(f"EP{k} {v[0]} / {v[1]}" for k, v in DEEPEP_PUBLISHED_LOW_LATENCY.items()))
+        return finish(model, args.name or "internode_model", args.out, "internode traffic model", notes, None,
+                      list(model[0].keys()))
     rows = run(bench_worker, args.world_size, opts)[0]
     name = args.name or f"bench_internode_{rows[0]['ranks']}ranks"
     nvlink = args.nvlink_gbps or 322.0
-    fixed = min(r["time_us"] for r in rows if r["op"].startswith("dispatch BF16 (8 tokens"))
+    fixed = (args.chunk_fixed_us if args.chunk_fixed_us is not None else
+             min(r["time_us"] for r in rows if r["op"].startswith("dispatch BF16 (8 tokens")))
     model = model_rows(opts, args.nic_gbps, nvlink, fixed)
     notes = ("Isolated calls (a barrier before each), the median over iterations of the slowest rank. Crossing rows per "
              "token: rows that leave their domain per source token (hierarchical: distinct remote domains of the "
