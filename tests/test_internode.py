@@ -5,7 +5,7 @@ agreement check of the first call and a rank that never joins the inter-domain l
 import pytest
 
 from epcomm.testing import spawn
-from epcomm.testing.checks import ExpertMajorCase, NormalCase, run_cases
+from epcomm.testing.checks import ExpertMajorCase, run_cases
 from epcomm.topology.domains import find_domains
 from test_buffer import low_latency_cases, normal_cases
 
@@ -83,8 +83,6 @@ def test_ranks_that_disagree_raise_before_data_moves():
 def _peer_missing(ctx, mode):
     import os
     import time
-
-    import torch
 
     from epcomm.buffer import Buffer
     from epcomm.errors import EpcommError

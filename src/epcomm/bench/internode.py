@@ -241,8 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     fixed = (args.chunk_fixed_us if args.chunk_fixed_us is not None else
              min(r["time_us"] for r in rows if r["op"].startswith("dispatch BF16 (8 tokens")))
     model = model_rows(opts, args.nic_gbps, nvlink, fixed)
-    notes = ("Isolated calls (a barrier before each), the median over iterations of the slowest rank. Crossing rows per "
-             "token: rows that leave their domain per source token (hierarchical: distinct remote domains of the "
+    notes = ("Isolated calls (a barrier before each), the median over iterations of the slowest rank. Crossing rows "
+             "per token: rows that leave their domain per source token (hierarchical: distinct remote domains of the "
              "token's experts; flat: distinct remote ranks; low-latency rows of the hierarchical path travel in BF16). "
              "Link GB/s: those bytes (BF16 2H, FP8 H + 4H/128 per row) per rank over the time. The raw link row moves "
              "exactly the hierarchical path's crossing bytes in one all_to_all over the rail group.\n\n"

@@ -471,9 +471,10 @@ class Buffer:
                                  f"(node); get_dispatch_layout returned None for it")
             if (not isinstance(num_tokens_per_rdma_rank, torch.Tensor) or num_tokens_per_rdma_rank.dtype != torch.int32
                     or num_tokens_per_rdma_rank.shape != (self.num_domains,)):
+                got = (getattr(num_tokens_per_rdma_rank, "dtype", None),
+                       tuple(getattr(num_tokens_per_rdma_rank, "shape", ())))
                 raise ValueError(f"{fn}: num_tokens_per_rdma_rank must be int32 [{self.num_domains}] (tokens per "
-                                 f"node) from get_dispatch_layout; got {getattr(num_tokens_per_rdma_rank, 'dtype', None)} "
-                                 f"{tuple(getattr(num_tokens_per_rdma_rank, 'shape', ()))}")
+                                 f"node) from get_dispatch_layout; got {got[0]} {got[1]}")
         if not isinstance(expert_alignment, int) or expert_alignment < 1:
             raise ValueError(f"{fn}: expert_alignment={expert_alignment!r} must be an integer >= 1")
         if not isinstance(num_worst_tokens, int) or num_worst_tokens < 0:

@@ -19,7 +19,7 @@ from ..core.config import Config as _EpcommConfig
 from ..core.device import default_device
 from ..core.handles import DispatchHandle, LowLatencyHandle
 from ..core.layout import get_low_latency_rdma_size_hint as _ll_size_hint
-from .config import NUM_MAX_NVL_PEERS, Config
+from .config import Config
 from .handles import DispatchHandleTuple, LowLatencyHandleTuple, unwrap
 from .utils import EventHandle, EventOverlap, from_epcomm_event, to_epcomm_event
 

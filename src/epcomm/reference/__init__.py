@@ -188,7 +188,7 @@ def expert_major_dispatch(xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.
         idx = d.recv_topk_idx
         m, k = idx.shape
         e_local = num_experts // len(xs)
-        rows_of, pair_row = [], torch.full((m, k), -1, dtype=torch.int64)
+        pair_row = torch.full((m, k), -1, dtype=torch.int64)
         start = 0
         segs = []
         for e in range(e_local):
