@@ -62,6 +62,11 @@ def _disagree(ctx):
 
     from epcomm.buffer import Buffer
 
+    try:
+        Buffer(ctx.group, transport="alltoall", ranks_per_node=3)
+        bad_split = "no exception"
+    except ValueError as exc:
+        bad_split = str(exc)
     buf = Buffer(ctx.group, transport="alltoall", ranks_per_node=2)
     hidden = 256 if ctx.rank != 3 else 128  # rank 3 was configured differently
     x = torch.randn(4, hidden).to(torch.bfloat16)
@@ -70,12 +75,14 @@ def _disagree(ctx):
     try:
         buf.low_latency_dispatch(x, idx, 4, 8)
     except ValueError as exc:
-        return str(exc)
-    return "no exception"
+        return bad_split, str(exc)
+    return bad_split, "no exception"
 
 
 def test_ranks_that_disagree_raise_before_data_moves():
-    for message in spawn(_disagree, 4, device="cpu"):
+    for bad_split, message in spawn(_disagree, 4, device="cpu"):
+        assert bad_split.startswith("Buffer: find_domains: ranks_per_node=3 (Buffer(ranks_per_node=3)) must be a "
+                                    "positive divisor of the group's 4 ranks"), bad_split
         assert message.startswith("Buffer.low_latency_dispatch: the ranks disagree on this call's shape"), message
         assert "ranks [0, 1, 2]" in message and "ranks [3]" in message, message
 

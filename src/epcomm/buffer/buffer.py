@@ -134,9 +134,6 @@ class Buffer:
             forced, source = ranks_per_node, f"Buffer(ranks_per_node={ranks_per_node})"
         else:
             forced, source = env.ranks_per_node(), "EPCOMM_RANKS_PER_NODE"
-        if forced is not None and (not isinstance(forced, int) or forced < 1 or self.group_size % forced):
-            raise ValueError(f"Buffer: ranks_per_node={forced!r} ({source}) must be a positive divisor of the group's "
-                             f"{self.group_size} ranks")
         try:
             return find_domains(host_ids_from_report(probe(self.group, self.device)), forced, source)
         except ValueError as exc:

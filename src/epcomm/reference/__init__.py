@@ -388,14 +388,16 @@ def _domains(num_ranks: int, local_size: int) -> int:
     return num_ranks // local_size
 
 
-def _rail_dispatch(xs, topk_idxs, num_experts, L):
-    """The inter-domain leg alone: per local index, a dispatch among that index's ranks (one per domain)."""
+def _rail_dispatch(xs, topk_idxs, num_experts, L, topk_weights=None, x_scales=None):
+    """The inter-domain leg: per local index, a dispatch among that index's ranks (one per domain), each domain's
+    experts counting as its rank's."""
     num_ranks = len(xs)
     D = _domains(num_ranks, L)
     out: list = [None] * num_ranks
     for l in range(L):
         members = [d * L + l for d in range(D)]
-        for d, o in enumerate(dispatch([xs[r] for r in members], [topk_idxs[r] for r in members], num_experts)):
+        pick = (lambda seq: None if seq is None else [seq[r] for r in members])
+        for d, o in enumerate(dispatch(pick(xs), pick(topk_idxs), num_experts, pick(topk_weights), pick(x_scales))):
             out[d * L + l] = o
     return out
 
@@ -406,13 +408,7 @@ def _hierarchical_dispatch(xs, topk_idxs, num_experts, topk_weights, x_scales, e
     ids) among the domain's ranks."""
     num_ranks, L = len(xs), local_size
     D = _domains(num_ranks, L)
-    rail: list = [None] * num_ranks
-    for l in range(L):
-        members = [d * L + l for d in range(D)]
-        pick = (lambda seq: None if seq is None else [seq[r] for r in members])
-        for d, out in enumerate(dispatch(pick(xs), pick(topk_idxs), num_experts, pick(topk_weights),
-                                         pick(x_scales))):
-            rail[d * L + l] = out
+    rail = _rail_dispatch(xs, topk_idxs, num_experts, L, topk_weights, x_scales)
     outs: list = [None] * num_ranks
     for d in range(D):
         members = list(range(d * L, (d + 1) * L))

@@ -90,6 +90,16 @@ def _combine_input(rows: torch.Tensor, rank: int, dtype: torch.dtype) -> torch.T
     return (rows.float() * (1.0 + 0.5 * rank)).to(dtype)
 
 
+def _worst(wanted: bool, most: int, local: int, inputs) -> int:
+    """The ``num_worst_tokens`` a case passes: 0, or a few rows more than the most any rank receives (``most``);
+    across domains (``local`` ranks each, fewer than the group) at least ``R * N``, since it then also bounds each
+    rank's tokens by ``num_worst_tokens // R``."""
+    if not wanted:
+        return 0
+    worst = max(most, 1) + 3
+    return max(worst, len(inputs) * max(i.x.size(0) for i in inputs)) if local < len(inputs) else worst
+
+
 def check_normal(ctx, buf, case: NormalCase) -> CaseResult:
     """Layout, dispatch, cached dispatch and combine on ``buf`` against the reference."""
     res = CaseResult(case.label())
@@ -126,9 +136,7 @@ def check_normal(ctx, buf, case: NormalCase) -> CaseResult:
                              [i.topk_weights for i in inputs] if case.with_topk else None,
                              [c[1] for c in casted] if fp8 else None, case.expert_alignment, local)
     max_recv = max(r.recv_x.size(0) for r in ref)
-    worst = max(max_recv, 1) + 3 if case.worst else 0
-    if worst and local < num_ranks:  # across domains it also bounds each rank's tokens: N <= worst // R
-        worst = max(worst, num_ranks * max(i.x.size(0) for i in inputs))
+    worst = _worst(case.worst, max_recv, local, inputs)
     stream_kw = dict(previous_event=buf.capture(), async_finish=True) if case.overlap else {}
     if case.strict_sms is not None:
         stream_kw["config"] = replace(buf.get_dispatch_config(ctx.world_size), strict_sms=case.strict_sms)
@@ -268,9 +276,7 @@ def check_expert_major(ctx, buf, case: ExpertMajorCase) -> CaseResult:
                                           [c[1] for c in casted] if fp8 else None, case.expert_alignment, local)
     mine_ref = ref[rank]
     rows = mine_ref.recv_x.size(0)
-    worst = max(max(sum(r.counts) for r in ref), 1) + 3 if case.worst else 0
-    if worst and local < num_ranks:  # across domains it also bounds each rank's tokens: N <= worst // R
-        worst = max(worst, num_ranks * max(i.x.size(0) for i in inputs))
+    worst = _worst(case.worst, max(sum(r.counts) for r in ref), local, inputs)
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(mine.topk_idx, case.num_experts)
     config = (replace(buf.get_dispatch_config(num_ranks), strict_sms=case.strict_sms)
               if case.strict_sms is not None else None)

@@ -224,7 +224,8 @@ class HierarchicalTransport(Transport):
         starts = self._chunk_starts(n, chunks) if chunks > 1 else None
         parts = []
         legs = [lambda r=r: self._rail(fn, r, cap) for r in subs]
-        for c, (r1, h1) in enumerate(self._pipelined(legs)):
+        for c, r1 in enumerate(self._pipelined(legs)):
+            h1 = r1.handle
             r2, src_rank, src_idx = self._forward(fn, subs[c], r1, h1)
             if starts is not None:  # the token index within the chunk -> within the source's x
                 src_idx = torch.where(src_rank >= 0, src_idx + starts[src_rank.clamp(min=0).long(), c], -1)
@@ -271,8 +272,8 @@ class HierarchicalTransport(Transport):
         per = (torch.cat(every) + chunks - 1) // chunks
         return per.unsqueeze(1) * torch.arange(chunks, device=self.device)
 
-    def _rail(self, fn: str, req: DispatchRequest, cap: int) -> tuple:
-        """The inter-domain leg of (a chunk of) a dispatch: ``(result, handle)``."""
+    def _rail(self, fn: str, req: DispatchRequest, cap: int) -> DispatchResult:
+        """The inter-domain leg of (a chunk of) a dispatch."""
         n, D, L = req.x.size(0), self.num_domains, self.local_size
         in_domain = req.is_token_in_rank.view(n, D, L).any(2)
         rail_req = DispatchRequest(req.x, req.x_scales, req.topk_idx, req.topk_weights,
@@ -280,8 +281,7 @@ class HierarchicalTransport(Transport):
                                    req.num_experts, 1, D * cap, None, req.config, req.bad_topk, req.overlapped,
                                    peer_capacity=cap)
         with self._leg(fn, "tokens to their domains"):
-            r1 = self.rail.dispatch(rail_req)
-        return r1, r1.handle
+            return self.rail.dispatch(rail_req)
 
     def _forward(self, fn: str, req: DispatchRequest, r1: DispatchResult, h1: DispatchHandle) -> tuple:
         """The domain leg of (a chunk of) a dispatch: ``(result, recv_src_rank, recv_src_idx)``, the source token
@@ -516,12 +516,11 @@ def _take(parts: list, order: torch.Tensor) -> Optional[torch.Tensor]:
 
 
 def _tensors(out) -> list:
-    """The tensors of an inter-domain leg's result: a dispatch's ``(DispatchResult, handle)``, or a combine's
-    ``(combined, combined weights)``."""
-    if isinstance(out, DispatchResult) or (isinstance(out, tuple) and isinstance(out[0], DispatchResult)):
-        res = out if isinstance(out, DispatchResult) else out[0]
-        h = res.handle
-        found = [res.recv_x, res.recv_scales, res.recv_topk_idx, res.recv_topk_weights, h.recv_src_rank,
+    """The tensors of an inter-domain leg's result: a dispatch's ``DispatchResult`` (with its handle's), or a
+    combine's ``(combined, combined weights)``."""
+    if isinstance(out, DispatchResult):
+        h = out.handle
+        found = [out.recv_x, out.recv_scales, out.recv_topk_idx, out.recv_topk_weights, h.recv_src_rank,
                  h.recv_src_idx, h.num_recv_tokens_per_expert]
     else:
         found = list(out)
