@@ -485,3 +485,79 @@ def test_error_words_mirror_kernel_compiles_for_sm90():
     ptx = compile_for(shmem.mirror_kernel, (torch.empty(4, dtype=torch.int32), 1 << 40, 4),
                       dict(DTYPE=shmem.tl.int32, BLOCK=16, num_warps=1)).asm["ptx"]
     assert "st.global" in ptx and "ld.volatile.global" in ptx
+
+
+# ---------------------------------------------------------------------------------------------------------
+# compilation out of the device timeouts: no variant compiled inside a call
+# ---------------------------------------------------------------------------------------------------------
+def _variant(launcher, args: tuple, kwargs: dict) -> tuple:
+    """What Triton compiles a launch's variant from (``kernels.launch``'s module docstring), for an interpreted
+    kernel (its ``do_not_specialize`` by name or position)."""
+    import inspect
+
+    from epcomm.kernels.launch import arg_key
+
+    kernel = launcher.kernel
+    names = list(inspect.signature(kernel.fn).parameters)
+    free = set(kernel.kwargs.get("do_not_specialize") or ())
+    return (kernel.fn.__name__, tuple(sorted(kwargs.items())),
+            tuple(arg_key(a, names[i] not in free and i not in free) for i, a in enumerate(args)))
+
+
+def _compiled_variants(ctx, warm: bool):
+    """Calls of uneven token counts on the one-sided transport, after ``Buffer.warmup`` (``warm``) or after a first
+    round of the same kinds of calls with other token counts. Returns the variants launched in the measured calls
+    that were neither compiled at a meeting point (``compile_only``) nor launched before: each would compile
+    inside a call, on this rank only, while its peers' kernels wait for it."""
+    import epcomm.kernels.launch as launch_mod
+    from epcomm.buffer import Buffer
+    from epcomm.testing.checks import check_low_latency, check_normal
+    from epcomm.transports.nvlink import NVLinkTransport
+
+    known, new, measuring = set(), [], [False]
+    plain_call, compile_call = launch_mod.Launcher.__call__, launch_mod.Launcher._compile
+
+    def call(self, grid, args, kwargs):
+        key = _variant(self, args, kwargs)
+        if measuring[0] and key not in known:
+            new.append(key[:2])
+        known.add(key)
+        return plain_call(self, grid, args, kwargs)
+
+    def compile_(self, grid, args, kwargs):
+        known.add(_variant(self, args, kwargs))
+        return compile_call(self, grid, args, kwargs)
+
+    launch_mod.Launcher.__call__, launch_mod.Launcher._compile = call, compile_
+    h, e, k = 256, 16, 4
+    buf = Buffer(ctx.group, transport=NVLinkTransport)
+    mine, other = (48, 21), (21, 48)  # counts that are and are not multiples of 16 on each rank, in turn
+    failures = []
+    if warm:
+        buf.warmup(h, e, k, 48, dtypes=("fp8",), num_max_dispatch_tokens_per_rank=8, use_fp8=(True,))
+    else:
+        failures += check_normal(ctx, buf, NormalCase(num_tokens=other, hidden=h, num_experts=e, topk=k,
+                                                      dtype="fp8", seed=83)).failures
+        failures += check_low_latency(ctx, buf, LowLatencyCase(num_tokens=(8, 3), max_tokens=8, hidden=h,
+                                                               num_experts=e, topk=k, hook=True, seed=84)).failures
+    measuring[0] = True
+    for tokens, ll_tokens in ((mine, (1, 6)), ((0, 33), (5, 0))):  # then an empty rank
+        failures += check_normal(ctx, buf, NormalCase(num_tokens=tokens, hidden=h, num_experts=e, topk=k,
+                                                      dtype="fp8", seed=81)).failures
+        failures += check_low_latency(ctx, buf, LowLatencyCase(num_tokens=ll_tokens, max_tokens=8, hidden=h,
+                                                               num_experts=e, topk=k, hook=True, seed=82)).failures
+    buf.destroy()
+    return failures, new
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_no_kernel_variant_compiles_inside_a_later_call(warm, monkeypatch):
+    """A rank whose calls carry other token counts than before (or than Buffer.warmup's) launches no kernel variant
+    it has not compiled: Triton specialises integers on == 1 and % 16 and pointers on their 16-byte alignment, so
+    a per-call integer that is not ``do_not_specialize`` (or a pointer into a tensor at a rank-dependent offset)
+    compiled a new variant inside the call, where a slower compiler made the peers' waits time out (seen on GPUs:
+    the combine's reduce specialised on the number of rows received)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for rank, (failures, new) in enumerate(spawn(_compiled_variants, 2, warm, device="cpu", timeout_s=600)):
+        assert failures == [], (rank, failures)
+        assert new == [], f"rank {rank} launched variants it had not compiled: {new}"

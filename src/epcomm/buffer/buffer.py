@@ -288,9 +288,10 @@ class Buffer:
 
         Compilation takes different times on different ranks (seconds per kernel without Triton's cache), and a
         rank's device waits must not count a peer's compilation. Without warm-up the first call of each kind
-        compiles its kernels before any rank waits (the ranks meet at a host barrier); a variant that only some
-        ranks need later compiles at its first launch, inside the timeout. This method covers such variants too
-        where they can be listed, and moves the sizing of storage out of the first calls.
+        compiles its kernels before any rank waits (the ranks meet at a host barrier): in low-latency mode every
+        variant that calls of its shape can launch (any token count, an empty rank); in normal mode the kernels'
+        per-call integers are not specialised, so other token counts launch the same variants. This method
+        moves that compilation and the sizing of storage out of the first calls.
 
         Arguments:
             hidden, num_experts, num_topk: the calls' shapes.

@@ -4,7 +4,7 @@
 added in that order starting from +0.0, so results are bit-identical to ``epcomm.reference.combine``.
 The row of (t, r) comes from a slot table (``reduce_rows``) or from the layout itself (``reduce_from_layout``:
 ``r * cap + pos[t, r] - first[r]`` where ``is_token_in_rank[t, r]``), which saves building the table; there,
-the rows of one rank ``r = self_rank`` may come from a second tensor instead (``self_x`` row ``self_base +
+the rows of one rank ``r = self_rank`` may come from a second tensor instead (``self_x`` row ``self_base[r] +
 pos[t, r]``: the one-sided combine reads its own rows where they are instead of sending them to itself).
 One program handles one token and one block of columns; each row of ``buf`` is read once. With weights, the
 programs of column block 0 also reduce the token's top-k weights the same way."""
@@ -22,7 +22,7 @@ from .launch import cdiv, launch, next_pow2
 from .numerics import f32_to_bf16_rne
 
 
-@triton.jit(do_not_specialize=["cap", "t_begin", "t_end"])
+@triton.jit(do_not_specialize=["cap", "t_begin", "t_end", "self_rank", "self_rows"])
 def _reduce_kernel(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, t_begin, t_end, b0_ptr, b1_ptr, out_ptr,
                    wbuf_ptr, wout_ptr, hidden, buf_stride, b0_stride, b1_stride, out_stride, self_ptr, self_w_ptr,
                    self_base_ptr, self_rank, self_stride, self_rows, NUM_SLOTS: tl.constexpr,
@@ -77,7 +77,7 @@ def _reduce_one(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, token, b0_p
         row_ptr = buf_ptr + slot * buf_stride
         w_row_ptr = wbuf_ptr + slot * K
         if HAS_SELF:  # (only with FROM_LAYOUT) rank self_rank's rows come from self_ptr, rows [0, self_rows)
-            srow = (tl.load(self_base_ptr) + p).to(tl.int64)
+            srow = (tl.load(self_base_ptr + self_rank) + p).to(tl.int64)
             row_ptr = tl.where(r == self_rank, self_ptr + srow * self_stride, row_ptr)
             w_row_ptr = tl.where(r == self_rank, self_w_ptr + srow * K, w_row_ptr)
             slot = tl.where((r == self_rank) & (srow >= self_rows), -1, slot)
@@ -136,8 +136,10 @@ def _launch(buf, slot, itr, pos, first, cap, t_begin, t_end, bias, out, w_buf, w
 @dataclass(frozen=True)
 class OwnRows:
     """Where ``reduce_from_layout`` reads the rows of rank ``rank`` instead of the receive buffer: ``x [M, H]``
-    (same dtype as the buffer, unit column stride) row ``base[0] + pos[t, rank]`` (``base``: int32 ``[1]`` on
-    the device), and their weights from ``w [M, K]`` float32 (None without weights)."""
+    (same dtype as the buffer, unit column stride) row ``base[rank] + pos[t, rank]`` (``base``: int32 ``[R]`` on
+    the device, e.g. the receive prefix), and their weights from ``w [M, K]`` float32 (None without weights). The
+    whole ``base`` is passed, not a one-element slice of it: a slice's address alignment would differ between
+    ranks and make each rank compile its own kernel variant."""
 
     x: torch.Tensor
     w: Optional[torch.Tensor]

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -385,41 +385,49 @@ class OneSidedLowLatency:
 
     def _first(self, shape: tuple, kind: str, launch, args: tuple) -> None:
         """Before the first ``kind`` call of ``shape`` on this storage (the same call on every rank): compile the
-        kernels it can launch (plain or hook) and meet the other ranks, so that no receive starts its timeout
-        while a peer compiles. A variant only some ranks need later (a token count in another tuning range, an
-        empty rank) compiles at its first launch, inside the timeout; ``warmup`` compiles them all ahead."""
+        variants this call launches (``launch(..., args)``, plain or hook) and every other one that calls of this
+        shape can launch (``_compile_variants``), and meet the other ranks, so that no receive starts its timeout
+        while a peer compiles, now or at a later call whose token count only some ranks have."""
         if (shape, kind) in self._ready:
             return
         self._ready.add((shape, kind))
-        compile_then_meet(self.group, self.device,
-                          lambda: [launch(self._grid(s and r), args, s, r) for s, r in self._halves()],
-                          f"Buffer.low_latency_{kind}")
+        self._compile_variants(shape, (kind,), f"Buffer.low_latency_{kind}",
+                               lambda: [launch(self._grid(s and r), args, s, r) for s, r in self._halves()])
 
     def warmup(self, shape: tuple) -> None:
         """Collective: make the storage hold calls of ``shape`` (``call_shape``) and compile every kernel variant
-        they can launch: every token count (its tuning range, and an empty rank), dispatch and combine, plain and
-        hook; then meet the other ranks."""
+        they can launch (``_compile_variants``), dispatch and combine; then meet the other ranks."""
+        self._geometry(shape, shape[0], "Buffer.warmup")  # storage first: it fixes the kernels' offsets
+        self._compile_variants(shape, ("dispatch", "combine"), "Buffer.warmup")
+        self._ready.update({(shape, "dispatch"), (shape, "combine")})
+
+    def _compile_variants(self, shape: tuple, kinds: tuple, what: str, also: Optional[Callable] = None) -> None:
+        """Collective: compile every variant of the ``kinds`` kernels that calls of ``shape`` can launch (one token
+        count per tuning range, and an empty rank, which passes other argument types; plain and hook), and those
+        ``also()`` launches, several at once, then meet the other ranks (``compile_then_meet``)."""
         import os
 
         t_max, topk = shape[0], shape[2]
-        counts = {}  # one token count per tuning range, and 0 (an empty rank passes other argument types)
+        counts = {}  # one token count per tuning range, and 0
         for n in range(t_max, -1, -1):
             counts.setdefault(self._tuning(n, topk) if n else None, n)
 
         def compile_all() -> None:
             for n in counts.values():
-                geo = self._geometry(shape, n, "Buffer.warmup")
+                geo = self._geometry(shape, n, what)
                 scales = geo.scale_dtype or self._ctl
-                d_args = self._dispatch_args(n, shape[7], torch.int64, geo.payload_dtype, scales, torch.int32, 0)
-                c_args = self._combine_args(n, torch.bfloat16, torch.int64, torch.float32, torch.bfloat16,
-                                            torch.int32, 0)
-                for launch, args in ((geo.dispatch, d_args), (geo.combine, c_args)):
+                calls = {"dispatch": (geo.dispatch, self._dispatch_args(n, shape[7], torch.int64, geo.payload_dtype,
+                                                                        scales, torch.int32, 0)),
+                         "combine": (geo.combine, self._combine_args(n, torch.bfloat16, torch.int64, torch.float32,
+                                                                     torch.bfloat16, torch.int32, 0))}
+                for kind in kinds:
+                    launch, args = calls[kind]
                     for s, r in self._halves():
                         launch(self._grid(s and r), args, s, r)
+            if also is not None:
+                also()
 
-        self._geometry(shape, t_max, "Buffer.warmup")  # storage first: it fixes the kernels' offsets
-        compile_then_meet(self.group, self.device, compile_all, "Buffer.warmup", threads=min(16, os.cpu_count() or 1))
-        self._ready.update({(shape, "dispatch"), (shape, "combine")})
+        compile_then_meet(self.group, self.device, compile_all, what, threads=min(16, os.cpu_count() or 1))
 
     def _run(self, launch, args: tuple, hook: bool, after=None):
         """Launch a call: the send half now and the receive half in the returned hook, or both now (one fused

@@ -572,7 +572,7 @@ class NVLinkTransport(Transport):
         out_w = torch.empty(n, k, dtype=torch.float32, device=dev) if k else None
         grid = self._num_sms(req.config, m, (xw + k) * 4)
         own_x = x if m else self.area[:xw * 4].view(x.dtype).view(1, -1)  # nothing to read when no rows came
-        own = OwnRows(own_x, req.topk_weights.contiguous() if k else None, st.recv_prefix[self.rank:self.rank + 1],
+        own = OwnRows(own_x, req.topk_weights.contiguous() if k else None, st.recv_prefix,
                       self.rank)
         # the first combine of a kind compiles its kernels before any rank waits (Transport.first_call)
         self.first_call("Buffer.combine", ("combine", x.dtype, x.size(1), k, len(req.bias), bool(h.num_worst_tokens),
