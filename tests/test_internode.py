@@ -33,12 +33,61 @@ def _cases_in_chunks(ctx, cases, local, chunks):
     return run_cases(ctx, cases, "alltoall", {"ranks_per_node": local})
 
 
-@pytest.mark.parametrize("domains,local,chunks", [(2, 2, 4), (3, 2, 4), (2, 3, 3), (4, 1, 4), (2, 2, 1)])
+@pytest.mark.parametrize("domains,local,chunks", [(2, 2, 4), (3, 2, None), (2, 3, 3), (4, 1, 4), (2, 2, 1)])
 def test_hierarchical_matches_reference(domains, local, chunks):
-    """Every case at several splits, and with the normal-mode calls moved in 1, 3 or 4 pipelined chunks."""
+    """Every case at several splits, and with the normal-mode calls moved in 1, 3 or 4 pipelined chunks, or in the
+    counts the transport tries while it measures which is fastest (None)."""
     world = domains * local
     _assert_clean(spawn(_cases_in_chunks, world, internode_cases(world), local, chunks, device="cpu",
                         timeout_s=600))
+
+
+def _chunk_count(ctx, per_chunk_s: float):
+    """Exact-mode dispatches across 2 domains while every chunk's inter-domain leg costs ``per_chunk_s`` more (a
+    slow link's fixed cost): each call checked against the reference while the transport measures, then the
+    count it chose and how it describes it."""
+    import time
+
+    from epcomm.buffer import Buffer
+    from epcomm.testing.checks import NormalCase, check_normal
+
+    buf = Buffer(ctx.group, transport="alltoall", ranks_per_node=2)
+    rt = buf.runtime
+    rail = rt._rail
+
+    def slow_rail(*args, **kwargs):
+        time.sleep(per_chunk_s)
+        return rail(*args, **kwargs)
+
+    rt._rail = slow_rail
+    case = NormalCase(num_tokens=(40, 33, 0, 17), hidden=64, num_experts=8, topk=3, dtype="bf16", seed=5)
+    failures, calls = [], 0
+    while rt._tuner.chosen is None and calls < 30 and not rt.chunks_description().endswith("(EPCOMM_INTERNODE_CHUNKS)"):
+        failures += check_normal(ctx, buf, case).failures
+        calls += 1
+    failures += check_normal(ctx, buf, case).failures  # in the chosen count
+    out = (failures, rt._tuner.chosen, rt._tuner.seen, rt.chunks_description(), buf.runtime.describe())
+    buf.destroy()
+    return out
+
+
+def test_chunk_count_is_measured_and_agreed():
+    """With a fixed cost per chunk, the measured count is 1 chunk, the same on every rank (they agree on the
+    slowest rank's times), and every call while measuring (1, 2 and 4 chunks) matches the reference."""
+    results = spawn(_chunk_count, 4, 0.03, device="cpu", timeout_s=600)
+    for rank, (failures, chosen, seen, text, described) in enumerate(results):
+        assert failures == [], (rank, failures)
+        assert chosen == 1, (rank, text)
+        assert seen == 9 and "measured fastest" in text and "normal-mode chunks: 1, measured" in described, text
+
+
+def test_chunk_count_from_the_environment(monkeypatch):
+    monkeypatch.setenv("EPCOMM_INTERNODE_CHUNKS", "3")
+    for failures, chosen, seen, text, _ in spawn(_chunk_count, 4, 0.0, device="cpu", timeout_s=600):
+        assert failures == [] and chosen is None and seen == 0 and text == "3 (EPCOMM_INTERNODE_CHUNKS)"
+    monkeypatch.setenv("EPCOMM_INTERNODE_CHUNKS", "0")
+    with pytest.raises(Exception, match="EPCOMM_INTERNODE_CHUNKS='0' must be a whole number from 1 to 16"):
+        spawn(_chunk_count, 4, 0.0, device="cpu", timeout_s=600)
 
 
 def test_find_domains():

@@ -11,6 +11,7 @@ Values are read at call time (not cached at import) so that tests and launchers 
 | ``EPCOMM_LOG_LEVEL`` | level of the ``epcomm`` logger (``INFO``, ``DEBUG`` ...) | ``WARNING`` |
 | ``EPCOMM_COMMIT`` | the commit recorded in benchmark results where the checkout has no git metadata | unset: ``git rev-parse`` |
 | ``EPCOMM_RANKS_PER_NODE`` | ranks per node (NVLink domain) of every ``Buffer``, instead of what the topology probe finds (consecutive ranks form a node); on one machine it splits the ranks into simulated nodes, and the test launcher then gives each simulated node its own ``NCCL_HOSTID`` | unset: the probe's |
+| ``EPCOMM_INTERNODE_CHUNKS`` | how many chunks a normal-mode call across nodes is pipelined in (a whole number from 1 to 16), instead of the count its first calls measure as fastest | unset: measured |
 | ``EPCOMM_RANKS_PER_GPU`` | how many ranks the launcher may place on one GPU (more than 1: testing the one-sided kernels on a machine with fewer GPUs than ranks; see ``epcomm.testing.launcher``) | ``1`` |
 """
 
@@ -68,6 +69,12 @@ def _number(name: str, default, parse, valid, expect: str):
 def timeout_s() -> float:
     """Seconds a wait may last before it raises (``EPCOMM_TIMEOUT_S``, default 60)."""
     return _number("EPCOMM_TIMEOUT_S", 60.0, float, lambda s: s > 0, "a positive number of seconds")
+
+
+def internode_chunks() -> int | None:
+    """The pipelined chunks of a normal-mode call across nodes forced by ``EPCOMM_INTERNODE_CHUNKS``, or None
+    (the hierarchical transport measures its first calls)."""
+    return _number("EPCOMM_INTERNODE_CHUNKS", None, int, lambda n: 1 <= n <= 16, "a whole number from 1 to 16")
 
 
 def ranks_per_gpu() -> int:

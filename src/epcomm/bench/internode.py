@@ -8,7 +8,8 @@ that NCCL connects the domains through its network path). In one run, for each r
 routing), at DeepSeek's shape (4096 tokens per rank, hidden 7168, top-8, 256 experts) and the low-latency shape
 (128 tokens):
 
-* ``hierarchical``: epcomm's Buffer over the domains (``--domain-transport`` within each);
+* ``hierarchical``: epcomm's Buffer over the domains (``--domain-transport`` within each), in the chunk count it
+  measures as fastest (the ``chunks`` column), and ``hierarchical, N chunks`` with each candidate count fixed;
 * ``flat alltoall``: epcomm's portable transport over the whole group as one domain (one all_to_all_single of
   the rows, NCCL between every pair of ranks);
 * ``nccl-baseline``: the plain NCCL pipeline a framework writes (``epcomm.bench.baseline``);
@@ -86,9 +87,10 @@ def bench_worker(ctx, opts: InternodeBenchOptions) -> list:
     def t(fn):
         return time_op(fn, ctx.group, ctx.device, iters=opts.iters, warmup=3)
 
-    def add(routing, impl, op, timing, crossing_rows, kind, n):
+    def add(routing, impl, op, timing, crossing_rows, kind, n, chunks=""):
         crossing = crossing_rows * n * row_bytes(opts.hidden, kind)
-        rows.append({**base, "routing": routing, "impl": impl, "op": op, "time_us": timing.median_us,
+        rows.append({**base, "routing": routing, "impl": impl, "op": op, "chunks": chunks,
+                     "time_us": timing.median_us,
                      "crossing rows/token": round(crossing_rows, 3), "crossing MB/rank": round(crossing / 1e6, 2),
                      "link GB/s": timing.gbps(crossing)})
 
@@ -105,16 +107,24 @@ def bench_worker(ctx, opts: InternodeBenchOptions) -> list:
                          for s, i in enumerate(idxs)) / (world * opts.tokens)
         x, idx, w = (v.to(ctx.device) for v in data[ctx.rank])
         x8 = per_token_cast_to_fp8(x)
-        for name, buf in (("hierarchical", hier), ("flat alltoall", flat)):
+        sweep = [(f"hierarchical, {c} chunk{'s' * (c > 1)}", hier, c) for c in HierarchicalTransport.CHUNK_CANDIDATES]
+        for name, buf, fixed in [("hierarchical", hier, None), ("flat alltoall", flat, None)] + sweep:
+            HierarchicalTransport.pipeline_chunks = fixed  # None: the count the transport measures
             cross = hier_cross if buf is hier else flat_cross
             per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, opts.experts)
             layout = dict(num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma,
                           is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
-            recv_x, _, _, _, handle, _ = buf.dispatch(x, **layout)
-            add(routing, name, "dispatch FP8", t(lambda: buf.dispatch(x8, **layout)), cross, "fp8", opts.tokens)
-            add(routing, name, "dispatch BF16", t(lambda: buf.dispatch(x, **layout)), cross, "bf16", opts.tokens)
-            add(routing, name, "combine BF16", t(lambda: buf.combine(recv_x, handle)), cross, "bf16", opts.tokens)
+            buf.dispatch(x, **layout)
+            fp8 = t(lambda: buf.dispatch(x8, **layout))
+            bf16 = t(lambda: buf.dispatch(x, **layout))
+            chunks = (fixed or hier.runtime._tuner.chosen or "") if buf is hier else ""
+            add(routing, name, "dispatch FP8", fp8, cross, "fp8", opts.tokens, chunks)
+            add(routing, name, "dispatch BF16", bf16, cross, "bf16", opts.tokens, chunks)
+            recv_x, _, _, _, handle, _ = buf.dispatch(x, **layout)  # a handle in the chosen chunks
+            add(routing, name, "combine BF16", t(lambda: buf.combine(recv_x, handle)), cross, "bf16", opts.tokens,
+                chunks)
             del recv_x, handle
+        HierarchicalTransport.pipeline_chunks = None
         add(routing, "nccl-baseline", "dispatch FP8",
             t(lambda: baseline_dispatch(x8[0], x8[1], idx, w, opts.experts, ctx.group)), flat_cross, "fp8",
             opts.tokens)
@@ -144,13 +154,13 @@ def bench_worker(ctx, opts: InternodeBenchOptions) -> list:
         # what a chunk costs besides its bytes (host synchronisations, launches): one chunk of a few tokens
         small = _inputs(ctx, opts, routing, 8, D)
         sx, sidx, sw = (v.to(ctx.device) for v in small[ctx.rank])
-        chunks, HierarchicalTransport.pipeline_chunks = HierarchicalTransport.pipeline_chunks, 1
+        HierarchicalTransport.pipeline_chunks = 1
         s_rank, s_rdma, s_expert, s_in, _ = hier.get_dispatch_layout(sidx, opts.experts)
         add(routing, "hierarchical", "dispatch BF16 (8 tokens, one chunk)",
             t(lambda: hier.dispatch(sx, num_tokens_per_rank=s_rank, num_tokens_per_rdma_rank=s_rdma,
                                     is_token_in_rank=s_in, num_tokens_per_expert=s_expert, topk_idx=sidx,
-                                    topk_weights=sw)), 0.0, "bf16", 8)
-        HierarchicalTransport.pipeline_chunks = chunks
+                                    topk_weights=sw)), 0.0, "bf16", 8, 1)
+        HierarchicalTransport.pipeline_chunks = None
         # low latency (FP8 dispatch, BF16 combine)
         ll = _inputs(ctx, opts, routing, opts.ll_tokens, D)
         lx, lidx, lw = (v.to(ctx.device) for v in ll[ctx.rank])
@@ -187,16 +197,17 @@ def model_rows(opts, nic_gbps: float, nvlink_gbps: float, fixed_us: float, gpus_
     for ranks in (16, 32, 64):
         for routing, groups in (("uniform", 0), ("group_limited", opts.max_groups)):
             for op, kind in (("dispatch FP8", "fp8"), ("combine BF16", "bf16")):
-                e = internode_estimate(ranks, gpus_per_node, opts.tokens, opts.hidden, opts.topk, opts.experts, kind,
-                                       nic_gbps, nvlink_gbps, groups, HierarchicalTransport.pipeline_chunks,
-                                       fixed_us=fixed_us)
+                # the chunk count the transport would measure as fastest: the model's best candidate
+                e = min((internode_estimate(ranks, gpus_per_node, opts.tokens, opts.hidden, opts.topk, opts.experts,
+                                            kind, nic_gbps, nvlink_gbps, groups, c, fixed_us=fixed_us)
+                         for c in HierarchicalTransport.CHUNK_CANDIDATES), key=lambda e: e.pipelined_us)
                 pub = DEEPEP_PUBLISHED_NORMAL.get(ranks)
                 rows.append({"EP": ranks, "routing": routing, "op": op,
                              "crossing rows/token": round(e.crossing_rows_per_token, 2),
                              "network us": round(e.network_us), "forward us": round(e.forward_us),
                              "legs in sequence us": round(e.sequential_us),
                              "NIC share (sequence)": round(e.nic_share(nic_gbps, False), 3),
-                             f"epcomm us ({e.chunks} chunks)": round(e.pipelined_us),
+                             "chunks": e.chunks, "epcomm us (pipelined)": round(e.pipelined_us),
                              "NIC share": round(e.nic_share(nic_gbps), 3),
                              "DeepEP published RDMA GB/s": (pub[0] if "dispatch" in op else pub[1]) if pub else ""})
     return rows

@@ -21,9 +21,14 @@ order, cast once to the dtype of ``x``: the *partial* that crosses back, BF16 fo
 reference (``epcomm.reference`` with ``local_size``) composes its two oracles the same way, so every test is
 bit-exact.
 
-Pipelining: an exact-mode call moves its tokens in ``pipeline_chunks`` chunks (each rank's tokens split evenly, the
-same count on every rank); the inter-domain leg of chunk ``c + 1`` runs on a network stream while chunk ``c`` is
-forwarded within the domain, so the forwarding hides behind the network for all but the last chunk. Received rows
+Pipelining: an exact-mode call moves its tokens in chunks (each rank's tokens split evenly, the same count on every
+rank); the inter-domain leg of chunk ``c + 1`` runs on a network stream while chunk ``c`` is forwarded within the
+domain, so the forwarding hides behind the network for all but the last chunk. Each chunk also costs a fixed time
+(its count exchange and host synchronisation, a few launches): tens of microseconds over InfiniBand, milliseconds
+over NCCL's sockets, so the best count depends on the link. The count is measured: the first exact-mode dispatches
+try each of ``CHUNK_CANDIDATES`` (1 first: it sizes the domain's storage for whole calls) ``TUNE_CALLS`` times,
+then the ranks agree (one all_reduce of their times, the slowest rank's counting) on the fastest and keep it;
+``EPCOMM_INTERNODE_CHUNKS`` or ``pipeline_chunks`` fixes it instead. Results do not depend on the count. Received rows
 are then put in the intranode path's order (by source rank, then source token; one gather of the outputs, and one
 of the combine's input back), so the order does not depend on the chunks or the domains, and
 ``handle.recv_src_rank`` / ``recv_src_idx`` hold each row's global source rank and token. ``num_worst_tokens``
@@ -50,6 +55,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
+import time
 import weakref
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
@@ -74,6 +81,8 @@ from .low_latency import _Once, call_shape
 INTER_DOMAIN_LEGS = {"nccl": AllToAllTransport}
 
 _subgroups: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+log = logging.getLogger(__name__)
 
 
 def subgroups(group: Any, domains: Domains, rank: int) -> tuple:
@@ -119,7 +128,10 @@ class HierarchicalTransport(Transport):
     name = "hierarchical"
     # a normal-mode call moves its tokens in this many chunks (the same on every rank): chunk c + 1 crosses the
     # network while chunk c is forwarded within the domain. num_worst_tokens and low-latency calls use one.
-    pipeline_chunks: int = 4
+    # None: measured (module docstring); EPCOMM_INTERNODE_CHUNKS takes precedence.
+    pipeline_chunks: Optional[int] = None
+    CHUNK_CANDIDATES = (1, 2, 4)
+    TUNE_CALLS = 3  # timed dispatches per candidate (the first of each is not counted: it may compile or size)
 
     def __init__(self, group, device: torch.device, buffer_id: int, domains: Domains,
                  domain_transport: Any = "auto", leg: str = "nccl", num_nvl_bytes: int = 0,
@@ -146,6 +158,7 @@ class HierarchicalTransport(Transport):
         self.errors = CombinedErrors((self.domain.errors, self.rail.errors), device)
         self._agreed: set = set()
         self._net: Optional[torch.cuda.Stream] = None  # the inter-domain leg's stream while a dispatch pipelines
+        self._tuner = _ChunkTuner(self.CHUNK_CANDIDATES, self.TUNE_CALLS, device)
 
     @classmethod
     def capabilities(cls) -> Capabilities:
@@ -158,7 +171,14 @@ class HierarchicalTransport(Transport):
     def describe(self) -> str:
         return (f"{self.domains.describe()}; inter-domain leg: {self.leg_name} (torch.distributed all_to_all over "
                 f"{dist.get_backend(self.rail_group)}, rail peers {self.rail_ranks}); domain leg: "
-                f"{self.domain.name} ({self.domain_reason})")
+                f"{self.domain.name} ({self.domain_reason}); normal-mode chunks: {self.chunks_description()}")
+
+    def chunks_description(self) -> str:
+        """How many pipelined chunks exact-mode calls use, and why."""
+        forced = env.internode_chunks() or self.pipeline_chunks
+        if forced:
+            return f"{forced} (EPCOMM_INTERNODE_CHUNKS)" if env.internode_chunks() else f"{forced} (pipeline_chunks)"
+        return self._tuner.describe()
 
     # ------------------------------------------------------------------ helpers
     @contextlib.contextmanager
@@ -218,7 +238,9 @@ class HierarchicalTransport(Transport):
                              f"tokens: pass num_worst_tokens >= {n * self.num_ranks}")
         self._agree(fn, ("dispatch", x.dtype, x.size(1), req.x_scales is not None, req.topk_idx.size(1),
                          req.topk_weights is not None, req.num_experts, bool(W)))
-        chunks = 1 if W else self.pipeline_chunks
+        forced = env.internode_chunks() or self.pipeline_chunks
+        chunks = 1 if W else forced or self._tuner.next(self.group, fn)
+        timing = None if W or forced else self._tuner.start(chunks)
         bounds = chunk_bounds(n, chunks)
         subs = [req] if chunks == 1 else [self._chunk(req, a, b, c == 0) for c, (a, b) in enumerate(bounds)]
         starts = self._chunk_starts(n, chunks) if chunks > 1 else None
@@ -243,6 +265,8 @@ class HierarchicalTransport(Transport):
         if not W and req.num_tokens_per_expert is not None:  # the domain leg counted without alignment
             totals = [sum(cs) for cs in zip(*(r.num_recv_tokens_per_expert_list for r in r2s))]
             counts = [align_up(v, req.expert_alignment) for v in totals]
+        if timing is not None:
+            self._tuner.stop(timing)
         handle = DispatchHandle(
             buffer_id=self.buffer_id, transport=self.name, num_ranks=self.num_ranks, num_experts=req.num_experts,
             num_tokens=n, hidden=x.size(1), is_token_in_rank=req.is_token_in_rank, num_tokens_per_rank=None,
@@ -481,6 +505,79 @@ class HierarchicalTransport(Transport):
     def destroy(self) -> None:
         self.domain.destroy()
         self.rail.destroy()
+
+
+class _ChunkTuner:
+    """Measures the exact-mode dispatch in each of ``candidates`` chunk counts (``calls`` dispatches each, the first
+    not counted), then the ranks agree on the fastest (module docstring, "Pipelining"). A dispatch's time runs from
+    its start to the end of its work on the caller's stream (CUDA events, read at a later call: no extra
+    synchronisation), or its host time on CPUs. Every rank makes the same dispatches, so every rank is at the same
+    step of the schedule at each call."""
+
+    def __init__(self, candidates: tuple, calls: int, device: torch.device) -> None:
+        self.candidates, self.calls, self.device = tuple(candidates), int(calls), device
+        self.times: dict = {c: [] for c in self.candidates}
+        self.seen = 0  # exact-mode dispatches so far
+        self.pending: list = []  # (chunks, start event, end event) not yet read
+        self.chosen: Optional[int] = None
+        self.medians: dict = {}
+
+    def next(self, group, fn: str) -> int:
+        """The chunk count of this dispatch (collective when the schedule ends here: the agreement)."""
+        if self.chosen is not None:
+            return self.chosen
+        step = self.seen // self.calls
+        if step < len(self.candidates):
+            return self.candidates[step]
+        self._read()
+        mine = torch.tensor([_median(self.times[c]) for c in self.candidates], dtype=torch.float64)
+        every = mine.to(self.device) if self.device.type == "cuda" else mine
+        dist.all_reduce(every, op=dist.ReduceOp.MAX, group=group)  # the slowest rank's time per count
+        slowest = every.cpu().tolist()
+        self.medians = dict(zip(self.candidates, slowest))
+        self.chosen = self.candidates[min(range(len(slowest)), key=lambda i: (slowest[i], i))]
+        log.info("%s: %s", fn, self.describe())
+        return self.chosen
+
+    def start(self, chunks: int):
+        """Begin timing a dispatch in ``chunks`` chunks (None once the count is chosen)."""
+        if self.chosen is not None:
+            return None
+        counted = self.seen % self.calls != 0
+        self.seen += 1
+        if not counted:
+            return None
+        if self.device.type == "cuda":
+            begin = torch.cuda.Event(enable_timing=True)
+            begin.record()
+            return chunks, begin
+        return chunks, time.perf_counter()
+
+    def stop(self, timing) -> None:
+        chunks, begin = timing
+        if self.device.type == "cuda":
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.pending.append((chunks, begin, end))
+        else:
+            self.times[chunks].append((time.perf_counter() - begin) * 1e6)
+
+    def _read(self) -> None:
+        for chunks, begin, end in self.pending:
+            end.synchronize()
+            self.times[chunks].append(begin.elapsed_time(end) * 1e3)
+        self.pending = []
+
+    def describe(self) -> str:
+        if self.chosen is None:
+            return f"measuring {self.candidates} ({self.seen} of {self.calls * len(self.candidates)} dispatches made)"
+        times = ", ".join(f"{c}: {t:.0f} us" for c, t in self.medians.items())
+        return f"{self.chosen}, measured fastest (slowest rank's median per count: {times})"
+
+
+def _median(values: list) -> float:
+    values = sorted(values)
+    return values[len(values) // 2] if values else float("inf")
 
 
 def _cached(x: torch.Tensor, scales: Optional[torch.Tensor], handle: DispatchHandle,
