@@ -44,6 +44,44 @@ def test_one_sided_transport_in_rounds(monkeypatch):
     _run(2, P2PTransport, {"num_nvl_bytes": 2 * 3 * (128 + 64)}, cases)
 
 
+def _grows(ctx):
+    """Storage sized by a small first dispatch, then calls with more tokens (after the epochs were put just below
+    their 32-bit wrap): each checked against the reference; returns the failures and the storage sizes."""
+    from epcomm.buffer import Buffer
+    from epcomm.testing.checks import ExpertMajorCase, check_expert_major, check_low_latency, check_normal
+
+    NVLinkTransport.min_storage_bytes = 4096  # (at least 1 MiB otherwise: these shapes would fit it)
+    buf = Buffer(ctx.group, transport=NVLinkTransport)
+    rt = buf.runtime
+    small = NormalCase(num_tokens=(3, 2, 1), hidden=64, num_experts=6, topk=2, dtype="bf16", seed=71)
+    big = NormalCase(num_tokens=(40, 0, 29), hidden=128, num_experts=6, topk=2, dtype="fp8", bias=1, seed=72)
+    failures = check_normal(ctx, buf, small).failures
+    sizes = [rt.area_bytes]
+    rt._start_epochs(2**31 - 2)  # the control words carried into new storage must keep the epochs going
+    failures += check_normal(ctx, buf, big).failures
+    sizes.append(rt.area_bytes)
+    failures += check_normal(ctx, buf, small).failures + check_normal(ctx, buf, big).failures
+    failures += check_expert_major(ctx, buf, ExpertMajorCase(num_tokens=(80, 7, 61), hidden=64, num_experts=6,
+                                                             topk=3, dtype="bf16", expert_alignment=4,
+                                                             seed=73)).failures
+    sizes.append(rt.area_bytes)
+    failures += check_low_latency(ctx, buf, LowLatencyCase(num_tokens=(3, 0, 2), max_tokens=4, hidden=128,
+                                                           num_experts=6, topk=2, seed=74)).failures
+    failures += rt.pending_errors()
+    buf.destroy()
+    return failures, sizes
+
+
+def test_storage_sized_by_a_small_first_call_grows(monkeypatch, caplog):
+    """A Buffer whose first dispatch had few tokens grows its storage at the first dispatch that needs more (one
+    collective step, then a single round again), with results unchanged and the epochs carried over; an
+    expert-major dispatch with more tokens still grows it."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for rank, (failures, sizes) in enumerate(spawn(_grows, 3, device="cpu", timeout_s=600)):
+        assert failures == [], (rank, failures)
+        assert sizes[0] < sizes[1] <= sizes[2], sizes
+
+
 def test_interleaved_combine_push_in_rounds(monkeypatch):
     """Above 4 ranks the combine push interleaves its peers (every program writes to every peer); with a
     buffer of a few rows per source both that push and the dispatch move the traffic in rounds."""

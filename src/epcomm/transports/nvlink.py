@@ -15,8 +15,9 @@ Normal dispatch (``epcomm.kernels.ep``):
      (one per pushing program of each source) copy each reported stretch of rows into ``recv_x`` and
      unpack scales, local top-k ids and weights while the pushes go on. With bounded local passes
      (``Config.strict_sms``) the push publishes at its end and ``dispatch_copyout`` copies afterwards on
-     ``num_sms`` programs. Traffic larger than the buffer is split into rounds over token ranges; each
-     round begins with a barrier.
+     ``num_sms`` programs. Storage sized by the first dispatch (``num_nvl_bytes=0``) grows at a later
+     exact-mode dispatch that needs more; traffic larger than a buffer of a given size (``num_nvl_bytes``, or a
+     call being captured) is split into rounds over token ranges; each round begins with a barrier.
 Expert-major dispatch (``layout="expert_major"``): the same steps with the pair indices in the records
 (``epcomm.kernels.expert_major``): the receiving programs store every row straight into its expert-major rows.
 Combine: per round one launch of ``combine_push``, which passes a barrier, returns every row to its source
@@ -112,6 +113,7 @@ class NVLinkTransport(Transport):
 
     name = "nvlink"
     link_gbps = 400.0  # what leaves one GPU over NVLink4 (18 links) in practice: the traffic model's ceiling
+    min_storage_bytes = 1 << 20  # the least normal-mode storage a first dispatch sizes
     description = "one-sided Triton kernels writing into peers' symmetric memory over NVLink"
     validates_topk = True  # the exchange kernel checks expert ids; the Buffer need not
 
@@ -129,7 +131,7 @@ class NVLinkTransport(Transport):
         self.heap = None  # normal-mode storage: made now when num_nvl_bytes is given, else sized by the first call
         self.area_bytes = 0
         self._offsets: dict = {}
-        self._sized_by_call = not num_nvl_bytes
+        self._grows = not num_nvl_bytes  # storage sized by calls grows at a dispatch that needs more
         if num_nvl_bytes:
             self._make_storage(align_up(int(num_nvl_bytes), 1 << 12))
         self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
@@ -153,58 +155,90 @@ class NVLinkTransport(Transport):
 
     def _make_storage(self, area_bytes: int) -> None:
         """Collective: the symmetric heap of normal mode, ``area_bytes`` of receive area plus control words
-        (count matrix, flags, progress words), zeroed on every rank before any rank may write into a peer's."""
+        (count matrix, flags, progress words), zeroed on every rank before any rank may write into a peer's. With
+        storage already made (``_grow``: every rank's kernels on it have ended), the control words carry over from
+        it, so the epochs go on, and the old heap is released once every rank has its copy."""
         from ..kernels.ep import PROGRESS_SLOTS
         from ..shmem import SymmetricHeap
 
-        r, device = self.num_ranks, self.device
+        import torch.distributed as dist
+
+        r, device, old = self.num_ranks, self.device, self.heap
         ctrl = r * r * self.table_words * 4 + 4 * 8 * r + 8 * r * 2 + r * (PROGRESS_SLOTS + 2) * 16 + 4096
         try:
             h = SymmetricHeap(self.group, area_bytes + ctrl, device)
         except torch.cuda.OutOfMemoryError as exc:
             raise BufferTooSmallError(f"{type(self).__name__}: could not allocate {area_bytes} bytes of symmetric "
                                       f"memory ({exc}); pass a smaller num_nvl_bytes") from exc
-        self.mat = h.empty((r, r, self.table_words), torch.int32)
-        self.flags = h.empty((r,), torch.int64)
-        self.arrive = h.empty((r,), torch.int64)
-        self.hdr = h.empty((r, 2), torch.int32)
-        self.prog = h.empty((r, PROGRESS_SLOTS + 2, 2), torch.int64)
+        words = ((r, r, self.table_words), torch.int32), ((r,), torch.int64), ((r,), torch.int64), \
+            ((r, 2), torch.int32), ((r, PROGRESS_SLOTS + 2, 2), torch.int64)
+        fresh = [h.empty(shape, dtype) for shape, dtype in words]
+        if old is None:
+            for t in fresh[1:]:
+                t.zero_()
+        else:
+            for t, before in zip(fresh, (self.mat, self.flags, self.arrive, self.hdr, self.prog)):
+                t.copy_(before)
+        self.mat, self.flags, self.arrive, self.hdr, self.prog = fresh
         self.area = h.empty((area_bytes,), torch.uint8)
-        for t in (self.flags, self.arrive, self.hdr, self.prog):
-            t.zero_()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        import torch.distributed as dist
-
         dist.barrier(group=self.group)
         self.heap, self.area_bytes = h, area_bytes
+        self._offsets.clear()  # memoised by address: the new heap's tensors may reuse the old one's
+        if old is not None:
+            old.destroy(barrier=False)  # every rank passed the barrier above, with its copy made
+
+    def _grow(self, rows: int, row_bytes: int, fn: str) -> None:
+        """Collective: storage for ``rows`` rows of ``row_bytes`` from every rank (the largest token count of any
+        rank, from the count exchange every rank read), replacing storage that a first dispatch sized smaller.
+        Made at the dispatch that needs it (see ``_run_dispatch``), once per size, never while capturing."""
+        import torch.distributed as dist
+
+        before = self.area_bytes
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)  # every rank's kernels on the old storage have ended
+        self._make_storage(max(next_pow2(self.num_ranks * rows * row_bytes), 2 * before))
+        if self.rank == 0:
+            log.info("%s: normal-mode storage grown from %d to %d bytes for %d rows of %d bytes per rank (sized by "
+                     "the first dispatch, which had fewer tokens; num_nvl_bytes or Buffer.warmup avoid the "
+                     "growth)", fn, before, self.area_bytes, rows, row_bytes)
 
     def _size_storage(self, req: DispatchRequest, fn: str) -> None:
         """With ``num_nvl_bytes=0``, at the first normal-mode dispatch (every rank makes it): storage for what
         this call can need, each rank sending all of its tokens to one rank (the largest token count in the
         group, one collective; ``num_worst_tokens`` rows per source when given), in rows wide enough for the
-        dispatch and a BF16 combine, rounded up to a power of two (at least 1 MiB). Later calls that need more
-        move in rounds (``num_worst_tokens`` calls cannot, and raise): pass ``num_nvl_bytes``
-        (``Buffer.get_normal_size_hint``) or warm up with the largest token count first (``Buffer.warmup``)."""
+        dispatch and a BF16 combine, rounded up to a power of two (at least 1 MiB). A later exact-mode dispatch
+        that needs more grows it (``_grow``: a synchronisation and two barriers, once per size); a
+        ``num_worst_tokens`` call that needs more raises, and a call being captured moves in rounds. Pass
+        ``num_nvl_bytes`` (``Buffer.get_normal_size_hint``: then calls that need more move in rounds) or warm up
+        with the largest token count first (``Buffer.warmup``) to size it once."""
         import torch.distributed as dist
-
-        from ..kernels.ep import record_words
 
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise BufferTooSmallError(f"{fn}: this Buffer's normal-mode storage is made by its first dispatch, and "
                                       f"storage cannot be allocated while a CUDA graph is being captured: make one "
                                       f"dispatch (or Buffer.warmup) before capturing, or pass num_nvl_bytes")
-        x = req.x
-        k = req.topk_idx.size(1) if req.topk_idx is not None else 0
-        ns = req.x_scales.size(1) if req.x_scales is not None else 0
-        most = torch.tensor([x.size(0)], dtype=torch.int64, device=self.device)
+        most = torch.tensor([req.x.size(0)], dtype=torch.int64, device=self.device)
         dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.group)
         rows = req.num_worst_tokens or max(int(most.item()), 1)
-        row = max(4 * (_words(x) + record_words(ns, k, req.topk_weights is not None)), 2 * x.size(1) + 4 * k)
-        self._make_storage(max(next_pow2(self.num_ranks * rows * row), 1 << 20))
+        row = self._storage_row(req)
+        self._make_storage(max(next_pow2(self.num_ranks * rows * row), self.min_storage_bytes))
         if self.rank == 0:
             log.info("%s: %d bytes of normal-mode storage sized by the first dispatch (%d rows of %d bytes per "
                      "rank)", fn, self.area_bytes, rows, row)
+
+    @staticmethod
+    def _storage_row(req: DispatchRequest, expert_major: bool = False) -> int:
+        """Bytes of storage per row for the calls of ``req``'s shape: its dispatch rows with their records, or a
+        BF16 combine of them, whichever is wider."""
+        from ..kernels.ep import record_words
+
+        k = req.topk_idx.size(1) if req.topk_idx is not None else 0
+        ns = req.x_scales.size(1) if req.x_scales is not None else 0
+        return max(4 * (_words(req.x) + record_words(ns, k, req.topk_weights is not None, expert_major)),
+                   2 * req.x.size(1) + 4 * k)
 
     @classmethod
     def capabilities(cls) -> Capabilities:
@@ -460,11 +494,13 @@ class NVLinkTransport(Transport):
             grid = max(grid, self.sms // (self.num_ranks + 1) // 2 * 2)
         if not strict:  # streaming: receiving programs copy rows out while the pushes run
             grid = min(grid, PROGRESS_SLOTS)
-        if rounds.num_rounds > 1 and self._sized_by_call and self.rank == 0:
-            self._sized_by_call = False  # say it once
-            log.warning("Buffer.dispatch: this call's rows do not fit the normal-mode storage its first dispatch "
-                        "sized (%d bytes); they move in %d rounds. Pass num_nvl_bytes (Buffer.get_normal_size_hint) "
-                        "or Buffer.warmup with the largest num_tokens first", self.area_bytes, rounds.num_rounds)
+        if (rounds.num_rounds > 1 and self._grows and state.num_tokens_max is not None and not
+                (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
+            # storage sized by a first dispatch with fewer tokens: grown here rather than moved in rounds (each a
+            # barrier and launches). Every rank decides the same: from the exchanged counts and the agreed shape
+            self._grow(state.num_tokens_max, max(self._storage_row(req, em is not None), (xw + mw) * 4),
+                       "Buffer.dispatch")
+            rounds = state.rounds((xw + mw) * 4, self.area_bytes, self.num_ranks, worst, "Buffer.dispatch")
         # the first dispatch of a kind compiles its kernels before any rank waits (Transport.first_call)
         key = ("dispatch", x.dtype, x.size(1), ns, k, has_w, req.num_experts, bool(worst), rounds.num_rounds == 1,
                em is not None)
