@@ -174,20 +174,25 @@ def test_stalled_rank_of_another_domain_is_an_error(mode, monkeypatch):
 
 
 def test_bench_internode_and_its_model(tmp_path):
-    """The benchmark runs every row on CPU processes (tiny shape) and writes its tables; the model's dedup and
-    the published figures are in the notes."""
+    """The benchmark runs every row on CPU processes (tiny shape, two interleaved rounds) and writes its tables:
+    the hierarchical path in the chunk count it measured and in each fixed count; the model's dedup and the
+    published figures are in the notes."""
     import csv
 
     from epcomm.bench import internode
     from epcomm.bench.traffic import expected_domains, internode_estimate
 
     assert internode.main(["--world-size", "4", "--ranks-per-node", "2", "--tokens", "24", "--ll-tokens", "4",
-                           "--hidden", "256", "--experts", "16", "--topk", "4", "--iters", "2",
+                           "--hidden", "256", "--experts", "16", "--topk", "4", "--iters", "2", "--rounds", "2",
                            "--out", str(tmp_path)]) == 0
     rows = list(csv.DictReader(open(tmp_path / "bench_internode_4ranks.csv")))
     impls = {(r["routing"], r["impl"]) for r in rows}
     for routing in ("uniform", "group_limited"):
-        assert {(routing, i) for i in ("hierarchical", "flat alltoall", "nccl-baseline", "raw link")} <= impls
+        assert {(routing, i) for i in ("hierarchical", "flat alltoall", "nccl-baseline", "raw link",
+                                       "hierarchical, 1 chunk", "hierarchical, 2 chunks", "hierarchical, 4 chunks")
+                } <= impls
+    assert all(r["rounds"] == "2" and "-" in r["time_us range"] for r in rows)
+    assert {r["chunks"] for r in rows if r["impl"] == "hierarchical" and r["op"] == "dispatch FP8"} <= {"1", "2", "4"}
     hier = [r for r in rows if r["impl"] == "hierarchical" and r["op"] == "dispatch BF16"]
     flat = [r for r in rows if r["impl"] == "flat alltoall" and r["op"] == "dispatch BF16"]
     # dedup: a token crosses once per remote domain, never more often than once per remote rank

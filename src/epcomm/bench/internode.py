@@ -16,7 +16,9 @@ routing), at DeepSeek's shape (4096 tokens per rank, hidden 7168, top-8, 256 exp
 * ``raw link``: one all_to_all_single over the rail group (the ranks with this rank's local index) of exactly
   the bytes the hierarchical path sends across domains: the inter-domain link's rate on that traffic.
 
-Every call is timed isolated (a barrier before each; the median over iterations of the slowest rank). Columns:
+Every call is timed isolated (a barrier before each; the median over iterations of the slowest rank); with
+``--rounds N`` the whole measurement runs N times, the implementations interleaved, and each row gives the median
+round and the range (a socket link's rate drifts by ~20% within a run). Columns:
 crossing rows per token (rows that leave the domain per token: distinct remote domains for the hierarchical path,
 distinct remote ranks for the flat ones), crossing MB per rank, and link GB/s (crossing bytes over the call's
 time). Then the traffic model (``epcomm.bench.traffic.internode_estimate``) at EP16, EP32 and EP64 from
@@ -50,6 +52,7 @@ class InternodeBenchOptions:
     max_groups: int
     domain_transport: str
     iters: int
+    rounds: int = 1  # the whole measurement repeated, each row the median of its rounds (links that drift)
 
 
 def _inputs(ctx, opts, routing: str, num_tokens: int, num_domains: int):
@@ -94,7 +97,7 @@ def bench_worker(ctx, opts: InternodeBenchOptions) -> list:
                      "crossing rows/token": round(crossing_rows, 3), "crossing MB/rank": round(crossing / 1e6, 2),
                      "link GB/s": timing.gbps(crossing)})
 
-    for routing in opts.routings:
+    for routing in [r for _ in range(opts.rounds) for r in opts.routings]:
         data = _inputs(ctx, opts, routing, opts.tokens, D)
         idxs = [d[1] for d in data]
         # the traffic, from the routing: remote domains per token (hierarchical), remote ranks per token (flat)
@@ -177,7 +180,21 @@ def bench_worker(ctx, opts: InternodeBenchOptions) -> list:
             del recv, handle, y
     hier.destroy()
     flat.destroy()
-    return rows
+    return _median_of_rounds(rows) if opts.rounds > 1 else rows
+
+
+def _median_of_rounds(rows: list) -> list:
+    """One row per measurement (routing, implementation, operation, chunk count) from its rounds: the median
+    time (and the link rate at it), and the range over the rounds."""
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["routing"], r["impl"], r["op"], r["chunks"]), []).append(r)
+    out = []
+    for same in groups.values():
+        times = sorted(r["time_us"] for r in same)
+        mid = sorted(same, key=lambda r: r["time_us"])[(len(same) - 1) // 2]
+        out.append({**mid, "time_us range": f"{times[0]:.0f}-{times[-1]:.0f}", "rounds": len(same)})
+    return out
 
 
 def _same_domain_ranks(idx: torch.Tensor, num_experts: int, world: int, local: int, domain: int) -> torch.Tensor:
@@ -224,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--routings", default="uniform,group_limited")
     parser.add_argument("--max-groups", type=int, default=4, help="group-limited routing: domains per token")
     parser.add_argument("--domain-transport", default="auto")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="repeat the whole measurement; each row is the median of its rounds, with their range")
     parser.add_argument("--nic-gbps", type=float, default=50.0, help="the model's NIC rate per GPU (GB/s)")
     parser.add_argument("--nvlink-gbps", type=float, default=None,
                         help="the model's intranode rate (default: the measured intranode FP8 dispatch of "
@@ -235,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     per_node = args.ranks_per_node or env.ranks_per_node() or max(1, args.world_size // 2)
     opts = InternodeBenchOptions(args.tokens, args.ll_tokens, args.hidden, args.topk, args.experts, per_node,
-                                 tuple(args.routings.split(",")), args.max_groups, args.domain_transport, args.iters)
+                                 tuple(args.routings.split(",")), args.max_groups, args.domain_transport, args.iters,
+                                 max(1, args.rounds))
     if args.model_only:
         fixed = args.chunk_fixed_us or 0.0
         model = model_rows(opts, args.nic_gbps, args.nvlink_gbps or 322.0, fixed)
@@ -252,7 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     fixed = (args.chunk_fixed_us if args.chunk_fixed_us is not None else
              min(r["time_us"] for r in rows if r["op"].startswith("dispatch BF16 (8 tokens")))
     model = model_rows(opts, args.nic_gbps, nvlink, fixed)
-    notes = ("Isolated calls (a barrier before each), the median over iterations of the slowest rank. Crossing rows "
+    notes = ("Isolated calls (a barrier before each), the median over iterations of the slowest rank"
+             + (f"; the whole measurement ran {opts.rounds} times (implementations interleaved): each row is its "
+                "median round, with the range over the rounds" if opts.rounds > 1 else "") + ". Crossing rows "
              "per token: rows that leave their domain per source token (hierarchical: distinct remote domains of the "
              "token's experts; flat: distinct remote ranks; low-latency rows of the hierarchical path travel in BF16). "
              "Link GB/s: those bytes (BF16 2H, FP8 H + 4H/128 per row) per rank over the time. The raw link row moves "
