@@ -7,7 +7,8 @@
 # and (not run by default) bench-layer (the MoE layer on every GPU) and layer-1gpu (the MoE layer on one GPU:
 # one rank, then EPCOMM_RANKS_PER_GPU ranks sharing it; LAYER_ARGS adds arguments to both)
 # Environment: TESTS (paths), TEST_FILTER (a pytest -k expression), PYTEST_ARGS, TEST_TIMEOUT (per test, s),
-# STAGE_TIMEOUT (per stage, s), DISPATCH_ARGS / LL_ARGS / INTERNODE_ARGS (extra benchmark arguments).
+# STAGE_TIMEOUT (per stage, s), DISPATCH_ARGS / LL_ARGS / INTERNODE_ARGS (extra benchmark arguments; INTERNODE_ARGS
+# defaults to --rounds 3: the socket link between simulated nodes drifts).
 # bench-internode splits the ranks into 2 simulated nodes (EPCOMM_RANKS_PER_NODE, default half the ranks), each
 # with its own NCCL_HOSTID and NCCL_NET=Socket, so that NCCL moves the bytes between them through its network path.
 # EPCOMM_RANKS_PER_GPU=N (N > 1; default 4 on a machine with one GPU): up to N ranks share each GPU (tests of
@@ -68,7 +69,7 @@ for stage in "${STAGES[@]}"; do
     bench-allgather) run_stage bench-allgather python3 -m epcomm bench allgather --world-size "$WS" --out "$RES" ;;
     bench-internode) run_stage bench-internode env EPCOMM_RANKS_PER_NODE="${EPCOMM_RANKS_PER_NODE:-$(( WS / 2 ))}" \
                        NCCL_NET="${NCCL_NET:-Socket}" python3 -m epcomm bench internode --world-size "$WS" \
-                       --out "$RES" ${INTERNODE_ARGS:-} ;;
+                       --out "$RES" ${INTERNODE_ARGS:---rounds 3} ;;
     bench-layer) run_stage bench-layer python3 examples/train_moe.py --bench --world-size "$WS" --out "$RES" ${LAYER_ARGS:-} ;;
     layer-1gpu) run_stage layer-1gpu bash -c "python3 examples/train_moe.py --bench --single-gpu --world-size 1 --out '$RES' ${LAYER_ARGS:-} && if [ $SHARE -gt 1 ]; then python3 examples/train_moe.py --bench --single-gpu --world-size $SHARE --out '$RES' ${LAYER_ARGS:-}; fi" ;;
     demo) run_stage demo python3 -m epcomm demo --world-size "$WS" ;;
