@@ -330,27 +330,32 @@ class NVLinkTransport(Transport):
 
     # ------------------------------------------------------------------ normal mode
     def dispatch(self, req: DispatchRequest) -> DispatchResult:
-        from ..kernels.ep import SUMMARY_HEAD
-
         if req.handle is not None:
             return self._cached_dispatch(req)
         itr, pos, summary, num_recv, per_expert_list, n_max, max_pair, host, worst = self._exchange(req)
-        num_ranks, x, n, e_local = self.num_ranks, req.x, req.x.size(0), req.num_experts // self.num_ranks
+        num_ranks, x, e_local = self.num_ranks, req.x, req.num_experts // self.num_ranks
         outs = self._alloc_recv(num_recv, x, req.x_scales, req.topk_idx, req.topk_weights is not None, bool(worst))
         recv_x, recv_scales, recv_idx, recv_w, recv_src = outs
         state = _NVLinkState(summary=summary, recv_src=recv_src, pos=pos, num_tokens_per_rank=req.num_tokens_per_rank,
                              num_tokens_max=n_max, max_pair=max_pair)
         self._run_dispatch(req, itr, state, outs, num_recv, worst)
-        b = SUMMARY_HEAD
-        handle = DispatchHandle(
-            buffer_id=self.buffer_id, transport=self.name, num_ranks=num_ranks, num_experts=req.num_experts,
-            num_tokens=n, hidden=x.size(1), is_token_in_rank=itr,
-            num_tokens_per_rank=None if worst else tuple(host[b + 2 * num_ranks:b + 3 * num_ranks]),
-            num_recv_tokens=num_recv,
-            num_recv_tokens_per_rank=None if worst else tuple(host[b + num_ranks:b + 2 * num_ranks]),
-            num_recv_tokens_per_expert=summary[b + 3 * num_ranks:b + 3 * num_ranks + e_local],
-            recv_src_rank=recv_src[:, 1], recv_src_idx=recv_src[:, 0], num_worst_tokens=worst, state=state)
+        handle = self._handle(req, itr, state, host, num_recv, worst, _recv_per_expert(summary, num_ranks, e_local))
         return DispatchResult(recv_x, recv_scales, recv_idx, recv_w, per_expert_list, handle)
+
+    def _handle(self, req: DispatchRequest, itr, state: _NVLinkState, host: Optional[list], num_recv: int,
+                worst: int, per_expert: torch.Tensor, **layout) -> DispatchHandle:
+        """The handle of a dispatch that exchanged counts (``host``: the summary read by the host, None with
+        ``num_worst_tokens``); ``layout``: the expert-major fields."""
+        from ..kernels.ep import SUMMARY_HEAD
+
+        b, r = SUMMARY_HEAD, self.num_ranks
+        return DispatchHandle(
+            buffer_id=self.buffer_id, transport=self.name, num_ranks=r, num_experts=req.num_experts,
+            num_tokens=req.x.size(0), hidden=req.x.size(1), is_token_in_rank=itr,
+            num_tokens_per_rank=None if worst else tuple(host[b + 2 * r:b + 3 * r]), num_recv_tokens=num_recv,
+            num_recv_tokens_per_rank=None if worst else tuple(host[b + r:b + 2 * r]),
+            num_recv_tokens_per_expert=per_expert, recv_src_rank=state.recv_src[:, 1],
+            recv_src_idx=state.recv_src[:, 0], num_worst_tokens=worst, state=state, **layout)
 
     def dispatch_expert_major(self, req: DispatchRequest) -> DispatchResult:
         """The expert-major dispatch with the rows stored straight into their expert-major rows by the receiving
@@ -358,7 +363,6 @@ class NVLinkTransport(Transport):
         of that expert, the receiver places them from the exchanged count matrix); no rank-major copy and no
         permute. Cached dispatches of expert-major handles take the generic path (rank-major, then permute)."""
         from ..core.layout import expert_major_rows
-        from ..kernels.ep import SUMMARY_HEAD
         from ..kernels.expert_major import ExpertMajorTargets, launch_em_pad, launch_em_table, launch_pair_rows
 
         if req.handle is not None:
@@ -378,7 +382,7 @@ class NVLinkTransport(Transport):
         base = torch.empty(num_ranks, e_local, dtype=torch.int32, device=dev)
         offs = torch.empty(e_local, dtype=torch.int32, device=dev)
         launch_em_table(self.mat, base, offs, self.deferred, self.rank, rows, align)
-        counts = summary[SUMMARY_HEAD + 3 * num_ranks:SUMMARY_HEAD + 3 * num_ranks + e_local]
+        counts = _recv_per_expert(summary, num_ranks, e_local)
         recv_x = torch.empty(rows, x.size(1), dtype=x.dtype, device=dev)
         recv_scales = (torch.empty(rows, req.x_scales.size(1), dtype=req.x_scales.dtype, device=dev)
                        if req.x_scales is not None else None)
@@ -394,16 +398,9 @@ class NVLinkTransport(Transport):
         state = _NVLinkState(summary=summary, recv_src=recv_src, pos=pos, num_tokens_per_rank=req.num_tokens_per_rank,
                              num_tokens_max=n_max, max_pair=max_pair)
         self._run_dispatch(req, itr, state, None, num_recv, worst, em=targets)
-        b = SUMMARY_HEAD
-        handle = DispatchHandle(
-            buffer_id=self.buffer_id, transport=self.name, num_ranks=num_ranks, num_experts=req.num_experts,
-            num_tokens=n, hidden=x.size(1), is_token_in_rank=itr,
-            num_tokens_per_rank=None if worst else tuple(host[b + 2 * num_ranks:b + 3 * num_ranks]),
-            num_recv_tokens=num_recv,
-            num_recv_tokens_per_rank=None if worst else tuple(host[b + num_ranks:b + 2 * num_ranks]),
-            num_recv_tokens_per_expert=counts, recv_src_rank=recv_src[:, 1], recv_src_idx=recv_src[:, 0],
-            num_worst_tokens=worst, state=state, layout="expert_major", expert_alignment=align, num_recv_rows=rows,
-            num_topk=k, expert_offsets=offs, recv_pair_row=pair_row, recv_row_src=row_src, recv_row_weights=row_w)
+        handle = self._handle(req, itr, state, host, num_recv, worst, counts, layout="expert_major",
+                              expert_alignment=align, num_recv_rows=rows, num_topk=k, expert_offsets=offs,
+                              recv_pair_row=pair_row, recv_row_src=row_src, recv_row_weights=row_w)
         return DispatchResult(recv_x, recv_scales, offs, row_w, per_expert_list, handle)
 
     def _exchange(self, req: DispatchRequest):
@@ -694,6 +691,14 @@ class P2PTransport(NVLinkTransport):
     name = "p2p"
     link_gbps = 25.0  # PCIe 4/5 x16 in practice
     description = "one-sided Triton kernels with single-writer flags, for P2P without NVLink or atomics"
+
+
+def _recv_per_expert(summary: torch.Tensor, num_ranks: int, e_local: int) -> torch.Tensor:
+    """The rows this rank receives per local expert, from the exchange's summary (int32 on the device)."""
+    from ..kernels.ep import SUMMARY_HEAD
+
+    b = SUMMARY_HEAD + 3 * num_ranks
+    return summary[b:b + e_local]
 
 
 def _tag(epoch: int) -> int:
