@@ -28,6 +28,19 @@ def skip_gloo_graph(transport: str, world_size: int) -> None:
         pytest.skip("alltoall over gloo (ranks sharing a GPU) cannot be captured in a CUDA graph")
 
 
+def sm90_compiler():
+    """``epcomm.testing.compile_check.offline_compiler()`` (compiles kernels for sm_90 without a GPU), or a skip
+    where this process interprets the kernels or this Triton's internals cannot be driven offline."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("kernels are interpreted in this process")
+    from epcomm.testing.compile_check import offline_compiler
+
+    try:
+        return offline_compiler()
+    except Exception as e:  # noqa: BLE001 - another Triton version's internals
+        pytest.skip(f"cannot drive Triton's compiler offline here: {e}")
+
+
 def pytest_collection_modifyitems(config, items):
     if gpu_count() > 0:
         return

@@ -16,6 +16,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from conftest import sm90_compiler  # noqa: E402
 from epcomm.testing import spawn  # noqa: E402
 from epcomm.testing.checks import LowLatencyCase, NormalCase  # noqa: E402
 
@@ -368,16 +369,7 @@ def test_waits_acquire_with_one_thread_and_end_with_a_barrier(kernel):
     """Compiled for sm_90: the acquire of a poll is an ``ld.acquire.sys`` made by one thread (a predicated inline
     load, no atomic), and every wait ends with ``bar.sync`` (checked on the streaming dispatch, whose receivers
     poll progress words, and the fused low-latency kernel)."""
-    import os
-
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("kernels are interpreted in this process")
-    from epcomm.testing.compile_check import offline_compiler
-
-    try:
-        compile_for = offline_compiler()
-    except Exception as e:  # noqa: BLE001 - another Triton version's internals
-        pytest.skip(f"cannot drive Triton's compiler offline here: {e}")
+    compile_for = sm90_compiler()
     if kernel == "dispatch":
         import epcomm.kernels.ep as ep
 
@@ -410,16 +402,13 @@ def test_kernels_that_wait_within_their_launch_fit_twice_per_sm():
     import subprocess
     import tempfile
 
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("kernels are interpreted in this process")
-    from epcomm.testing.compile_check import offline_compiler
-
+    compile_for = sm90_compiler()
     try:
         from triton import knobs
 
-        compile_for, ptxas = offline_compiler(), knobs.nvidia.ptxas.path
+        ptxas = knobs.nvidia.ptxas.path
     except Exception as e:  # noqa: BLE001 - another Triton version's internals
-        pytest.skip(f"cannot drive Triton's compiler offline here: {e}")
+        pytest.skip(f"cannot find Triton's ptxas here: {e}")
     import epcomm.kernels.ep as ep
     from epcomm.kernels import low_latency as K
     from test_low_latency_interpreter import _sample_args
@@ -471,17 +460,9 @@ def test_error_words_mirror_kernel(dtype):
 
 def test_error_words_mirror_kernel_compiles_for_sm90():
     """The mirror kernel compiles for sm_90: a store through a 64-bit address."""
-    import os
-
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("kernels are interpreted in this process")
     from epcomm.kernels import shmem
-    from epcomm.testing.compile_check import offline_compiler
 
-    try:
-        compile_for = offline_compiler()
-    except Exception as e:  # noqa: BLE001 - another Triton version's internals
-        pytest.skip(f"cannot drive Triton's compiler offline here: {e}")
+    compile_for = sm90_compiler()
     ptx = compile_for(shmem.mirror_kernel, (torch.empty(4, dtype=torch.int32), 1 << 40, 4),
                       dict(DTYPE=shmem.tl.int32, BLOCK=16, num_warps=1)).asm["ptx"]
     assert "st.global" in ptx and "ld.volatile.global" in ptx
