@@ -173,12 +173,18 @@ class HierarchicalTransport(Transport):
                 f"{dist.get_backend(self.rail_group)}, rail peers {self.rail_ranks}); domain leg: "
                 f"{self.domain.name} ({self.domain_reason}); normal-mode chunks: {self.chunks_description()}")
 
+    def _fixed_chunks(self) -> tuple:
+        """``(count, where it was set)`` when the chunk count is fixed (``EPCOMM_INTERNODE_CHUNKS``, else
+        ``pipeline_chunks``), ``(None, "")`` when it is measured."""
+        from_env = env.internode_chunks()
+        if from_env:
+            return from_env, "EPCOMM_INTERNODE_CHUNKS"
+        return (self.pipeline_chunks, "pipeline_chunks") if self.pipeline_chunks else (None, "")
+
     def chunks_description(self) -> str:
         """How many pipelined chunks exact-mode calls use, and why."""
-        forced = env.internode_chunks() or self.pipeline_chunks
-        if forced:
-            return f"{forced} (EPCOMM_INTERNODE_CHUNKS)" if env.internode_chunks() else f"{forced} (pipeline_chunks)"
-        return self._tuner.describe()
+        fixed, source = self._fixed_chunks()
+        return f"{fixed} ({source})" if fixed else self._tuner.describe()
 
     # ------------------------------------------------------------------ helpers
     @contextlib.contextmanager
@@ -238,7 +244,7 @@ class HierarchicalTransport(Transport):
                              f"tokens: pass num_worst_tokens >= {n * self.num_ranks}")
         self._agree(fn, ("dispatch", x.dtype, x.size(1), req.x_scales is not None, req.topk_idx.size(1),
                          req.topk_weights is not None, req.num_experts, bool(W)))
-        forced = env.internode_chunks() or self.pipeline_chunks
+        forced = self._fixed_chunks()[0]
         chunks = 1 if W else forced or self._tuner.next(self.group, fn)
         timing = None if W or forced else self._tuner.start(chunks)
         bounds = chunk_bounds(n, chunks)

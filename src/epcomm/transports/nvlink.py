@@ -495,8 +495,7 @@ class NVLinkTransport(Transport):
                 (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
             # storage sized by a first dispatch with fewer tokens: grown here rather than moved in rounds (each a
             # barrier and launches). Every rank decides the same: from the exchanged counts and the agreed shape
-            self._grow(state.num_tokens_max, max(self._storage_row(req, em is not None), (xw + mw) * 4),
-                       "Buffer.dispatch")
+            self._grow(state.num_tokens_max, self._storage_row(req, em is not None), "Buffer.dispatch")
             rounds = state.rounds((xw + mw) * 4, self.area_bytes, self.num_ranks, worst, "Buffer.dispatch")
         # the first dispatch of a kind compiles its kernels before any rank waits (Transport.first_call)
         key = ("dispatch", x.dtype, x.size(1), ns, k, has_w, req.num_experts, bool(worst), rounds.num_rounds == 1,
