@@ -542,3 +542,39 @@ def test_no_kernel_variant_compiles_inside_a_later_call(warm, monkeypatch):
     for rank, (failures, new) in enumerate(spawn(_compiled_variants, 2, warm, device="cpu", timeout_s=600)):
         assert failures == [], (rank, failures)
         assert new == [], f"rank {rank} launched variants it had not compiled: {new}"
+
+
+# integers that change from call to call (token, row and pair counts, token ranges, slots, flag values, the
+# timeout): Triton would compile a variant per class of their values (== 1, % 16), on one rank, inside a call
+PER_CALL_INTS = {"n", "n_tokens", "num_tokens", "num_pairs", "rows", "rows_out", "out_rows", "num_rows", "self_rows",
+                 "num_src", "num_row_progs", "num_push", "t_begin", "t_end", "cap", "slot", "info_slot", "value",
+                 "timeout", "self_rank", "nbytes", "sig_value"}
+# integers of these names that stay the same for a Buffer's life (the error words' count of the mirror kernel)
+FIXED_PER_BUFFER = {"mirror_kernel": {"n"}}
+
+
+def test_launched_kernels_do_not_specialise_per_call_integers():
+    """Every kernel epcomm launches (``*_kernel`` in ``epcomm.kernels``) marks its per-call integers
+    ``do_not_specialize``. Seen on GPUs: after ``Buffer.warmup`` with 256 tokens, a rank with 100 tokens
+    compiled a new ``layout_kernel`` (n % 16) while its peer already waited in the count exchange."""
+    import importlib
+    import pkgutil
+
+    import triton
+
+    import epcomm.kernels as kernels
+
+    found, missing = 0, []
+    for info in pkgutil.iter_modules(kernels.__path__):
+        module = importlib.import_module(f"epcomm.kernels.{info.name}")
+        for name, fn in vars(module).items():
+            if not (isinstance(fn, triton.runtime.jit.JITFunction) and fn.__module__ == module.__name__
+                    and name.endswith("_kernel")):
+                continue
+            found += 1
+            for p in fn.params:
+                if (not p.is_constexpr and p.name in PER_CALL_INTS - FIXED_PER_BUFFER.get(name, set())
+                        and not p.do_not_specialize):
+                    missing.append(f"{info.name}.{name}({p.name})")
+    assert found > 20, found
+    assert missing == [], f"per-call integers Triton would specialise on: {missing}"

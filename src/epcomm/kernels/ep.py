@@ -51,7 +51,7 @@ SUMMARY_HEAD = 8  # summary words before recv_prefix
 PUSH_WARPS = 8  # warps per push program (dispatch and combine)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def layout_kernel(topk_ptr, itr_ptr, per_rank_ptr, per_expert_ptr, n, E, E_LOCAL, K: tl.constexpr,
                   R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
     """DeepEP's ``get_dispatch_layout`` in one kernel: ``is_token_in_rank [N, R]`` (int8), and with atomics

@@ -64,7 +64,7 @@ def _fill_meta(row_src_ptr, row_w_ptr, lo, hi, HAS_W: tl.constexpr, BLOCK: tl.co
         r0 += BLOCK
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "rows"])
 def pair_rows_kernel(ids_ptr, counts_ptr, w_ptr, offs_ptr, pair_row_ptr, row_src_ptr, row_w_ptr, err_ptr,
                      num_pairs, rows, num_experts, align, HAS_W: tl.constexpr, WRITE_ROWS: tl.constexpr,
                      BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, LOCAL_INDEX: tl.constexpr = False):
@@ -112,7 +112,7 @@ def pair_rows_kernel(ids_ptr, counts_ptr, w_ptr, offs_ptr, pair_row_ptr, row_src
         _fill_meta(row_src_ptr, row_w_ptr, tl.minimum(start + tl.minimum(carry, count), rows), hi, HAS_W, BLOCK)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_src", "rows", "num_row_progs"])
 def permute_kernel(src_ptr, pair_row_ptr, out_ptr, counts_ptr, num_src, rows, num_experts, align, num_row_progs,
                    XW: tl.constexpr, K: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
                    BLOCK_E: tl.constexpr, VEC: tl.constexpr):
@@ -154,7 +154,7 @@ def permute_kernel(src_ptr, pair_row_ptr, out_ptr, counts_ptr, num_src, rows, nu
             r0 += ROWS
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_src"])
 def expert_reduce_kernel(y_ptr, pair_row_ptr, w_ptr, v_ptr, out_ptr, vout_ptr, num_src, hidden, y_stride,
                          out_stride, K: tl.constexpr, HAS_W: tl.constexpr, HAS_V: tl.constexpr,
                          OUT_BF16: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -189,7 +189,7 @@ def expert_reduce_kernel(y_ptr, pair_row_ptr, w_ptr, v_ptr, out_ptr, vout_ptr, n
         m += tl.num_programs(0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])
 def weighted_rows_grad_kernel(g_ptr, y_ptr, w_ptr, row_src_ptr, gy_ptr, gw_ptr, rows, hidden, HAS_DOT: tl.constexpr,
                               OUT_BF16: tl.constexpr, BLOCK: tl.constexpr):
     """Backward of ``w[row] * y[row]`` for every row with ``row_src >= 0`` (other rows: zeros):
@@ -227,7 +227,7 @@ def weighted_rows_grad_kernel(g_ptr, y_ptr, w_ptr, row_src_ptr, gy_ptr, gw_ptr, 
 # pairs of each local expert start (``em_table_kernel``), so its copy-out stores every received row straight into
 # its expert-major rows (``_copy_rows_em``): no rank-major copy, no permute pass.
 # ---------------------------------------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])
 def em_table_kernel(mat_ptr, base_ptr, offs_ptr, err_ptr, rank, rows, align, TW: tl.constexpr, R: tl.constexpr,
                     E_LOCAL: tl.constexpr, BLOCK_E: tl.constexpr):
     """One program. ``mat [R_src, R_dst, TW]`` int32 (word ``2 + e``: the source's pairs for expert e of the
@@ -404,7 +404,7 @@ def em_copyout_kernel(area_ptr, meta_ptr, hdr_ptr, bases_ptr, arrive_off, epoch_
                       ROWS, BLOCK, BLOCK_K, BLOCK_S, HAS_SCALES, HAS_W, VEC)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])
 def em_pad_kernel(out_x_ptr, out_s_ptr, row_src_ptr, row_w_ptr, counts_ptr, rows, num_experts, align,
                   XW: tl.constexpr, NS: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_W: tl.constexpr,
                   ROWS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):

@@ -461,7 +461,7 @@ def copy_bytes(src_addr, dst_addr, nbytes, pid, nprog, BLOCK: tl.constexpr, ALIG
 # ---------------------------------------------------------------------------------------------------------
 # Kernels
 # ---------------------------------------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=["nbytes", "sig_value"])
 def _copy_kernel(src_addr, dst_addr, nbytes, sig_addr, sig_value, counter_ptr, BLOCK: tl.constexpr,
                  ALIGNED16: tl.constexpr, HAS_SIGNAL: tl.constexpr, SIGNAL_OP: tl.constexpr,
                  USE_PTX: tl.constexpr):
@@ -476,7 +476,7 @@ def _copy_kernel(src_addr, dst_addr, nbytes, sig_addr, sig_value, counter_ptr, B
             signal_flag(sig_addr, sig_value, SIGNAL_OP, USE_PTX)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["value"])
 def _signal_kernel(sig_addr, value, SIGNAL_OP: tl.constexpr, USE_PTX: tl.constexpr):
     signal_flag(sig_addr, value, SIGNAL_OP, USE_PTX)
 
