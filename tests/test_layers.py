@@ -305,19 +305,19 @@ def _order_worker(ctx, dtype):
     ws = [torch.rand(n, cfg.topk, generator=gen) + 0.1 for n in counts]
     moe = MoE(cfg, ctx.group, seed=3)
     recorded = []
-    original = moe_module.expert_major_experts
+    original = moe_module.expert_major_down  # the expert outputs the combine reduces
 
     def record(*args, **kwargs):
         recorded.append(original(*args, **kwargs))
         return recorded[-1]
 
-    moe_module.expert_major_experts = record
+    moe_module.expert_major_down = record
     try:
         with torch.no_grad():
             out = moe(xs[ctx.rank], idxs[ctx.rank], ws[ctx.rank])
             again = moe(xs[ctx.rank], idxs[ctx.rank], ws[ctx.rank])
     finally:
-        moe_module.expert_major_experts = original
+        moe_module.expert_major_down = original
     ys = [None] * ctx.world_size
     dist.all_gather_object(ys, recorded[0])
     ref = reference.expert_major_dispatch(xs, idxs, cfg.num_experts, ws, expert_alignment=8)

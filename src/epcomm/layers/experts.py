@@ -131,12 +131,39 @@ def expert_major_experts(recv_x: torch.Tensor, offsets: torch.Tensor, counts: Se
     """Expert outputs ``[rows, H]`` of expert-major rows ``recv_x [rows, H]`` (group e = rows ``offsets[e-1] ..
     offsets[e] - 1``, ``offsets [E_local]`` int32 on the device; padding rows zero, so their outputs are zero).
     ``counts``: the groups' (aligned) sizes on the host, for the loop. Rows past the last group: undefined."""
+    return expert_major_down(expert_major_act(recv_x, offsets, counts, w13, grouped=grouped), offsets, counts, w2,
+                             grouped=grouped)
+
+
+def expert_major_act(recv_x: torch.Tensor, offsets: torch.Tensor, counts: Sequence[int], w13: torch.Tensor, *,
+                     grouped: bool) -> torch.Tensor:
+    """The first half of ``expert_major_experts``: ``silu(x W_gate^T) * x W_up^T`` per group, ``[rows, F]``
+    (padding rows zero; rows past the last group undefined)."""
     if grouped:
-        return grouped_swiglu(recv_x, w13, w2, offsets)
-    out = loop_swiglu(recv_x[:sum(counts)], w13, w2, counts)
-    if out.size(0) < recv_x.size(0):
-        out = torch.cat([out, out.new_zeros(recv_x.size(0) - out.size(0), out.size(1))])
-    return out
+        gate, up = torch._grouped_mm(recv_x, w13.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+        return F.silu(gate) * up
+    chunks = torch.split(recv_x[:sum(counts)], list(counts), dim=0)
+    parts = []
+    for e, c in enumerate(chunks):
+        gate, up = F.linear(c, w13[e]).chunk(2, dim=-1)
+        parts.append(F.silu(gate) * up)
+    return _pad_rows(torch.cat(parts, dim=0), recv_x.size(0))
+
+
+def expert_major_down(act: torch.Tensor, offsets: torch.Tensor, counts: Sequence[int], w2: torch.Tensor, *,
+                      grouped: bool) -> torch.Tensor:
+    """The second half of ``expert_major_experts``: ``act [rows, F]`` times each group's ``W2^T``, ``[rows, H]``.
+    ``MoE``'s weighted combine differentiates through it itself (``layers.autograd``)."""
+    if grouped:
+        return torch._grouped_mm(act, w2.transpose(1, 2), offs=offsets)
+    chunks = torch.split(act[:sum(counts)], list(counts), dim=0)
+    return _pad_rows(torch.cat([F.linear(c, w2[e]) for e, c in enumerate(chunks)], dim=0), act.size(0))
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if t.size(0) < rows:
+        t = torch.cat([t, t.new_zeros(rows - t.size(0), t.size(1))])
+    return t
 
 
 def _align(t, alignment: int = ALIGN):
