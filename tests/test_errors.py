@@ -149,6 +149,8 @@ def test_config_and_num_sms_validation():
     (235 << 20, 25.0, 132, 4, 2),  # PCIe: two SMs already saturate the link
     (235 << 20, 25.0, 132, 2, 4),
     (235 << 20, 25.0, 132, 8, 4),
+    (470 << 20, 400.0, 132, 1, 132),  # one rank: local copies, no link to saturate; bounded by the bytes
+    (16 << 20, 400.0, 132, 1, 16),
 ])
 def test_num_sms_traffic_model(send_bytes, link_gbps, max_sms, num_ranks, expected):
     from epcomm.core.config import model_num_sms

@@ -74,8 +74,8 @@ Paths and their rules
 Buffer sizing: see ``epcomm.layers.buffers`` (``moe_buffer_size_bytes`` and its rule of thumb).
 Timings: ``EPCOMM_DEBUG=1`` makes every rank log each forward's phases (router, layout, dispatch,
 experts, combine, shared, the backward communication, ``bwd_weighting_in`` and ``bwd_weighting``, the backward of
-the combine's weighting, moved onto the experts' narrow side: see ``epcomm.layers.autograd._WeightedCombine``); ``moe.timer.enabled = True`` and
-``moe.timer.format_summary()`` give a summary without per-step logs.
+the combine's weighting, moved onto the experts' narrow side: see ``epcomm.layers.autograd._WeightedCombine``);
+``moe.timer.enabled = True`` and ``moe.timer.format_summary()`` give a summary without per-step logs.
 """
 
 from .buffers import BufferSizes, destroy_buffers, get_buffer, moe_buffer_size_bytes

@@ -154,25 +154,22 @@ class _ExpertMajorDispatch(torch.autograd.Function):
 class _WeightedCombine(torch.autograd.Function):
     """``combined = sum over a token's rows of row_weights[row] * expert_out[row]`` (the expert-major combine).
 
-    With ``down`` (the layer's case) ``expert_out = down(act, w2)`` was computed without autograd and this
-    function differentiates through it with the routing weight moved onto the narrow side: ``w * (g W2) = (w g)
-    W2``, ``(w g)^T act = g^T (w act)``, ``<g, act W2^T> = <g W2, act>``, so the backward's elementwise work is
-    on ``[rows, F]`` tensors instead of ``[rows, H]`` ones and ``expert_out`` is not kept. Without ``down``:
-    ``grad_y = w * g`` and ``grad_w = <g, y>`` (``weighted_rows_grad``)."""
+    With ``down_backward`` (the layer's case) ``expert_out`` is the experts' down projection ``act W2^T``, computed
+    without autograd, and this function differentiates through it with the routing weight moved onto the narrow
+    side: ``w (g W2) = (w g) W2``, ``(w g)^T act = g^T (w act)``, ``<g, act W2^T> = <g W2, act>``. The backward's
+    elementwise work then runs on ``[rows, F]`` tensors instead of ``[rows, H]`` ones, and ``expert_out`` is not
+    kept. Without it: ``grad_y = w * g`` and ``grad_w = <g, y>`` (``weighted_rows_grad``)."""
 
     @staticmethod
-    def forward(ctx, expert_out, row_weights, act, w2, state: CallState, async_finish: bool, down):
+    def forward(ctx, expert_out, row_weights, act, w2, state: CallState, async_finish: bool, down_backward):
         expert_out = expert_out.contiguous()
         row_w = row_weights.detach().float().contiguous()
         with state.timer.phase("combine"), actionable(state, "combine"):
             combined, _, event = state.buffer.combine(expert_out, state.handle, row_weights=row_w,
                                                       config=state.combine_config, async_finish=async_finish)
         state.event = event if async_finish else None
-        ctx.state, ctx.down, ctx.y_dtype = state, down, expert_out.dtype
-        if down is None:
-            ctx.save_for_backward(expert_out, row_w)
-        else:
-            ctx.save_for_backward(act, w2, row_w)
+        ctx.state, ctx.down_backward, ctx.y_dtype = state, down_backward, expert_out.dtype
+        ctx.save_for_backward(*((expert_out, row_w) if down_backward is None else (act, w2, row_w)))
         return combined
 
     @staticmethod
@@ -184,24 +181,17 @@ class _WeightedCombine(torch.autograd.Function):
             g = state.buffer.dispatch(grad.to(ctx.y_dtype).contiguous(), handle=state.handle,
                                       config=state.dispatch_config)[0]
         row_src = state.handle.recv_row_src
-        if ctx.down is None:
+        if ctx.down_backward is None:
             y, row_w = ctx.saved_tensors
             with state.timer.phase("bwd_weighting"):
                 grad_y, grad_w = weighted_rows_grad(g, y if ctx.needs_input_grad[1] else None, row_w, row_src)
             return grad_y, grad_w, None, None, None, None, None
         act, w2, row_w = ctx.saved_tensors
-        act = act.detach()
         with state.timer.phase("bwd_weighting_in"):
             act_w, _ = weighted_rows_grad(act, None, row_w, row_src)  # w * act (zero on padding rows)
-        with torch.enable_grad():
-            act_w.requires_grad_()
-            w2_leaf = w2.detach().requires_grad_(ctx.needs_input_grad[3])
-            y = ctx.down(act_w, w2_leaf)
-            inputs = [act_w] + ([w2_leaf] if ctx.needs_input_grad[3] else [])
-            grads = torch.autograd.grad(y, inputs, g)
+        h, grad_w2 = ctx.down_backward(g, act_w, w2, need_w2=ctx.needs_input_grad[3])  # h = g W2
         with state.timer.phase("bwd_weighting"):
-            grad_act, grad_w = weighted_rows_grad(grads[0], act if ctx.needs_input_grad[1] else None, row_w, row_src)
-        grad_w2 = grads[1] if ctx.needs_input_grad[3] else None
+            grad_act, grad_w = weighted_rows_grad(h, act if ctx.needs_input_grad[1] else None, row_w, row_src)
         return None, grad_w, grad_act, grad_w2, None, None, None
 
 
@@ -209,10 +199,11 @@ def expert_major_dispatch(x, topk_weights, state, topk_idx, layout, fp8, alignme
     return _ExpertMajorDispatch.apply(x, topk_weights, state, topk_idx, layout, fp8, alignment)
 
 
-def weighted_combine(expert_out, row_weights, state, async_finish, act=None, w2=None, down=None):
-    """See ``_WeightedCombine``: with ``down``, ``expert_out`` must be ``down(act, w2)`` computed without
-    autograd (gradients reach ``act`` and ``w2`` through this function)."""
-    return _WeightedCombine.apply(expert_out, row_weights, act, w2, state, async_finish, down)
+def weighted_combine(expert_out, row_weights, state, async_finish, act=None, w2=None, down_backward=None):
+    """See ``_WeightedCombine``: with ``down_backward``, ``expert_out`` must be the experts' down projection of
+    ``act`` by ``w2`` computed without autograd, and ``down_backward(g, act, w2, need_w2=...) -> (grad_act, grad_w2)``
+    its backward; gradients reach ``act`` and ``w2`` through this function."""
+    return _WeightedCombine.apply(expert_out, row_weights, act, w2, state, async_finish, down_backward)
 
 
 def dispatch(x, topk_weights, state, topk_idx, layout, fp8):

@@ -160,6 +160,21 @@ def expert_major_down(act: torch.Tensor, offsets: torch.Tensor, counts: Sequence
     return _pad_rows(torch.cat([F.linear(c, w2[e]) for e, c in enumerate(chunks)], dim=0), act.size(0))
 
 
+def expert_major_down_backward(g: torch.Tensor, act: torch.Tensor, offsets: torch.Tensor, counts: Sequence[int],
+                               w2: torch.Tensor, *, grouped: bool, need_w2: bool = True) -> tuple:
+    """The backward of ``expert_major_down(act, ..., w2)`` for the output gradient ``g [rows, H]``:
+    ``(grad_act [rows, F], grad_w2 [G, H, F] or None)``, the two GEMMs autograd would run (the same calls, so the
+    same values) without recomputing the forward. Rows past the last group: undefined."""
+    if grouped:
+        grad_act = torch._grouped_mm(g, w2, offs=offsets)
+        return grad_act, (torch._grouped_mm(g.t(), act, offs=offsets) if need_w2 else None)
+    total = sum(counts)
+    gs, acts = torch.split(g[:total], list(counts), dim=0), torch.split(act[:total], list(counts), dim=0)
+    grad_act = _pad_rows(torch.cat([ge @ w2[e] for e, ge in enumerate(gs)], dim=0), act.size(0))
+    grad_w2 = torch.stack([ge.t() @ ae for ge, ae in zip(gs, acts)]) if need_w2 else None
+    return grad_act, grad_w2
+
+
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     if t.size(0) < rows:
         t = torch.cat([t, t.new_zeros(rows - t.size(0), t.size(1))])

@@ -19,8 +19,8 @@ from ..errors import EpcommError
 from . import autograd as ag
 from .buffers import BufferSizes, get_buffer, moe_buffer_size_bytes
 from .config import MoEConfig
-from .experts import (ALIGN, choose_grouped_gemm, expert_major_act, expert_major_down, low_latency_experts,
-                      normal_experts)
+from .experts import (ALIGN, choose_grouped_gemm, expert_major_act, expert_major_down, expert_major_down_backward,
+                      low_latency_experts, normal_experts)
 from .ops import route, swiglu
 from .timing import PhaseTimer
 from .weights import init_expert_weights, init_router_weight, init_shared_weights
@@ -281,14 +281,15 @@ class MoE(nn.Module):
             recv_x, row_w = ag.expert_major_dispatch(x, topk_weights, state, topk_idx, layout, c.fp8_dispatch, ALIGN)
             offsets, counts, grouped = state.handle.expert_offsets, state.counts, self.grouped_gemm
 
-            def down(act, w2):
-                return expert_major_down(act, offsets, counts, w2, grouped=grouped)
+            def down_backward(g, act_w, w2, need_w2):
+                return expert_major_down_backward(g, act_w, offsets, counts, w2, grouped=grouped, need_w2=need_w2)
 
             with timer.phase("experts"):
                 act = expert_major_act(recv_x, offsets, counts, self.w13, grouped=grouped)
-                with torch.no_grad():  # differentiated by the weighted combine (weights on the narrow side)
-                    out = down(act, self.w2)
-            combined = ag.weighted_combine(out, row_w, state, c.async_combine, act=act, w2=self.w2, down=down)
+                with torch.no_grad():  # differentiated by the weighted combine (the weights on the narrow side)
+                    out = expert_major_down(act, offsets, counts, self.w2, grouped=grouped)
+            combined = ag.weighted_combine(out, row_w, state, c.async_combine, act=act, w2=self.w2,
+                                           down_backward=down_backward)
         else:
             recv_x, recv_w = ag.dispatch(x, topk_weights, state, topk_idx, layout, c.fp8_dispatch)
             with timer.phase("experts"):
