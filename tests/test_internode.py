@@ -136,41 +136,170 @@ def test_ranks_that_disagree_raise_before_data_moves():
         assert "ranks [0, 1, 2]" in message and "ranks [3]" in message, message
 
 
-def _peer_missing(ctx, mode):
+def _peer_missing(ctx, mode, local=2, stall_s=8.0, fault_timeout=None, warm_buffer=False):
+    """Every rank makes a call of ``mode`` (``dispatch``, ``low_latency`` or ``combine``: a dispatch then its
+    combine); then the last rank (on another domain than rank 0) stalls for ``stall_s`` instead of making the next
+    one (for ``combine``: it dispatches, then skips the combine). The others report ``(message of the error, seconds
+    from the call to the error, message of the next call, seconds it took)``; every rank ends at a meeting point in
+    the store, so that the stalled rank's peers (and the store, on rank 0) outlive it. ``fault_timeout``: the
+    ``EPCOMM_TIMEOUT_S`` of the faulty call (after the first calls, made with the environment's); ``warm_buffer``:
+    compile every kernel with a first Buffer, so that the second one's first call is quick."""
     import os
     import time
+
+    import torch.distributed as dist
 
     from epcomm.buffer import Buffer
     from epcomm.errors import EpcommError
     from epcomm.testing.routing import make_inputs
 
-    buf = Buffer(ctx.group, transport="alltoall", ranks_per_node=2)
-    mine = make_inputs(3, 4, 8, 128, 8, 2)[ctx.rank]
-    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(mine.topk_idx, 8)
-    call = (lambda: buf.dispatch(mine.x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                                 num_tokens_per_expert=per_expert, topk_idx=mine.topk_idx)) if mode == "normal" \
-        else (lambda: buf.low_latency_dispatch(mine.x, mine.topk_idx, 8, 8))
-    call()  # every rank makes the first call of this kind
-    os.environ["EPCOMM_TIMEOUT_S"] = "2"
-    if ctx.rank == 3:  # a rank of the other domain stalls
-        time.sleep(8)
-        return "stalled"
+    dev = ctx.device
+    mine = make_inputs(3, ctx.world_size, 4, 128, 4 * ctx.world_size, 2)[ctx.rank]
+    x, idx, w = mine.x.to(dev), mine.topk_idx.to(dev), mine.topk_weights.to(dev)
+    num_experts = 4 * ctx.world_size
+
+    def make_calls(buf):
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, num_experts)
+
+        def dispatch():
+            return buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+
+        def low_latency():
+            return buf.low_latency_dispatch(x, idx, 8, num_experts)
+
+        def combine(out):
+            return buf.combine(out[0], out[4], topk_weights=out[2])
+
+        return dispatch, low_latency, combine
+
+    def first_calls(buf):
+        dispatch, low_latency, combine = make_calls(buf)
+        if mode == "low_latency":
+            low_latency()
+        else:
+            combine(dispatch())
+
+    if warm_buffer:  # with the environment's timeout; the second Buffer's groups get fault_timeout's
+        warm = Buffer(ctx.group, transport="alltoall", ranks_per_node=local)
+        first_calls(warm)
+        warm.destroy()
+        if fault_timeout is not None:
+            os.environ["EPCOMM_TIMEOUT_S"] = str(fault_timeout)
+    buf = Buffer(ctx.group, transport="alltoall", ranks_per_node=local)
+    first_calls(buf)  # every rank makes the first calls of this kind
+    if fault_timeout is not None:
+        os.environ["EPCOMM_TIMEOUT_S"] = str(fault_timeout)
+    dispatch, low_latency, combine = make_calls(buf)
+    stalled = ctx.rank == ctx.world_size - 1
+    out = "stalled"
+    if mode == "combine":
+        got = dispatch()
+    if stalled:
+        time.sleep(stall_s)
+    else:
+        begin = time.monotonic()
+        try:
+            if mode == "combine":
+                combine(got)
+            else:
+                dispatch() if mode == "normal" else low_latency()
+            buf.check_errors()  # stream-ordered calls (NCCL) are found here at the latest
+            out = ("no exception", time.monotonic() - begin, "", 0.0)
+        except EpcommError as exc:
+            took = time.monotonic() - begin
+            begin = time.monotonic()
+            try:
+                dispatch()
+                again = "no exception"
+            except EpcommError as exc2:
+                again = str(exc2)
+            out = (str(exc), took, again, time.monotonic() - begin)
+    store = dist.distributed_c10d._get_default_store()
+    store.add("test/finished", 1)
+    deadline = time.monotonic() + stall_s + 60
     try:
-        call()
-        buf.check_errors()
-    except EpcommError as exc:
-        return str(exc)
-    return "no exception"
+        while int(store.add("test/finished", 0)) < ctx.world_size and time.monotonic() < deadline:
+            time.sleep(0.1)
+    except Exception:  # noqa: BLE001 - rank 0 (the store's host) may end first
+        pass
+    time.sleep(0.5 if ctx.rank == 0 else 0.0)
+    return out
 
 
-@pytest.mark.parametrize("mode", ["normal", "low_latency"])
+def check_peer_missing(out: list, mode: str, timeout: float, slack: float, local: int, on_stream: bool = False) -> None:
+    """``_peer_missing``'s results: every rank but the stalled last one raised within ``timeout + slack`` s, naming
+    its rank, the phase and what it learnt of the others; its next call raised at once. ``on_stream``: the combine
+    never synchronises (NCCL): it is found by check_errors as a call still running on the stream, whose collectives
+    every rank but the stalled one joined."""
+    world = len(out)
+    last = world - 1
+    assert out[last] == "stalled", out[last]
+    phases = {"normal": "tokens to their domains", "low_latency": "tokens to their domains",
+              "combine": "partial sums back to their sources"}
+    problems = []
+    for rank in range(last):
+        message, took, again, took_again = out[rank]
+        expect = [f"rank {rank}: ", f"did not complete within EPCOMM_TIMEOUT_S={timeout:g} s",
+                  "groups were aborted, this Buffer cannot be used again"]
+        if on_stream and mode == "combine":
+            expect += ["the collectives of Buffer.combine, still running on the stream", f"rank {last} never joined it"]
+        elif rank == last - local:  # the stalled rank's rail peer waits for it in the inter-domain leg
+            expect += [f"the inter-domain leg ({phases[mode]})", f"rank {last} never joined it"]
+        if not (took < timeout + slack and all(e in message for e in expect)):
+            problems.append(f"rank {rank}: after {took:.1f} s (at most {timeout + slack:g} expected), missing "
+                            f"{[e for e in expect if e not in message]} in: {message}")
+        if not (took_again < 1.0 and "cannot be used again" in again):
+            problems.append(f"rank {rank}: the next call took {took_again:.1f} s and raised: {again}")
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("mode", ["normal", "low_latency", "combine"])
 def test_stalled_rank_of_another_domain_is_an_error(mode, monkeypatch):
-    monkeypatch.setenv("EPCOMM_TIMEOUT_S", "3")  # the subgroups' timeout
+    """A rank of the other domain that never makes the call (for ``combine``: dispatches, then skips the combine)
+    makes every other rank raise within EPCOMM_TIMEOUT_S and a few seconds, naming the phase and the missing rank
+    (its rail peer) or the rank it waits for; the next call raises at once; nothing hangs at the end."""
+    monkeypatch.setenv("EPCOMM_TIMEOUT_S", "3")  # gloo's collectives end at their group's timeout
     out = spawn(_peer_missing, 4, mode, device="cpu", timeout_s=120)
-    assert out[3] == "stalled"
-    assert "inter-domain leg" in out[1] and "rail peers [1, 3]" in out[1], out[1]  # rank 3's rail peer
-    for rank in range(3):  # the others wait for rank 1 or rank 3, within their domain or across
-        assert "failed within EPCOMM_TIMEOUT_S=2 s" in out[rank] and f"rank {rank}:" in out[rank], out[rank]
+    check_peer_missing(out, mode, 3.0, 4.0, 2)
+    if mode == "normal":  # rank 0 waits within its domain for rank 1, which waits for rank 3 across
+        assert "the domain leg (forwarding the tokens)" in out[0][0] and "rank 1 is stuck in the inter-domain leg " \
+            "(tokens to their domains)" in out[0][0], out[0][0]
+        assert "rank 3 never joined it" in out[2][0], out[2][0]
+
+
+def test_bounded_host_wait():
+    """``faults.host_wait`` returns once the work completes, and raises ``WaitExpired`` (an EpcommTimeoutError,
+    naming the function and what was awaited) after its limit when it never does."""
+    import time
+
+    from epcomm.errors import EpcommTimeoutError
+    from epcomm.transports import faults
+
+    class Never:
+        def query(self):
+            return False
+
+    class Later:
+        polls = 0
+
+        def is_completed(self):
+            self.polls += 1
+            return self.polls > 50
+
+    begin = time.monotonic()
+    with pytest.raises(faults.WaitExpired, match=r"^Buffer.dispatch: rank 0: the count exchange did not complete "
+                                                 r"within 0.3 s \(EPCOMM_TIMEOUT_S=") as info:
+        faults.host_wait(Never(), "Buffer.dispatch", lambda: "rank 0: the count exchange", limit_s=0.3)
+    assert 0.3 <= time.monotonic() - begin < 2.0 and isinstance(info.value, EpcommTimeoutError)
+    with pytest.raises(faults.WaitExpired):  # the limit counts from when the work was issued
+        faults.host_wait(Never(), "Buffer.dispatch", "x", started=time.monotonic() - 1.0, limit_s=0.5)
+    later = Later()
+    faults.host_wait(later, "Buffer.dispatch", "x", limit_s=5.0)
+    assert later.polls == 51
+    assert faults.describe_peers({3: None, 1: "the domain leg (x)"}) == (
+        "rank 3 never joined it (stalled, dead, or making another call); rank 1 is stuck in the domain leg (x)")
+    assert "could not be found" in faults.describe_peers(None)
 
 
 def test_bench_internode_and_its_model(tmp_path):

@@ -9,7 +9,7 @@ import pytest
 from conftest import gpu_count, gpu_ranks
 from epcomm.testing import spawn
 from epcomm.testing.checks import GraphCase, LowLatencyCase, NormalCase, run_cases
-from test_internode import _assert_clean, internode_cases
+from test_internode import _assert_clean, _peer_missing, check_peer_missing, internode_cases
 
 
 def large_cases():
@@ -41,3 +41,25 @@ def test_gpu_hierarchical_matches_reference(world_size, local, transport, suite)
             cases = [c for c in cases if not isinstance(c.num_tokens, tuple)]
     _assert_clean(spawn(run_cases, world_size, cases, transport, {"ranks_per_node": local}, device="cuda",
                         timeout_s=600))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["normal", "combine"])
+@pytest.mark.parametrize("world_size,local", [(2, 1), (4, 2)])
+def test_gpu_stalled_rank_of_another_node_is_an_error(world_size, local, mode, monkeypatch):
+    """Two simulated nodes over NCCL's sockets (one GPU per rank): the last rank stalls instead of making a dispatch
+    (``normal``) or, after dispatching, its combine. Every other rank raises within EPCOMM_TIMEOUT_S=10 s and a
+    few seconds (the dispatch at its count exchange; the combine, which never synchronises, at check_errors),
+    naming the phase and the missing rank; its next call raises at once. The stalled rank sleeps past its groups'
+    NCCL timeout (2 * 10 + 40 s) while the others wait for it: NCCL's watchdog (default
+    TORCH_NCCL_ASYNC_ERROR_HANDLING) must not end any process, since the groups were aborted."""
+    if gpu_count() < world_size:
+        pytest.skip(f"needs {world_size} GPUs (one per rank: NCCL between every rank)")
+    monkeypatch.setenv("EPCOMM_RANKS_PER_NODE", str(local))  # a simulated node per NCCL_HOSTID
+    monkeypatch.setenv("NCCL_NET", "Socket")
+    monkeypatch.delenv("EPCOMM_TIMEOUT_S", raising=False)  # a first Buffer compiles under the default (60 s) ...
+    try:  # ... then the faulty one has EPCOMM_TIMEOUT_S=10, its groups' NCCL timeout 60 s; the stall lasts 75 s
+        out = spawn(_peer_missing, world_size, mode, local, 75.0, 10, True, device="cuda", timeout_s=400)
+    except Exception as exc:  # a rank that died (NCCL's watchdog) or hung: say so with the launcher's report
+        raise AssertionError(f"a rank did not finish (killed by NCCL's watchdog, or hung): {exc}") from exc
+    check_peer_missing(out, mode, 10.0, 12.0, local, on_stream=True)

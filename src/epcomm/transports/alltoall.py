@@ -22,6 +22,7 @@ Low-latency dispatch/combine: fixed-size slots of ``T * min(K, E_local)`` rows p
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -35,6 +36,7 @@ from ..errors import EpcommError
 from ..fp8 import FP8_DTYPE, per_token_cast_to_fp8
 from ..kernels import triton_available
 from .device_errors import LOW_LATENCY, NORMAL, DeviceErrors
+from .faults import host_wait
 from .plan import exclusive_cumsum, send_plan
 from .base import (Capabilities, CombineRequest, DispatchRequest, DispatchResult, LowLatencyCombineRequest,
                    LowLatencyCombineResult, LowLatencyDispatchRequest, LowLatencyDispatchResult, Transport)
@@ -225,7 +227,8 @@ class AllToAllTransport(Transport):
         zero = torch.zeros((), dtype=torch.int32, device=dev)
         checks = torch.stack([req.bad_topk if req.bad_topk is not None else zero,
                               (itr.sum(0, dtype=torch.int32) != counts[:, 0]).sum(dtype=torch.int32)])
-        host = torch.cat([counts[:, 0], recv_counts[:, 0], recv_per_expert, checks, self._errors]).tolist()
+        host = self._read_later(torch.cat([counts[:, 0], recv_counts[:, 0], recv_per_expert, checks,
+                                           self._errors]))()  # one bounded host read
         send_counts = host[:num_ranks]
         recv_counts_h = host[num_ranks:2 * num_ranks]
         per_expert = host[2 * num_ranks:2 * num_ranks + e_local]
@@ -335,8 +338,11 @@ class AllToAllTransport(Transport):
                                    recv_table_h[::1 + e_local], expert_counts, state)
 
     def _read_later(self, t: torch.Tensor):
-        """Start copying the int32 tensor ``t`` to the host; returns a function that waits for that copy
-        (not for work enqueued after it) and returns ``t`` as a list. On CPUs the copy happens at the call."""
+        """Start copying the int32 tensor ``t`` (a dispatch's counts) to the host; returns a function that waits for
+        that copy (not for work enqueued after it) and returns ``t`` as a list. On CPUs the copy happens at the call.
+        The wait is bounded (``faults.host_wait``): ``EPCOMM_TIMEOUT_S`` after this call it raises ``WaitExpired``
+        naming the count exchange and this group's ranks (the collective stays pending: a transport that owns the
+        group aborts it)."""
         if not t.is_cuda:
             return t.tolist
         host = self._pinned.get(t.numel())
@@ -345,9 +351,11 @@ class AllToAllTransport(Transport):
         host.copy_(t, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
+        started = time.monotonic()
 
         def read() -> list:
-            done.synchronize()
+            host_wait(done, "Buffer.dispatch", lambda: f"rank {self.rank}: the count exchange with ranks "
+                                                       f"{dist.get_process_group_ranks(self.group)}", started)
             return host.tolist()
 
         return read

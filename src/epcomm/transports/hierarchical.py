@@ -44,17 +44,30 @@ to the forwarding ranks (a small all_to_all), runs the domain's low-latency comb
 once to BF16: the partial), and adds the domains' partials at the source (FP32, domain order, cast once).
 ``handle.src_info`` / ``layout_range`` describe the domain leg (forwarding rank and row).
 
-Faults: the leg's subgroups are created with ``EPCOMM_TIMEOUT_S`` as their timeout, so NCCL's watchdog (or gloo)
-ends a collective that a dead or stalled rank never joins; an exception of the leg is re-raised as
-``EpcommTimeoutError`` naming this rank, the rail peers and the phase. The domain leg keeps its own device
-timeouts. Bad input that differs between ranks (hidden size, top-k, experts, ``num_max_dispatch_tokens_per_rank``,
-dtypes) is caught at the first call of each kind, before any data moves: the ranks compare the call's shape.
+Faults: a dead or stalled rank becomes an exception on every other rank within ``EPCOMM_TIMEOUT_S`` (and a few
+seconds), naming the rank, the leg, the phase (tokens to their domains, forwarding the tokens, sums within the
+domain, partial sums back to their sources, chunk agreement ...) and the missing rank; nothing waits forever. Every
+host wait of the path (the legs' count reads, the chunk agreement, the timings) polls its work's event
+(``transports.faults.host_wait``) until ``EPCOMM_TIMEOUT_S`` has passed since the collective was issued; calls
+that never synchronise (``num_worst_tokens``, combine, low-latency) leave an event behind them that the next call
+and ``pending_errors`` (``Buffer.check_errors``, ``destroy``) look at, waiting (bounded) once ``MAX_IN_FLIGHT`` are
+still running. When a wait expires (or gloo's collective ends at its group's timeout, ``EPCOMM_TIMEOUT_S`` there),
+the rank writes where it is stuck into the default store and reads, for a moment, where its leg's other ranks are:
+a rank that wrote nothing never joined (it is named as such); then it aborts the inter-domain and domain groups
+(``torch.distributed``'s abort marks them aborted first: NCCL's watchdog, whose own timeout on these groups is
+longer, ``2 * EPCOMM_TIMEOUT_S + 40`` s, leaves the process alone, and the stuck kernels exit) and raises
+``EpcommTimeoutError`` (the Buffer keeps it as its sticky error and raises that). Every later call of any Buffer on these groups
+raises at once with the same message; such a Buffer cannot be used again (make a new one once the ranks are back).
+The domain leg's one-sided kernels keep their own device timeouts (their count read has a longer backstop). Bad
+input that differs between ranks (hidden size, top-k, experts, ``num_max_dispatch_tokens_per_rank``, dtypes) is
+caught at the first call of each kind, before any data moves: the ranks compare the call's shape.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
-import datetime
+import functools
 import logging
 import time
 import weakref
@@ -73,7 +86,8 @@ from ..topology.domains import Domains
 from .alltoall import AllToAllTransport
 from .base import (Capabilities, CombineRequest, DispatchRequest, DispatchResult, LowLatencyCombineRequest,
                    LowLatencyCombineResult, LowLatencyDispatchRequest, LowLatencyDispatchResult, Transport, meet)
-from .device_errors import CombinedErrors
+from . import faults
+from .device_errors import NORMAL, CombinedErrors
 from .low_latency import _Once, call_shape
 
 # The inter-domain legs this build has, by name: a Transport class whose calls run between hosts. A
@@ -81,18 +95,22 @@ from .low_latency import _Once, call_shape
 INTER_DOMAIN_LEGS = {"nccl": AllToAllTransport}
 
 _subgroups: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+# per rail group: {"message": why its groups were aborted}, shared by every transport that uses them
+_faults: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 log = logging.getLogger(__name__)
 
 
 def subgroups(group: Any, domains: Domains, rank: int) -> tuple:
     """``(domain group, rail group)`` of ``rank`` (a rank of ``group``), made once per (group, domains) with
-    ``EPCOMM_TIMEOUT_S`` as their timeout. Only the members of a subgroup take part in making it."""
+    ``faults.group_timeout`` as their timeout (``EPCOMM_TIMEOUT_S`` over gloo; longer over NCCL, so that the
+    transport's own deadline and abort come before NCCL's watchdog). Only the members of a subgroup take part in
+    making it. Groups that were aborted (a rank never joined) are made anew."""
     cache = _subgroups.setdefault(group, {})
     key = (domains.num_domains, domains.local_size, env.timeout_s())
     if key not in cache:
         ranks = dist.get_process_group_ranks(group)
-        timeout = datetime.timedelta(seconds=env.timeout_s())
+        timeout = faults.group_timeout(group)
         own = [ranks[r] for r in domains.domain_ranks(domains.domain_of(rank))]
         rail = [ranks[r] for r in domains.rail_ranks(domains.local_index(rank))]
         made = []
@@ -100,6 +118,31 @@ def subgroups(group: Any, domains: Domains, rank: int) -> tuple:
             made.append(dist.new_group(members, timeout=timeout, use_local_synchronization=True))
         cache[key] = tuple(made)
     return cache[key]
+
+
+def _forget_subgroups(aborted: tuple) -> None:
+    """Drop aborted subgroups from the cache (a later Buffer makes new ones)."""
+    for cache in list(_subgroups.values()):
+        for key in [k for k, v in cache.items() if any(g in aborted for g in v)]:
+            del cache[key]
+
+
+def _guarded(fn: str):
+    """Decorate a call of the transport (``fn``: its name for messages): at its entry, raise at once if this
+    transport's groups were aborted, count the call and look at the calls still running on the stream (``_settle``);
+    at its exit, note the call as running on the stream until its end event completes (CUDA, not while capturing)."""
+
+    def wrap(method):
+        @functools.wraps(method)
+        def run(self, *args, **kwargs):
+            self._enter(fn)
+            out = method(self, *args, **kwargs)
+            self._leave(fn)
+            return out
+
+        return run
+
+    return wrap
 
 
 @dataclass(frozen=True)
@@ -159,6 +202,10 @@ class HierarchicalTransport(Transport):
         self._agreed: set = set()
         self._net: Optional[torch.cuda.Stream] = None  # the inter-domain leg's stream while a dispatch pipelines
         self._tuner = _ChunkTuner(self.CHUNK_CANDIDATES, self.TUNE_CALLS, device)
+        self._fault = _faults.setdefault(self.rail_group, {})  # shared with every Buffer on these groups
+        self._calls = 0  # calls made (the same count on every rank): names a call in the fault reports
+        self._in_flight: collections.deque = collections.deque()  # (end event, issued at, call, fn) per call
+        self._report_scope = f"epcomm/fault/{getattr(group, 'group_name', '')}/{buffer_id}"
 
     @classmethod
     def capabilities(cls) -> Capabilities:
@@ -169,6 +216,8 @@ class HierarchicalTransport(Transport):
                         "then the domain's intranode transport forwards them")
 
     def describe(self) -> str:
+        if self._fault:
+            return f"{self.domains.describe()}; aborted: {self._fault['message']}"
         return (f"{self.domains.describe()}; inter-domain leg: {self.leg_name} (torch.distributed all_to_all over "
                 f"{dist.get_backend(self.rail_group)}, rail peers {self.rail_ranks}); domain leg: "
                 f"{self.domain.name} ({self.domain_reason}); normal-mode chunks: {self.chunks_description()}")
@@ -189,20 +238,94 @@ class HierarchicalTransport(Transport):
     # ------------------------------------------------------------------ helpers
     @contextlib.contextmanager
     def _leg(self, fn: str, phase: str, within: bool = False):
-        """Run a part of a call; failures of torch.distributed in it (a collective that timed out, a peer that
-        closed its connection) become ``EpcommTimeoutError`` naming this rank, the peers and the phase. ``within``:
-        the domain leg (its one-sided kernels report their own timeouts; the portable transport's do not)."""
+        """Run a part of a call; a wait of it that expired (``faults.WaitExpired``) or a failure of
+        torch.distributed in it (gloo's timeout, a peer that closed its connection) ends this transport
+        (``_fail``). ``within``: the domain leg (its one-sided kernels report their own timeouts)."""
         try:
             yield
+        except faults.WaitExpired as exc:
+            raise self._fail(fn, phase, within, exc) from exc
         except EpcommError:
             raise
         except RuntimeError as exc:
-            leg, peers = (("domain leg", f"the ranks of its domain {self.domains.domain_ranks(self.domain_index)}")
-                          if within else ("inter-domain leg", f"the rail peers {self.rail_ranks}"))
-            raise EpcommTimeoutError(
-                f"{fn}: rank {self.rank}: the {leg} ({phase}) with {peers} failed within EPCOMM_TIMEOUT_S="
-                f"{env.timeout_s():g} s: a rank is stuck, died, or did not make the same call "
-                f"({type(exc).__name__}: {exc})") from exc
+            raise self._fail(fn, phase, within, exc) from exc
+
+    def _fail(self, fn: str, phase: str, within: bool, exc: Exception) -> EpcommTimeoutError:
+        """A collective of ``phase`` did not complete in time: ask the ranks of its leg where they are (the store,
+        bounded), abort the inter-domain and domain groups (their stuck kernels exit; NCCL's watchdog leaves the
+        process alone), mark every transport on these groups as ended, and return the error to raise. A call
+        still running on the stream from before (``_in_flight``) is the one blamed when it has not completed."""
+        call = self._calls
+        late = next(((c, f) for e, _, c, f in self._in_flight if not faults.done(e)), None)
+        if late is not None:  # an earlier call's collectives (over either group) are what this wait is behind
+            call, members = late[0], list(range(self.num_ranks))
+            here, peers = f"the collectives of {late[1]}, still running on the stream", f"ranks {members}"
+        elif within:
+            members = self.domains.domain_ranks(self.domain_index)
+            here, peers = f"the domain leg ({phase})", f"the ranks of its domain {members}"
+        else:
+            members = self.rail_ranks
+            here, peers = f"the inter-domain leg ({phase})", f"the rail peers {members}"
+        grace = min(max(1.0, 0.25 * env.timeout_s()), 10.0)
+        where = faults.where_are(f"{self._report_scope}/{call}", self.rank, here,
+                                 [r for r in members if r != self.rank], grace)
+        cause = f"{type(exc).__name__}: {exc}"
+        message = (f"rank {self.rank}: {here} with {peers} did not complete within EPCOMM_TIMEOUT_S="
+                   f"{env.timeout_s():g} s: {faults.describe_peers(where)}; the inter-domain and domain groups were "
+                   f"aborted, this Buffer cannot be used again ({cause[:400]})")
+        self._abort(message)
+        self.errors.record(NORMAL, f"{fn}: {message}")
+        return EpcommTimeoutError(f"{fn}: {message}")
+
+    def _abort(self, message: str) -> None:
+        if self._fault:
+            return
+        self._fault["message"] = message
+        self._in_flight.clear()
+        groups = (self.rail_group, self.domain_group)
+        faults.abort_groups(groups)
+        _forget_subgroups(groups)
+
+    def _enter(self, fn: str) -> None:
+        if self._fault:
+            raise EpcommTimeoutError(f"{fn}: this Buffer's groups were aborted at an earlier call: "
+                                     f"{self._fault['message']}")
+        self._calls += 1
+        if self._in_flight and not torch.cuda.is_current_stream_capturing():  # (no event queries while capturing)
+            self._settle(fn, wait=False)
+
+    def _leave(self, fn: str) -> None:
+        if self.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            return
+        end = torch.cuda.Event()
+        end.record()
+        self._in_flight.append((end, time.monotonic(), self._calls, fn))
+
+    # calls that may run on the stream at once (no host synchronisation between them); one more waits (bounded)
+    # for the oldest, so that the launch queue never fills behind a collective that a rank never joins
+    MAX_IN_FLIGHT = 32
+
+    def _settle(self, fn: str, wait: bool) -> None:
+        """Forget the calls that completed on the stream; if the oldest still running was issued more than
+        ``EPCOMM_TIMEOUT_S`` ago, fail (``_fail``); ``wait`` (or more than ``MAX_IN_FLIGHT`` running): wait for all
+        (bounded)."""
+        q = self._in_flight
+        while q and faults.done(q[0][0]):
+            q.popleft()
+        with self._leg(fn, "calls still running on the stream"):
+            while q and (wait or len(q) > self.MAX_IN_FLIGHT or time.monotonic() > q[0][1] + env.timeout_s()):
+                end, issued, call, was = q[0]
+                faults.host_wait(end, fn, f"rank {self.rank}: {was} (call {call})", issued)
+                q.popleft()
+
+    def _slowest(self, fn: str, times: torch.Tensor) -> list:
+        """The largest of every rank's ``times`` (float64 ``[n]``), over the domain group then the rail group (the
+        transport's own groups: their collectives can be aborted), read by the host with a bounded wait."""
+        every = times.to(self.device) if self.device.type == "cuda" else times.clone()
+        with self._leg(fn, "chunk agreement"):
+            dist.all_reduce(every, op=dist.ReduceOp.MAX, group=self.domain_group)
+            dist.all_reduce(every, op=dist.ReduceOp.MAX, group=self.rail_group)
+            return faults.host_list(every, fn, f"rank {self.rank}: the chunk agreement")
 
     def _agree(self, fn: str, key: tuple) -> None:
         """At the first call of each kind, the ranks compare its shape (``key``) before any data moves; a rank
@@ -229,6 +352,7 @@ class HierarchicalTransport(Transport):
         return self.rail.expert_major_errors  # one of the words its DeviceErrors watch
 
     # ------------------------------------------------------------------ normal mode
+    @_guarded("Buffer.dispatch")
     def dispatch(self, req: DispatchRequest) -> DispatchResult:
         fn = "Buffer.dispatch"
         if req.handle is not None:
@@ -245,7 +369,8 @@ class HierarchicalTransport(Transport):
         self._agree(fn, ("dispatch", x.dtype, x.size(1), req.x_scales is not None, req.topk_idx.size(1),
                          req.topk_weights is not None, req.num_experts, bool(W)))
         forced = self._fixed_chunks()[0]
-        chunks = 1 if W else forced or self._tuner.next(self.group, fn)
+        with self._leg(fn, "chunk agreement"):
+            chunks = 1 if W else forced or self._tuner.next(lambda times: self._slowest(fn, times), fn)
         timing = None if W or forced else self._tuner.start(chunks)
         bounds = chunk_bounds(n, chunks)
         subs = [req] if chunks == 1 else [self._chunk(req, a, b, c == 0) for c, (a, b) in enumerate(bounds)]
@@ -254,9 +379,7 @@ class HierarchicalTransport(Transport):
         legs = [lambda r=r: self._rail(fn, r, cap) for r in subs]
         for c, r1 in enumerate(self._pipelined(legs)):
             h1 = r1.handle
-            r2, src_rank, src_idx = self._forward(fn, subs[c], r1, h1)
-            if starts is not None:  # the token index within the chunk -> within the source's x
-                src_idx = torch.where(src_rank >= 0, src_idx + starts[src_rank.clamp(min=0).long(), c], -1)
+            r2, src_rank, src_idx = self._forward(fn, subs[c], r1, h1, None if starts is None else starts[:, c])
             parts.append((r2, src_rank, src_idx.to(torch.int32), h1))
         self._join()
         r2s = [p[0] for p in parts]
@@ -293,12 +416,12 @@ class HierarchicalTransport(Transport):
                        bad_topk=req.bad_topk if first else None)
 
     def _chunk_starts(self, n: int, chunks: int) -> torch.Tensor:
-        """``[R, chunks]`` int64 on the device: the first token of each chunk of every rank (from every rank's
-        token count, gathered)."""
+        """``[D, chunks]`` int64 on the device: the first token of each chunk of every rail peer (the sources of
+        the rows this rank forwards; from their token counts, gathered over the rail group)."""
         mine = torch.tensor([n], dtype=torch.int64, device=self.device)
-        every = [torch.empty_like(mine) for _ in range(self.num_ranks)]
+        every = [torch.empty_like(mine) for _ in range(self.num_domains)]
         with self._leg("Buffer.dispatch", "token counts of the pipelined chunks"):
-            dist.all_gather(every, mine, group=self.group)
+            dist.all_gather(every, mine, group=self.rail_group)
         per = (torch.cat(every) + chunks - 1) // chunks
         return per.unsqueeze(1) * torch.arange(chunks, device=self.device)
 
@@ -313,9 +436,11 @@ class HierarchicalTransport(Transport):
         with self._leg(fn, "tokens to their domains"):
             return self.rail.dispatch(rail_req)
 
-    def _forward(self, fn: str, req: DispatchRequest, r1: DispatchResult, h1: DispatchHandle) -> tuple:
+    def _forward(self, fn: str, req: DispatchRequest, r1: DispatchResult, h1: DispatchHandle,
+                 starts: Optional[torch.Tensor]) -> tuple:
         """The domain leg of (a chunk of) a dispatch: ``(result, recv_src_rank, recv_src_idx)``, the source token
-        index within the source's chunk."""
+        index within the source's x (``starts``: ``[D]`` int64, this chunk's first token on each rail peer; None
+        for a single chunk)."""
         e_dom, L, W = req.num_experts // self.num_domains, self.local_size, req.num_worst_tokens
         per_rank, per_expert, itr = self.domain.get_dispatch_layout(r1.recv_topk_idx, e_dom)
         with self._leg(fn, "forwarding the tokens", within=True):
@@ -325,7 +450,8 @@ class HierarchicalTransport(Transport):
             # every row's source: (domain, token) as the forwarding rank received it, sent along the domain leg
             src = torch.zeros(h1.num_recv_tokens, 4, dtype=torch.int32, device=req.x.device)
             src[:, 0] = h1.recv_src_rank
-            src[:, 1] = h1.recv_src_idx
+            src[:, 1] = (h1.recv_src_idx if starts is None
+                         else h1.recv_src_idx + starts[h1.recv_src_rank.clamp(min=0).long()])
             got = self.domain.dispatch(DispatchRequest(src.view(torch.float32), None, None, None, None, None, None,
                                                        e_dom, 1, W, r2.handle, req.config, None, req.overlapped)
                                        ).recv_x.view(torch.int32)
@@ -386,9 +512,10 @@ class HierarchicalTransport(Transport):
             recv = torch.empty(r, e_local, dtype=torch.int32, device=dev)
             with self._leg("Buffer.dispatch", "per-expert counts"):
                 dist.all_to_all_single(recv, req.num_tokens_per_expert.view(r, e_local).contiguous(), group=self.group)
-            per_expert = recv.sum(0, dtype=torch.int32)
-            if not req.num_worst_tokens:
-                counts = [align_up(c, req.expert_alignment) for c in per_expert.tolist()]
+                per_expert = recv.sum(0, dtype=torch.int32)
+                if not req.num_worst_tokens:
+                    counts = [align_up(c, req.expert_alignment)
+                              for c in faults.host_list(per_expert, "Buffer.dispatch", "the per-expert counts")]
         handle = replace(res.handle, num_experts=req.num_experts, num_recv_tokens_per_expert=per_expert)
         return DispatchResult(res.recv_x, res.recv_scales, None, None, counts, handle)
 
@@ -410,6 +537,7 @@ class HierarchicalTransport(Transport):
         return DispatchResult(_take([r.recv_x for r in outs], st.order), _take([r.recv_scales for r in outs], st.order),
                               None, None, None, req.handle)
 
+    @_guarded("Buffer.combine")
     def combine(self, req: CombineRequest) -> tuple:
         st: _HandleState = req.handle.state
         x, w = _take([req.x], st.back), _take([req.topk_weights], st.back)  # back to the legs' order
@@ -433,6 +561,7 @@ class HierarchicalTransport(Transport):
         return _cat([o[0] for o in outs]), _cat([o[1] for o in outs])
 
     # ------------------------------------------------------------------ low-latency mode
+    @_guarded("Buffer.low_latency_dispatch")
     def low_latency_dispatch(self, req: LowLatencyDispatchRequest) -> LowLatencyDispatchResult:
         fn = "Buffer.low_latency_dispatch"
         x, t_max, D = req.x, req.num_max_dispatch_tokens_per_rank, self.num_domains
@@ -459,6 +588,7 @@ class HierarchicalTransport(Transport):
     def low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         return self.domain.low_latency_combine_buffer(handle.state.domain)
 
+    @_guarded("Buffer.low_latency_combine")
     def low_latency_combine(self, req: LowLatencyCombineRequest) -> LowLatencyCombineResult:
         fn = "Buffer.low_latency_combine"
         h: LowLatencyHandle = req.handle
@@ -493,12 +623,20 @@ class HierarchicalTransport(Transport):
         self.domain.warmup_low_latency(call_shape(D * t_max, hidden, topk, num_experts // D, fp8, round_scale, ue8m0,
                                                   dtype))
 
+    @_guarded("Buffer.clean_low_latency_buffer")
     def clean_low_latency(self) -> None:
         self.domain.clean_low_latency()
         self.rail.clean_low_latency()
         self.errors.clear("low_latency")
 
     def pending_errors(self) -> list:
+        """The legs' errors, after waiting (bounded) for the calls still running on the stream: a collective that a
+        rank never joined is found here at the latest (the groups are aborted and it is one of the errors)."""
+        if not self._fault:
+            try:
+                self._settle("Buffer.check_errors", wait=True)
+            except EpcommTimeoutError:
+                pass  # recorded in self.errors by _fail
         return self.errors.read()
 
     def memory_usage(self) -> dict:
@@ -509,6 +647,8 @@ class HierarchicalTransport(Transport):
         return usage
 
     def destroy(self) -> None:
+        if self._fault:  # the groups were aborted: nothing collective can run on them (what they held is dropped)
+            return
         self.domain.destroy()
         self.rail.destroy()
 
@@ -528,18 +668,17 @@ class _ChunkTuner:
         self.chosen: Optional[int] = None
         self.medians: dict = {}
 
-    def next(self, group, fn: str) -> int:
-        """The chunk count of this dispatch (collective when the schedule ends here: the agreement)."""
+    def next(self, slowest_of: Callable[[torch.Tensor], list], fn: str) -> int:
+        """The chunk count of this dispatch (collective when the schedule ends here: the agreement;
+        ``slowest_of(times)`` returns the largest of every rank's ``times``, a float64 tensor)."""
         if self.chosen is not None:
             return self.chosen
         step = self.seen // self.calls
         if step < len(self.candidates):
             return self.candidates[step]
-        self._read()
+        self._read(fn)
         mine = torch.tensor([_median(self.times[c]) for c in self.candidates], dtype=torch.float64)
-        every = mine.to(self.device) if self.device.type == "cuda" else mine
-        dist.all_reduce(every, op=dist.ReduceOp.MAX, group=group)  # the slowest rank's time per count
-        slowest = every.cpu().tolist()
+        slowest = slowest_of(mine)
         self.medians = dict(zip(self.candidates, slowest))
         self.chosen = self.candidates[min(range(len(slowest)), key=lambda i: (slowest[i], i))]
         log.info("%s: %s", fn, self.describe())
@@ -564,13 +703,13 @@ class _ChunkTuner:
         if self.device.type == "cuda":
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            self.pending.append((chunks, begin, end))
+            self.pending.append((chunks, begin, end, time.monotonic()))
         else:
             self.times[chunks].append((time.perf_counter() - begin) * 1e6)
 
-    def _read(self) -> None:
-        for chunks, begin, end in self.pending:
-            end.synchronize()
+    def _read(self, fn: str) -> None:
+        for chunks, begin, end, issued in self.pending:
+            faults.host_wait(end, fn, "a timed dispatch", issued)
             self.times[chunks].append(begin.elapsed_time(end) * 1e3)
         self.pending = []
 

@@ -47,6 +47,7 @@ from ..core.validate import raise_if_bad_topk
 from ..kernels.launch import launch, next_pow2
 from ..errors import BufferTooSmallError, EpcommError
 from .device_errors import LOW_LATENCY, NORMAL, DeviceErrors
+from .faults import backstop_s, host_list
 from .base import (Capabilities, CombineRequest, DispatchRequest, DispatchResult, LowLatencyCombineRequest,
                    LowLatencyCombineResult, LowLatencyDispatchRequest, LowLatencyDispatchResult, Transport)
 
@@ -440,7 +441,9 @@ class NVLinkTransport(Transport):
             # (every rank sees that one: the pushes drop rows past a source's num_worst_tokens region)
             self.deferred += head[3] + head[4] + (head[:2] > worst).sum(dtype=torch.int32)
         else:
-            host = summary.tolist()
+            # bounded by a backstop behind the exchange kernel's own device timeout (a stuck collective of another
+            # group ahead on this stream, e.g. the hierarchical path's inter-domain leg, must not block forever)
+            host = host_list(summary, fn, f"rank {rank}: the work ahead of the count exchange", backstop_s())
             num_recv, max_pair, n_max, bad_topk, bad_layout, code, peer, seen = host[:SUMMARY_HEAD]
             msg = self._timeout_message(code, peer, seen)
             if msg:

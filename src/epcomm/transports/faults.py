@@ -1,0 +1,165 @@
+"""Bounded host waits, and what a transport does when a rank never joins one of its collectives.
+
+A collective over NCCL runs on a stream: the host only waits where it reads a result (a count, a timing). Every
+such read of the portable and hierarchical transports goes through ``host_wait`` / ``host_list``: they poll the
+work's event (``torch.cuda.Event.query``, ``Work.is_completed``: neither blocks) and raise ``WaitExpired`` once
+``EPCOMM_TIMEOUT_S`` has passed since the collective was issued, instead of blocking until NCCL's watchdog ends
+the process. A transport that owns the groups of the stuck collective then ends them (``abort_groups``: the
+group is marked aborted before its communicators are, so NCCL's watchdog does not take the process down, and the
+stuck kernels exit) after asking the other ranks where they are (``where_are``), and raises.
+
+Groups that epcomm makes for itself get a timeout of ``group_timeout`` (longer than ``EPCOMM_TIMEOUT_S`` over
+NCCL, so that epcomm's own deadline comes first; exactly ``EPCOMM_TIMEOUT_S`` over gloo, whose collectives block
+the host and raise at the group's timeout by themselves).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+import time
+from typing import Any, Optional, Sequence
+
+import torch
+
+from .. import env
+from ..errors import EpcommTimeoutError
+
+log = logging.getLogger(__name__)
+
+# host polling: spin on the event for this long (a count exchange takes tens of microseconds), then sleep between
+# polls, growing to POLL_MAX_SLEEP_S
+POLL_SPIN_S = 2e-3
+POLL_MAX_SLEEP_S = 1e-3
+
+
+class WaitExpired(EpcommTimeoutError):
+    """A bounded host wait ran past its limit; ``what`` names what was awaited. A transport that owns the groups
+    turns it into its own ``EpcommTimeoutError`` (naming the leg, the phase and the missing ranks)."""
+
+    def __init__(self, message: str, what: str) -> None:
+        super().__init__(message)
+        self.what = what
+
+
+def group_timeout(parent: Any) -> datetime.timedelta:
+    """The timeout of a group epcomm makes out of ``parent``'s ranks: ``EPCOMM_TIMEOUT_S`` over gloo;
+    ``backstop_s()`` plus a margin over NCCL, whose watchdog would end the process at that timeout (epcomm's
+    deadline and its abort must come first)."""
+    import torch.distributed as dist
+
+    t = env.timeout_s()
+    if "nccl" in str(dist.get_backend(parent)).lower():
+        t = backstop_s() + 30.0 + 0.5 * t
+    return datetime.timedelta(seconds=t)
+
+
+def backstop_s() -> float:
+    """The limit of host waits behind which a device timeout of epcomm's own kernels should fire first (a
+    one-sided transport's count read): ``1.5 * EPCOMM_TIMEOUT_S + 10`` s."""
+    return 1.5 * env.timeout_s() + 10.0
+
+
+def done(work: Any) -> bool:
+    """True when ``work`` (a ``torch.cuda.Event`` or a ``torch.distributed`` ``Work``) has completed; never
+    blocks."""
+    return work.is_completed() if hasattr(work, "is_completed") else work.query()
+
+
+def host_wait(work: Any, fn: str, what: Any, started: Optional[float] = None,
+              limit_s: Optional[float] = None) -> None:
+    """Wait until ``work`` (``done``) has completed, at most ``limit_s`` (default ``EPCOMM_TIMEOUT_S``) after
+    ``started`` (``time.monotonic()`` when it was issued; default now); then raise ``WaitExpired`` whose message
+    starts with ``fn`` and names ``what`` (e.g. "rank 0: the count exchange with ranks [0, 2]"; a string, or a
+    function that returns one, called only then)."""
+    if done(work):
+        return
+    limit = env.timeout_s() if limit_s is None else limit_s
+    now = time.monotonic()
+    deadline = (now if started is None else started) + limit
+    spin_until, nap = now + POLL_SPIN_S, 0.0
+    while not done(work):
+        now = time.monotonic()
+        if now > deadline:
+            what = what() if callable(what) else what
+            raise WaitExpired(f"{fn}: {what} did not complete within {limit:g} s (EPCOMM_TIMEOUT_S="
+                              f"{env.timeout_s():g}): a rank is stuck, died or did not make the same call", what)
+        if now > spin_until:
+            nap = min(POLL_MAX_SLEEP_S, max(5e-5, 2 * nap))
+            time.sleep(nap)
+
+
+def host_list(t: torch.Tensor, fn: str, what: Any, limit_s: Optional[float] = None) -> list:
+    """``t.tolist()`` where the wait for the work ahead of it on the current stream is bounded (``host_wait``);
+    on CPUs the plain ``tolist``."""
+    if not t.is_cuda or torch.cuda.is_current_stream_capturing():
+        return t.tolist()
+    ready = torch.cuda.Event()
+    ready.record()
+    host_wait(ready, fn, what, limit_s=limit_s)
+    return t.tolist()
+
+
+def where_are(scope: str, rank: int, here: str, peers: Sequence[int], grace_s: float) -> Optional[dict]:
+    """After a wait expired: write where this rank is stuck (``here``) under ``scope`` in the default store, then
+    wait up to ``grace_s`` for ``peers`` to write theirs (a peer that joined the stuck collective times out too,
+    at about the same time). Returns ``{peer: where it is stuck, or None (it wrote nothing: it never joined)}``, or
+    None when the store did not answer in time (it runs on another thread: nothing here can block longer than
+    ``grace_s + 2`` s). Costs nothing until a wait expires."""
+    import torch.distributed as dist
+
+    found: dict = {}
+
+    def ask() -> None:
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            store.set(f"{scope}/{rank}", here)
+            end, seen = time.monotonic() + grace_s, {}
+            while True:
+                for p in peers:
+                    if p not in seen and store.check([f"{scope}/{p}"]):
+                        seen[p] = store.get(f"{scope}/{p}").decode()
+                if len(seen) == len(peers) or time.monotonic() > end:
+                    break
+                time.sleep(0.05)
+            found["seen"] = seen
+        except Exception as exc:  # noqa: BLE001 - the store's host is gone (its rank ended): nothing to learn
+            log.info("the fault report could not reach the store: %s: %s", type(exc).__name__, exc)
+
+    asker = threading.Thread(target=ask, daemon=True, name="epcomm-fault-report")
+    asker.start()
+    asker.join(grace_s + 2.0)
+    if "seen" not in found:
+        return None
+    return {p: found["seen"].get(p) for p in peers}
+
+
+def describe_peers(where: Optional[dict]) -> str:
+    """``where_are``'s answer in words."""
+    if where is None:
+        return "which rank is missing could not be found (the store did not answer)"
+    missing = [p for p, w in where.items() if w is None]
+    parts = []
+    if missing:
+        parts.append(f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} never joined it "
+                     f"(stalled, dead, or making another call)")
+    parts += [f"rank {p} is stuck in {w}" for p, w in where.items() if w is not None]
+    return "; ".join(parts) if parts else "no other rank takes part"
+
+
+def abort_groups(groups: Sequence[Any]) -> None:
+    """Abort ``groups`` (``torch.distributed``'s ``_abort_process_group``: the group is marked aborted, then its
+    communicators are, so the stuck kernels exit and NCCL's watchdog does not end the process). Failures are
+    logged: the caller raises anyway."""
+    import torch.distributed as dist
+
+    for g in groups:
+        try:
+            dist.distributed_c10d._abort_process_group(g)
+        except Exception as exc:  # noqa: BLE001 - already aborted, or a backend without abort
+            log.warning("aborting a process group failed: %s: %s", type(exc).__name__, exc)
+
+
+__all__ = ["WaitExpired", "group_timeout", "backstop_s", "done", "host_wait", "host_list", "where_are",
+           "describe_peers", "abort_groups"]
