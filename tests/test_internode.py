@@ -42,26 +42,28 @@ def test_hierarchical_matches_reference(domains, local, chunks):
                         timeout_s=600))
 
 
-def _ll_true_sources(ctx, local):
+def _ll_true_sources(ctx, local, transport="alltoall"):
     """Hierarchical low-latency dispatches; every received row's source rank (from the ``layout_range`` block it lies
     in) and token (``src_info``) against what every rank's routing sends to each local expert, computed here."""
-    import torch
+    from dataclasses import replace
 
     from epcomm.buffer import Buffer
     from epcomm.testing.routing import make_inputs
 
     world, rank = ctx.world_size, ctx.rank
-    buf = Buffer(ctx.group, transport="alltoall", ranks_per_node=local)
+    buf = Buffer(ctx.group, transport=transport, ranks_per_node=local)
     num_experts, problems = 2 * world, []
     for num_tokens, t_max, routing, hook, seed in (((3, 0, 5, 2, 4, 1), 5, "dropped", False, 71),
                                                    ((6, 2, 0), 6, "skewed", True, 72),
                                                    (4, 4, "one_expert", False, 73)):
         inputs = make_inputs(seed, world, num_tokens, 128, num_experts, 3, routing)
-        mine = inputs[rank]
+        mine = inputs[rank].to(ctx.device)
         _, count, handle, _, hook_fn = buf.low_latency_dispatch(mine.x, mine.topk_idx, t_max, num_experts,
                                                                 use_fp8=seed % 2 == 1, return_recv_hook=hook)
         if hook_fn is not None:
             hook_fn()
+        count, handle = count.cpu(), replace(handle, src_info=handle.src_info.cpu(),
+                                             layout_range=handle.layout_range.cpu())
         tag = f"{routing} T={t_max}"
         if tuple(handle.layout_range.shape) != (2, world, 2) or tuple(handle.src_info.shape) != (2, world * t_max):
             problems.append(f"{tag}: shapes {tuple(handle.layout_range.shape)} {tuple(handle.src_info.shape)}")

@@ -472,10 +472,13 @@ class GraphCase:
     replays: int = 3
     seed: int = 40
     expert_major: bool = False  # normal mode with layout="expert_major" (num_worst_tokens: a pairs bound)
+    use_fp8: bool = False  # low latency: an FP8 dispatch (the stand-in expert reads the e4m3 values as bf16)
+    use_ue8m0: bool = False  # with use_fp8: UE8M0 scales
 
     def label(self) -> str:
         kind = "LL" if self.low_latency else "expert-major" if self.expert_major else "normal"
-        return f"graph {kind} N={self.num_tokens} H={self.hidden} E={self.num_experts} K={self.topk}"
+        fp8 = f" fp8 ue8m0={self.use_ue8m0}" if self.use_fp8 else ""
+        return f"graph {kind}{fp8} N={self.num_tokens} H={self.hidden} E={self.num_experts} K={self.topk}"
 
 
 def check_graph(ctx, buf, case: GraphCase) -> CaseResult:
@@ -504,9 +507,11 @@ def check_graph(ctx, buf, case: GraphCase) -> CaseResult:
             return recv_x, combined, offs, row_w
         if case.low_latency:
             recv, _, handle, _, _ = buf.low_latency_dispatch(x_s, idx_s, case.num_tokens, case.num_experts,
-                                                             use_fp8=False)
-            combined, _, _ = buf.low_latency_combine(recv * 2, idx_s, w_s, handle)
-            return recv, combined
+                                                             use_fp8=case.use_fp8, round_scale=case.use_ue8m0,
+                                                             use_ue8m0=case.use_ue8m0)
+            data, scales = recv if case.use_fp8 else (recv, None)
+            combined, _, _ = buf.low_latency_combine(data.to(torch.bfloat16) * 2, idx_s, w_s, handle)
+            return data, combined, scales, handle.src_info, handle.layout_range
         per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx_s, case.num_experts)
         recv_x, recv_idx, recv_w, _, handle, _ = buf.dispatch(
             x_s, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
@@ -536,10 +541,16 @@ def check_graph(ctx, buf, case: GraphCase) -> CaseResult:
             want = reference.expert_major_combine(ys, ref, [x.size(0) for x in xs], [r.row_weights for r in ref])
             res.expect(f"replay {i} combined", outs[1], want[rank][0])
         elif case.low_latency:
-            ref = reference.low_latency_dispatch(xs, idxs, case.num_experts, use_fp8=False, local_size=local)
+            ref = reference.low_latency_dispatch(xs, idxs, case.num_experts, case.use_fp8, case.use_ue8m0,
+                                                 case.use_ue8m0, local_size=local)
             for e in range(case.num_experts // num_ranks):
-                res.expect(f"replay {i} recv_x[{e}]", outs[0][e, :ref[rank].count[e]], ref[rank].x[e])
-            ys = [[(xe.float() * 2).to(torch.bfloat16) for xe in r.x] for r in ref]
+                c = ref[rank].count[e]
+                res.expect(f"replay {i} recv_x[{e}]", outs[0][e, :c], ref[rank].x[e])
+                if case.use_fp8:
+                    res.expect(f"replay {i} recv_scales[{e}]", outs[2][e, :c], ref[rank].scales[e])
+                res.expect(f"replay {i} src_info[{e}]", outs[3][e, :c].long(), ref[rank].src_idx[e])
+                res.expect_eq(f"replay {i} layout_range[{e}]", outs[4][e].tolist(), low_latency_ranges(ref[rank], e))
+            ys = [[(xe.to(torch.bfloat16).float() * 2).to(torch.bfloat16) for xe in r.x] for r in ref]
             want = reference.low_latency_combine(ys, ref, idxs, ws, case.num_experts)
             res.expect(f"replay {i} combined", outs[1], want[rank])
         else:
