@@ -11,7 +11,8 @@ Every transport is tested against these functions. They are written to be obviou
   output dtype. Top-k weights are summed the same way. Bit-exact for any transport that adds in that order.
 * low-latency dispatch: one row per selected (token, slot); rank ``r``'s expert ``e`` receives the rows of
   rank 0, then rank 1, ..., each group ordered by (source token, slot). FP8 rows are cast per token by
-  ``epcomm.fp8.per_token_cast_to_fp8`` on the sender.
+  ``epcomm.fp8.per_token_cast_to_fp8`` on the sender. Across domains (``local_size``) the groups come in the order
+  (source's local index, source's domain) instead; ``src_rank`` / ``src_idx`` are the true source rank and token.
 * low-latency combine: ``sum over slots k ascending of  w[t, k] * float32(y)`` with the product rounded to
   float32 before the add (no fused multiply-add), starting from +0.0, then one cast to bfloat16.
 * expert-major dispatch (``layout="expert_major"``): one row per received (token, slot) whose expert is local;
