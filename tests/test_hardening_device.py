@@ -395,9 +395,9 @@ def test_waits_acquire_with_one_thread_and_end_with_a_barrier(kernel):
 
 
 def test_kernels_that_wait_within_their_launch_fit_twice_per_sm():
-    """The fused low-latency dispatch (FP8 and BF16, DeepSeek's hidden size) and the streaming dispatch compile for
-    sm_90 to at most 128 registers per thread without spills (ptxas -v), so two programs of 256 threads share an SM:
-    one call takes half the GPU, and two calls on two streams are resident together."""
+    """The fused low-latency dispatch (FP8, pre-cast FP8 and BF16, DeepSeek's hidden size) and the streaming dispatch
+    compile for sm_90 to at most 128 registers per thread without spills (ptxas -v), so two programs of 256 threads
+    share an SM: one call takes half the GPU, and two calls on two streams are resident together."""
     import os
     import subprocess
     import tempfile
@@ -415,8 +415,11 @@ def test_kernels_that_wait_within_their_launch_fit_twice_per_sm():
 
     disp, _, d_args, _ = _sample_args()
     stage = K.dispatch_launcher(dict(disp, num_warps=8))
+    precast_args = (torch.empty(8, dtype=torch.uint8), torch.empty(8)) + d_args[2:]  # e4m3 bytes, float32 scales
     kernels = [(f"low-latency dispatch fp8={fp8}", K.ll_dispatch_kernel, d_args,
                 dict(stage.kwargs(True, True), FP8=fp8)) for fp8 in (True, False)]
+    kernels.append(("low-latency dispatch of pre-cast fp8", K.ll_dispatch_kernel, precast_args,
+                    dict(stage.kwargs(True, True), PRECAST=True)))
     t32, t64, i8 = (torch.empty(8, dtype=d) for d in (torch.int32, torch.int64, torch.int8))
     args = (t32, t32, 0, 0, t64, torch.empty(8), i8, t32, t32, t64, 1 << 40, 1 << 41, 1 << 42, t64, 0, 64, 64, 1, 4,
             24, t32, t32, t64, t64, t32, t32, t32, t64, torch.empty(8), t32, 64, 10 ** 10)

@@ -42,6 +42,59 @@ def test_hierarchical_matches_reference(domains, local, chunks):
                         timeout_s=600))
 
 
+def _ll_true_sources(ctx, local, transport="alltoall"):
+    """Hierarchical low-latency dispatches; every received row's source rank (from the ``layout_range`` block it lies
+    in) and token (``src_info``) against what every rank's routing sends to each local expert, computed here."""
+    from dataclasses import replace
+
+    from epcomm.buffer import Buffer
+    from epcomm.testing.routing import make_inputs
+
+    world, rank = ctx.world_size, ctx.rank
+    buf = Buffer(ctx.group, transport=transport, ranks_per_node=local)
+    num_experts, problems = 2 * world, []
+    for num_tokens, t_max, routing, hook, seed in (((3, 0, 5, 2, 4, 1), 5, "dropped", False, 71),
+                                                   ((6, 2, 0), 6, "skewed", True, 72),
+                                                   (4, 4, "one_expert", False, 73)):
+        inputs = make_inputs(seed, world, num_tokens, 128, num_experts, 3, routing)
+        mine = inputs[rank].to(ctx.device)
+        _, count, handle, _, hook_fn = buf.low_latency_dispatch(mine.x, mine.topk_idx, t_max, num_experts,
+                                                                use_fp8=seed % 2 == 1, return_recv_hook=hook)
+        if hook_fn is not None:
+            hook_fn()
+        count, handle = count.cpu(), replace(handle, src_info=handle.src_info.cpu(),
+                                             layout_range=handle.layout_range.cpu())
+        tag = f"{routing} T={t_max}"
+        if tuple(handle.layout_range.shape) != (2, world, 2) or tuple(handle.src_info.shape) != (2, world * t_max):
+            problems.append(f"{tag}: shapes {tuple(handle.layout_range.shape)} {tuple(handle.src_info.shape)}")
+            continue
+        for e in range(2):
+            g = rank * 2 + e
+            want = sorted((s, t) for s in range(world)
+                          for t in (inputs[s].topk_idx == g).any(1).nonzero()[:, 0].tolist())
+            c, ranges = int(count[e]), handle.layout_range[e].tolist()
+            got, blocks = [], sorted((b, n) for b, n in ranges if n)
+            for s, (b, n) in enumerate(ranges):
+                tokens = handle.src_info[e, b:b + n].tolist()
+                got += [(s, t) for t in tokens]
+                if tokens != sorted(tokens):
+                    problems.append(f"{tag}: expert {g}: source {s}'s tokens out of order: {tokens}")
+            if c != len(want) or sorted(got) != want:
+                problems.append(f"{tag}: expert {g}: count {c}, rows {sorted(got)}, want {want}")
+            if [b for b, _ in blocks] != [sum(n for _, n in blocks[:i]) for i in range(len(blocks))]:
+                problems.append(f"{tag}: expert {g}: blocks {ranges} do not tile the {c} rows")
+            if bool((handle.src_info[e, c:] != -1).any()):
+                problems.append(f"{tag}: expert {g}: src_info is not -1 past the count")
+    buf.destroy()
+    return problems
+
+
+@pytest.mark.parametrize("domains,local", [(2, 2), (3, 2), (2, 3)])
+def test_low_latency_handle_names_the_true_sources(domains, local):
+    for rank, problems in enumerate(spawn(_ll_true_sources, domains * local, local, device="cpu", timeout_s=300)):
+        assert problems == [], (rank, problems)
+
+
 def _chunk_count(ctx, per_chunk_s: float):
     """Exact-mode dispatches across 2 domains while every chunk's inter-domain leg costs ``per_chunk_s`` more (a
     slow link's fixed cost): each call checked against the reference while the transport measures, then the

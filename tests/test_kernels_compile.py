@@ -22,6 +22,26 @@ CASES = [
 ]
 
 
+def _precast_dispatches(ctx, transport) -> None:
+    """Low-latency dispatches of pre-cast FP8 input (the variant the hierarchical path's domain leg launches), with
+    float32 and with UE8M0 scales."""
+    import torch
+
+    from epcomm.buffer import Buffer
+    from epcomm.fp8 import per_token_cast_to_fp8
+    from epcomm.testing.routing import make_inputs
+    from epcomm.transports.base import LowLatencyDispatchRequest
+
+    mine = make_inputs(49, ctx.world_size, (3, 2), 256, 4, 2)[ctx.rank]
+    buf = Buffer(ctx.group, transport=transport, num_nvl_bytes=1 << 20)
+    for ue8m0 in (False, True):
+        xq, scales = per_token_cast_to_fp8(mine.x, ue8m0)
+        buf.runtime.low_latency_dispatch(LowLatencyDispatchRequest(xq, mine.topk_idx, 4, 4, True, ue8m0, ue8m0,
+                                                                   False, None, x_scales=scales))
+    torch.distributed.barrier(group=ctx.group)
+    buf.destroy()
+
+
 def _record(ctx):
     from epcomm.testing.compile_check import record_launches
     from epcomm.transports.alltoall import AllToAllTransport
@@ -31,7 +51,9 @@ def _record(ctx):
     with record_launches(launches):
         problems = run_cases(ctx, CASES, NVLinkTransport, {"num_nvl_bytes": 1 << 20})
         problems += run_cases(ctx, CASES[:3] + CASES[5:], AllToAllTransport, {})
+        _precast_dispatches(ctx, NVLinkTransport)
     assert not problems, problems
+    assert any(n == "ll_dispatch_kernel" and kw.get("PRECAST") for _, n, _, kw in launches), "no pre-cast launch"
     return launches
 
 

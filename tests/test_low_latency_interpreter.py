@@ -329,6 +329,55 @@ def test_repeated_expert_ids_drop_rows_and_say_so(monkeypatch):
     assert msgs1 == [], msgs1  # rank 1 received nothing wrong
 
 
+def _precast(ctx):
+    """Pre-cast FP8 input (what the hierarchical path forwards): e4m3 rows and float32 scales cast by
+    ``epcomm.fp8`` go through the one-sided kernel's PRECAST variant and the portable transport as they are, for
+    per-128 scales, power-of-two scales and UE8M0 (a partial last word): the same bits as a call that casts."""
+    from epcomm.buffer import Buffer
+    from epcomm.fp8 import per_token_cast_to_fp8
+    from epcomm.testing.routing import make_inputs
+    from epcomm.transports.alltoall import AllToAllTransport
+    from epcomm.transports.base import LowLatencyDispatchRequest
+
+    t_max, hidden, num_experts, topk = 5, 640, 6, 3
+    inputs = make_inputs(61, ctx.world_size, (4, 0, 5), hidden, num_experts, topk, "dropped", torch.bfloat16)
+    mine = inputs[ctx.rank].to(ctx.device)
+    problems = []
+    for transport, kw in ((NVLinkTransport, NVL), (AllToAllTransport, {})):
+        buf = Buffer(ctx.group, transport=transport, **kw)
+        for round_scale, ue8m0 in ((False, False), (True, False), (True, True)):
+            xq, scales = per_token_cast_to_fp8(mine.x, round_scale)
+            res = buf.runtime.low_latency_dispatch(LowLatencyDispatchRequest(
+                xq, mine.topk_idx, t_max, num_experts, True, round_scale, ue8m0, False, None, x_scales=scales))
+            ref = _reference(inputs, dict(round_scale=round_scale, use_ue8m0=ue8m0), num_experts)[ctx.rank]
+            _check_dispatch(problems, f"{transport.__name__} round={round_scale} ue8m0={ue8m0}",
+                            (res.recv_x, res.recv_scales), res.recv_count, res.handle, ref, True)
+        torch.distributed.barrier(group=ctx.group)
+        buf.destroy()
+    return problems
+
+
+def test_precast_input_is_stored_as_it_is(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for rank, problems in enumerate(spawn(_precast, 3, device="cpu", timeout_s=600)):
+        assert problems == [], (rank, problems)
+
+
+def test_precast_input_is_checked():
+    from epcomm.core.validate import check_precast
+    from epcomm.fp8 import per_token_cast_to_fp8
+
+    xq, scales = per_token_cast_to_fp8(torch.randn(3, 256), True, False)
+    check_precast("f", xq, scales, True)
+    for args, error, match in (((xq, scales, False), ValueError, "f: pre-cast FP8 input .* needs use_fp8=True"),
+                               ((xq.float(), scales, True), TypeError, "f: pre-cast x must be a float8_e4m3fn"),
+                               ((xq, scales[:, :1], True), TypeError, r"scales must be float32 \[3, 2\]"),
+                               ((xq, scales.view(torch.int32), True), TypeError, "scales must be float32"),
+                               ((xq, scales.t().contiguous().t(), True), ValueError, "must be contiguous")):
+        with pytest.raises(error, match=match):
+            check_precast("f", *args)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # without the interpreter
 # ---------------------------------------------------------------------------------------------------------
@@ -376,8 +425,8 @@ def _sample_args():
     lay = low_latency_area(t, h, r, e_l, k, h, h // 128)
     common = dict(RANK=1, R=r, R_P=4, T=t, K=k, E_L=e_l, E_LP=128, H=h, OFF_FLAG=9216, USE_PTX=True, USE_TIMER=True,
                   num_warps=8)
-    disp = dict(common, K_P=8, KPER=4, FP8=True, ROUND=False, UE8M0=False, XW=h // 4, XWP=2048, SW=h // 128, SWP=64,
-                G4P=16, C=lay["cap"], OFF_D=9472, D_BYTES=lay["dispatch_bytes"], OFF_PAY=lay["pay"], OFF_SCL=lay["scl"],
+    disp = dict(common, K_P=8, KPER=4, FP8=True, ROUND=False, UE8M0=False, PRECAST=False, XW=h // 4, XWP=2048,
+                SW=h // 128, SWP=64, G4P=16, C=lay["cap"], OFF_D=9472, D_BYTES=lay["dispatch_bytes"], OFF_PAY=lay["pay"], OFF_SCL=lay["scl"],
                 OFF_META=lay["meta"], OFF_CNT=lay["cnt"], JB=1024, EB=8, ROWS=4, FB=1024)
     comb = dict(common, HWP=4096, OFF_C=9472 + 2 * lay["dispatch_bytes"], C_BYTES=lay["combine_bytes"], ROWS=2,
                 BC=2048)
@@ -385,7 +434,7 @@ def _sample_args():
     idx = torch.empty(t, k, dtype=torch.int64)
     w = torch.empty(t, k, dtype=torch.float32)
     i32, i64 = torch.empty(8, dtype=torch.int32), torch.empty(8, dtype=torch.int64)
-    d_args = (x, idx, torch.empty(8, dtype=torch.float8_e4m3fn), torch.empty(8), i32, i64, i64, t, 3, 1 << 40,
+    d_args = (x, i64, idx, torch.empty(8, dtype=torch.float8_e4m3fn), torch.empty(8), i32, i64, i64, t, 3, 1 << 40,
               10 ** 10)
     c_args = (x, idx, w, x, i32, i64, i64, t, 3, 1 << 40, 10 ** 10)
     return disp, comb, d_args, c_args

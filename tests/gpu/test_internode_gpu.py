@@ -9,7 +9,7 @@ import pytest
 from conftest import gpu_count, gpu_ranks
 from epcomm.testing import spawn
 from epcomm.testing.checks import GraphCase, LowLatencyCase, NormalCase, run_cases
-from test_internode import _assert_clean, _peer_missing, check_peer_missing, internode_cases
+from test_internode import _assert_clean, _ll_true_sources, _peer_missing, check_peer_missing, internode_cases
 
 
 def large_cases():
@@ -34,7 +34,10 @@ def test_gpu_hierarchical_matches_reference(world_size, local, transport, suite)
         if world_size > gpu_count():
             pytest.skip("ranks sharing a GPU talk over gloo, whose all_to_all cannot be captured in a CUDA graph")
         cases = [GraphCase(low_latency=False), GraphCase(low_latency=True, num_tokens=32, hidden=1024,
-                                                         num_experts=32, topk=8)]
+                                                         num_experts=32, topk=8),
+                 GraphCase(low_latency=True, num_tokens=32, hidden=1024, num_experts=32, topk=8, use_fp8=True, seed=44),
+                 GraphCase(low_latency=True, num_tokens=16, hidden=640, num_experts=32, topk=4, use_fp8=True,
+                           use_ue8m0=True, seed=48)]
     else:
         cases = internode_cases(world_size) if suite == "small" else large_cases()
         if world_size == 2:  # the uneven token counts of the large cases are written for 4 ranks
@@ -63,3 +66,16 @@ def test_gpu_stalled_rank_of_another_node_is_an_error(world_size, local, mode, m
     except Exception as exc:  # a rank that died (NCCL's watchdog) or hung: say so with the launcher's report
         raise AssertionError(f"a rank did not finish (killed by NCCL's watchdog, or hung): {exc}") from exc
     check_peer_missing(out, mode, 10.0, 12.0, local, on_stream=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transport", ["nvlink", "alltoall"])
+@pytest.mark.parametrize("world_size,local", [(4, 2), (6, 2), (6, 3)])
+def test_gpu_low_latency_handle_names_the_true_sources(world_size, local, transport):
+    """The hierarchical low-latency handle's src_info / layout_range against every rank's routing (the CPU test's
+    check, with the domain's one-sided kernels forwarding pre-cast FP8 rows)."""
+    if gpu_ranks() < world_size:
+        pytest.skip(f"needs {world_size} GPU rank slots")
+    for rank, problems in enumerate(spawn(_ll_true_sources, world_size, local, transport, device="cuda",
+                                          timeout_s=600)):
+        assert problems == [], (rank, problems)

@@ -173,7 +173,7 @@ def bench_worker(ctx, opts: InternodeBenchOptions) -> list:
             y = torch.randn(recv[0].shape, device=ctx.device).to(torch.bfloat16)
             add(routing, name, f"low-latency dispatch FP8 ({opts.ll_tokens} tokens)",
                 t(lambda: buf.low_latency_dispatch(lx, lidx, opts.ll_tokens, opts.experts, use_fp8=True)),
-                ll_cross * (D - 1) / D, "bf16", opts.ll_tokens)
+                ll_cross * (D - 1) / D, "fp8", opts.ll_tokens)  # cast at the source: FP8 rows cross
             add(routing, name, f"low-latency combine BF16 ({opts.ll_tokens} tokens)",
                 t(lambda: buf.low_latency_combine(y, lidx, lw, handle)), ll_cross * (D - 1) / D, "bf16",
                 opts.ll_tokens)
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
              + (f"; the whole measurement ran {opts.rounds} times (implementations interleaved): each row is its "
                 "median round, with the range over the rounds" if opts.rounds > 1 else "") + ". Crossing rows "
              "per token: rows that leave their domain per source token (hierarchical: distinct remote domains of the "
-             "token's experts; flat: distinct remote ranks; low-latency rows of the hierarchical path travel in BF16). "
+             "token's experts; flat: distinct remote ranks; low-latency dispatch rows travel in FP8, cast at the source). "
              "Link GB/s: those bytes (BF16 2H, FP8 H + 4H/128 per row) per rank over the time. The raw link row moves "
              "exactly the hierarchical path's crossing bytes in one all_to_all over the rail group.\n\n"
              f"Traffic model (NIC {args.nic_gbps:g} GB/s per GPU, intranode {nvlink:g} GB/s, 8 GPUs per node, "

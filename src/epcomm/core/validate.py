@@ -42,6 +42,24 @@ def split_x(fn: str, x, device: torch.device) -> tuple[torch.Tensor, Optional[to
     return x, None
 
 
+def check_precast(fn: str, x: torch.Tensor, x_scales: torch.Tensor, use_fp8: bool) -> None:
+    """A pre-cast low-latency input (``LowLatencyDispatchRequest.x_scales``): ``x [N, H]`` float8_e4m3fn with
+    contiguous rows and ``x_scales [N, H / 128]`` float32, contiguous, on the same device, with ``use_fp8``."""
+    if not use_fp8:
+        raise ValueError(f"{fn}: pre-cast FP8 input (x_scales given) needs use_fp8=True")
+    if x.dtype != FP8_DTYPE or x.dim() != 2 or x.size(1) % 128:
+        raise TypeError(f"{fn}: pre-cast x must be a float8_e4m3fn [num_tokens, hidden] tensor with hidden a "
+                        f"multiple of 128 (epcomm.fp8.per_token_cast_to_fp8); got {x.dtype} {tuple(x.shape)}")
+    want = (x.size(0), x.size(1) // 128)
+    if x_scales.dtype != torch.float32 or tuple(x_scales.shape) != want:
+        raise TypeError(f"{fn}: pre-cast scales must be float32 {list(want)} (one per token and 128 channels, "
+                        f"unpacked even for UE8M0); got {x_scales.dtype} {tuple(x_scales.shape)}")
+    if not x.is_contiguous() or not x_scales.is_contiguous() or x_scales.device != x.device:
+        raise ValueError(f"{fn}: pre-cast x and scales must be contiguous (row-major) and on one device; got x on "
+                         f"{x.device} with strides {x.stride()}, scales on {x_scales.device} with strides "
+                         f"{x_scales.stride()}")
+
+
 def _check_tensor(fn: str, name: str, t: torch.Tensor, device: torch.device, need_contiguous: bool = True) -> None:
     if t.dim() != 2:
         raise ValueError(f"{fn}: {name} must be 2-D [num_tokens, ...]; got shape {tuple(t.shape)}")

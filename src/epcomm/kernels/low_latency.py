@@ -83,11 +83,12 @@ def f32_to_e4m3_bits(v):
 
 
 @triton.jit(do_not_specialize=["n_tokens", "info_slot", "timeout"])
-def ll_dispatch_kernel(x_ptr, idx_ptr, out_x_ptr, out_s_ptr, hmeta_ptr, bases_ptr, ctl_ptr,
+def ll_dispatch_kernel(x_ptr, xs_ptr, idx_ptr, out_x_ptr, out_s_ptr, hmeta_ptr, bases_ptr, ctl_ptr,
                        n_tokens, info_slot, local_base, timeout,
                        RANK: tl.constexpr, R: tl.constexpr, R_P: tl.constexpr, T: tl.constexpr, K: tl.constexpr,
                        K_P: tl.constexpr, KPER: tl.constexpr, E_L: tl.constexpr, E_LP: tl.constexpr, H: tl.constexpr,
-                       FP8: tl.constexpr, ROUND: tl.constexpr, UE8M0: tl.constexpr, XW: tl.constexpr,
+                       FP8: tl.constexpr, ROUND: tl.constexpr, UE8M0: tl.constexpr, PRECAST: tl.constexpr,
+                       XW: tl.constexpr,
                        XWP: tl.constexpr, SW: tl.constexpr, SWP: tl.constexpr, G4P: tl.constexpr, C: tl.constexpr,
                        OFF_FLAG: tl.constexpr, OFF_D: tl.constexpr, D_BYTES: tl.constexpr, OFF_PAY: tl.constexpr,
                        OFF_SCL: tl.constexpr, OFF_META: tl.constexpr, OFF_CNT: tl.constexpr, JB: tl.constexpr,
@@ -101,7 +102,11 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, out_x_ptr, out_s_ptr, hmeta_ptr, bases_pt
     sort before it by (id, token, slot): computed from ``idx`` by every item, no communication; that position
     gets the record ``token * K + slot``. The token itself travels once per destination *rank* (not once per
     expert): read and (FP8) cast once per item, it is stored with its scales into row ``token`` of region
-    ``RANK`` by the token's first slot on that rank (``K_P``: ``K`` rounded up to a power of two). Programs
+    ``RANK`` by the token's first slot on that rank (``K_P``: ``K`` rounded up to a power of two).
+    ``PRECAST`` (with ``FP8``): the tokens were cast already (``epcomm.fp8``, e.g. at the source of a hierarchical
+    call): ``x`` holds their e4m3 bytes ``[N, H]`` (uint8) and ``xs`` their float32 scales ``[N, H / 128]``
+    (powers of two when ``ROUND``), which are stored as they are (``UE8M0``: their exponent bytes packed four to
+    a word, as the cast packs them); unused otherwise. Programs
     also count the records of every expert into the receivers' ``cnt``. Then fence, arrive, and the last
     program releases the epoch to every rank.
 
@@ -152,17 +157,24 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, out_x_ptr, out_s_ptr, hmeta_ptr, bases_pt
             first = valid & (tl.sum(earlier.to(tl.int32), axis=1) == 0)
             # the token, cast once for every slot
             if FP8:
-                xv = tl.load(x_ptr + t.to(tl.int64) * H + xoff, mask=gmask, other=0.0).to(tl.float32)
-                amax = tl.maximum(tl.max(tl.abs(xv), axis=2), _K_FLOOR)  # [G4P, 4]
-                scale = amax * _K_MAX_INV
-                if ROUND:
-                    sb = scale.to(tl.int32, bitcast=True)
-                    eb = ((sb >> 23) & 0xFF) + ((sb & 0x7FFFFF) != 0).to(tl.int32)
-                    scale = (eb << 23).to(tl.float32, bitcast=True)
-                    inv = ((254 - eb) << 23).to(tl.float32, bitcast=True)
+                if PRECAST:  # cast already: its bytes and float32 scales as they are
+                    q = tl.load(x_ptr.to(tl.pointer_type(tl.uint8)) + t.to(tl.int64) * H + xoff, mask=gmask,
+                                other=0)
+                    g2s = tl.reshape(grp, [G4P, 4])
+                    scale = tl.load(xs_ptr.to(tl.pointer_type(tl.float32)) + t.to(tl.int64) * G + g2s,
+                                    mask=g2s < G, other=0.0)  # [G4P, 4]
                 else:
-                    inv = tl.math.div_rn(tl.zeros_like(amax) + 448.0, amax)
-                q = f32_to_e4m3_bits(xv * inv[:, :, None])
+                    xv = tl.load(x_ptr + t.to(tl.int64) * H + xoff, mask=gmask, other=0.0).to(tl.float32)
+                    amax = tl.maximum(tl.max(tl.abs(xv), axis=2), _K_FLOOR)  # [G4P, 4]
+                    scale = amax * _K_MAX_INV
+                    if ROUND:
+                        sb = scale.to(tl.int32, bitcast=True)
+                        eb = ((sb >> 23) & 0xFF) + ((sb & 0x7FFFFF) != 0).to(tl.int32)
+                        scale = (eb << 23).to(tl.float32, bitcast=True)
+                        inv = ((254 - eb) << 23).to(tl.float32, bitcast=True)
+                    else:
+                        inv = tl.math.div_rn(tl.zeros_like(amax) + 448.0, amax)
+                    q = f32_to_e4m3_bits(xv * inv[:, :, None])
                 if UE8M0:
                     ebm = tl.where(tl.reshape(gmask, [G4P, 4]), (scale.to(tl.int32, bitcast=True) >> 23) & 0xFF, 0)
                     shifts = (tl.arange(0, 4) * 8).to(tl.int64)

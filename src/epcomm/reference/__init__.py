@@ -11,7 +11,8 @@ Every transport is tested against these functions. They are written to be obviou
   output dtype. Top-k weights are summed the same way. Bit-exact for any transport that adds in that order.
 * low-latency dispatch: one row per selected (token, slot); rank ``r``'s expert ``e`` receives the rows of
   rank 0, then rank 1, ..., each group ordered by (source token, slot). FP8 rows are cast per token by
-  ``epcomm.fp8.per_token_cast_to_fp8`` on the sender.
+  ``epcomm.fp8.per_token_cast_to_fp8`` on the sender. Across domains (``local_size``) the groups come in the order
+  (source's local index, source's domain) instead; ``src_rank`` / ``src_idx`` are the true source rank and token.
 * low-latency combine: ``sum over slots k ascending of  w[t, k] * float32(y)`` with the product rounded to
   float32 before the add (no fused multiply-add), starting from +0.0, then one cast to bfloat16.
 * expert-major dispatch (``layout="expert_major"``): one row per received (token, slot) whose expert is local;
@@ -25,7 +26,7 @@ Every transport is tested against these functions. They are written to be obviou
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -262,22 +263,27 @@ def expert_major_combine(ys: Sequence[torch.Tensor], dispatched: Sequence[Expert
 class LowLatencyOut:
     """What rank ``r`` receives in a low-latency dispatch: for each local expert ``e``, ``count[e]`` rows
     ``x[e] [count[e], H]`` (bf16, or fp8 with ``scales[e] [count[e], H/128]``) and their sources
-    ``src_rank[e]``, ``src_idx[e]`` (int64)."""
+    ``src_rank[e]``, ``src_idx[e]`` (int64: global source rank and its token). Each source rank's rows of an
+    expert are one block; ``source_order`` lists the source ranks in the order of their blocks.
+    """
 
     count: list
     x: list
     scales: list
     src_rank: list
     src_idx: list
-    hierarchy: Optional[tuple] = None  # internode: (inter-domain leg output, ranks per domain)
+    hierarchy: Optional[tuple] = None  # internode: (inter-domain leg output, ranks per domain, domain leg output)
+    source_order: tuple = ()
 
 
 def low_latency_dispatch(xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.Tensor], num_experts: int,
                          use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
                          local_size: Optional[int] = None) -> list[LowLatencyOut]:
     """Every rank's low-latency dispatch result (only the valid rows of each expert). ``local_size`` < the
-    number of ranks: the hierarchical path (module docstring; ``src_rank`` / ``src_idx`` then name the forwarding
-    rank's local index and its row)."""
+    number of ranks: the hierarchical path (module docstring): each rank's expert rows come from its domain's
+    forwarding ranks in local-index order, each forwarding rank's in (source domain, token) order, so the source
+    blocks are in the order (local index, domain). The FP8 cast happens here where the rows are forwarded (the
+    transport casts at the source: the same function, so the same bits)."""
     num_ranks = len(xs)
     if local_size is not None and local_size < num_ranks:
         L = local_size
@@ -289,7 +295,14 @@ def low_latency_dispatch(xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.T
             inner = low_latency_dispatch([rail[r].recv_x for r in members], [rail[r].recv_topk_idx for r in members],
                                          num_experts // D, use_fp8, round_scale, use_ue8m0)
             for l, o in enumerate(inner):
-                outs[d * L + l] = LowLatencyOut(o.count, o.x, o.scales, o.src_rank, o.src_idx, (rail[d * L + l], L))
+                # the forwarding rank (local index lp) and its row i -> the global source rank and token
+                pairs = [list(zip(sr.tolist(), si.tolist())) for sr, si in zip(o.src_rank, o.src_idx)]
+                src_rank = [torch.tensor([int(rail[d * L + lp].recv_src_rank[i]) * L + lp for lp, i in pe],
+                                         dtype=torch.int64) for pe in pairs]
+                src_idx = [torch.tensor([int(rail[d * L + lp].recv_src_idx[i]) for lp, i in pe], dtype=torch.int64)
+                           for pe in pairs]
+                outs[d * L + l] = LowLatencyOut(o.count, o.x, o.scales, src_rank, src_idx, (rail[d * L + l], L, o),
+                                                tuple(s * L + lp for lp in range(L) for s in range(D)))
         return outs
     e_local = num_experts // num_ranks
     casted = []
@@ -315,7 +328,7 @@ def low_latency_dispatch(xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.T
             se.append(torch.cat(rows_s) if rows_s else None)
             sre.append(torch.cat(src_r))
             sie.append(torch.cat(src_i))
-        outs.append(LowLatencyOut(count, xe, se, sre, sie))
+        outs.append(LowLatencyOut(count, xe, se, sre, sie, None, tuple(range(num_ranks))))
     return outs
 
 
@@ -335,8 +348,7 @@ def low_latency_combine(ys: Sequence[Sequence[torch.Tensor]], dispatched: Sequen
         partial: list = [None] * num_ranks
         for d in range(D):
             members = list(range(d * L, (d + 1) * L))
-            inner = low_latency_combine([ys[r] for r in members], [replace(dispatched[r], hierarchy=None)
-                                                                   for r in members],
+            inner = low_latency_combine([ys[r] for r in members], [dispatched[r].hierarchy[2] for r in members],
                                         [rail[r].recv_topk_idx for r in members],
                                         [weights[r].recv_x for r in members], num_experts // D, out_dtype)
             for l, p in enumerate(inner):

@@ -384,6 +384,19 @@ class LowLatencyCase:
                 f"hook={self.hook} zero_copy={self.zero_copy} out={self.use_out}")
 
 
+def low_latency_ranges(ref_out, e: int) -> list:
+    """``[[first row, count]]`` of every source rank's block of local expert ``e`` in a reference low-latency
+    result (``epcomm.reference.LowLatencyOut``): the blocks follow its ``source_order`` (rank order, or across domains
+    (local index, domain)); a source without rows has its block, empty, where it would be."""
+    src = ref_out.src_rank[e]
+    out, row = [None] * len(ref_out.source_order), 0
+    for s in ref_out.source_order:
+        cnt = int((src == s).sum())
+        out[s] = [row, cnt]
+        row += cnt
+    return out
+
+
 def check_low_latency(ctx, buf, case: LowLatencyCase) -> CaseResult:
     """Low-latency dispatch and combine on ``buf`` against the reference."""
     res = CaseResult(case.label())
@@ -411,10 +424,7 @@ def check_low_latency(ctx, buf, case: LowLatencyCase) -> CaseResult:
         if scales is not None:
             res.expect(f"recv_scales[{e}]", scales[e, :c], mine_ref.scales[e])
         res.expect(f"src_info[{e}]", handle.src_info[e, :c].long(), mine_ref.src_idx[e])
-        for s in range(handle.layout_range.size(1)):  # source ranks (across domains: the forwarding ranks)
-            begin = int((mine_ref.src_rank[e] < s).sum())
-            cnt = int((mine_ref.src_rank[e] == s).sum())
-            res.expect_eq(f"layout_range[{e}, {s}]", tuple(int(v) for v in handle.layout_range[e, s]), (begin, cnt))
+        res.expect_eq(f"layout_range[{e}]", handle.layout_range[e].tolist(), low_latency_ranges(mine_ref, e))
 
     # combine: expert stand-in = dequantised rows scaled per expert; padding rows NaN
     ys = []
@@ -462,10 +472,13 @@ class GraphCase:
     replays: int = 3
     seed: int = 40
     expert_major: bool = False  # normal mode with layout="expert_major" (num_worst_tokens: a pairs bound)
+    use_fp8: bool = False  # low latency: an FP8 dispatch (the stand-in expert reads the e4m3 values as bf16)
+    use_ue8m0: bool = False  # with use_fp8: UE8M0 scales
 
     def label(self) -> str:
         kind = "LL" if self.low_latency else "expert-major" if self.expert_major else "normal"
-        return f"graph {kind} N={self.num_tokens} H={self.hidden} E={self.num_experts} K={self.topk}"
+        fp8 = f" fp8 ue8m0={self.use_ue8m0}" if self.use_fp8 else ""
+        return f"graph {kind}{fp8} N={self.num_tokens} H={self.hidden} E={self.num_experts} K={self.topk}"
 
 
 def check_graph(ctx, buf, case: GraphCase) -> CaseResult:
@@ -494,9 +507,11 @@ def check_graph(ctx, buf, case: GraphCase) -> CaseResult:
             return recv_x, combined, offs, row_w
         if case.low_latency:
             recv, _, handle, _, _ = buf.low_latency_dispatch(x_s, idx_s, case.num_tokens, case.num_experts,
-                                                             use_fp8=False)
-            combined, _, _ = buf.low_latency_combine(recv * 2, idx_s, w_s, handle)
-            return recv, combined
+                                                             use_fp8=case.use_fp8, round_scale=case.use_ue8m0,
+                                                             use_ue8m0=case.use_ue8m0)
+            data, scales = recv if case.use_fp8 else (recv, None)
+            combined, _, _ = buf.low_latency_combine(data.to(torch.bfloat16) * 2, idx_s, w_s, handle)
+            return data, combined, scales, handle.src_info, handle.layout_range
         per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx_s, case.num_experts)
         recv_x, recv_idx, recv_w, _, handle, _ = buf.dispatch(
             x_s, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
@@ -526,10 +541,16 @@ def check_graph(ctx, buf, case: GraphCase) -> CaseResult:
             want = reference.expert_major_combine(ys, ref, [x.size(0) for x in xs], [r.row_weights for r in ref])
             res.expect(f"replay {i} combined", outs[1], want[rank][0])
         elif case.low_latency:
-            ref = reference.low_latency_dispatch(xs, idxs, case.num_experts, use_fp8=False, local_size=local)
+            ref = reference.low_latency_dispatch(xs, idxs, case.num_experts, case.use_fp8, case.use_ue8m0,
+                                                 case.use_ue8m0, local_size=local)
             for e in range(case.num_experts // num_ranks):
-                res.expect(f"replay {i} recv_x[{e}]", outs[0][e, :ref[rank].count[e]], ref[rank].x[e])
-            ys = [[(xe.float() * 2).to(torch.bfloat16) for xe in r.x] for r in ref]
+                c = ref[rank].count[e]
+                res.expect(f"replay {i} recv_x[{e}]", outs[0][e, :c], ref[rank].x[e])
+                if case.use_fp8:
+                    res.expect(f"replay {i} recv_scales[{e}]", outs[2][e, :c], ref[rank].scales[e])
+                res.expect(f"replay {i} src_info[{e}]", outs[3][e, :c].long(), ref[rank].src_idx[e])
+                res.expect_eq(f"replay {i} layout_range[{e}]", outs[4][e].tolist(), low_latency_ranges(ref[rank], e))
+            ys = [[(xe.to(torch.bfloat16).float() * 2).to(torch.bfloat16) for xe in r.x] for r in ref]
             want = reference.low_latency_combine(ys, ref, idxs, ws, case.num_experts)
             res.expect(f"replay {i} combined", outs[1], want[rank])
         else:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from .. import env, reference
 from ..fp8 import per_token_cast_back, per_token_cast_to_fp8
-from .checks import CaseResult
+from .checks import CaseResult, low_latency_ranges
 from .routing import make_inputs
 
 HIDDEN = 256
@@ -650,13 +650,13 @@ def deepep_tests(sc: Scenario, deep_ep, buffer) -> list:
         int_mask = (2 ** 32) - 1
         layout = handle[1]
         ll_ref = _ll_reference(sc, ll_inputs, use_fp8, round_scale, use_ue8m0)[sc.rank]
-        sources = layout.size(1)  # the source ranks; across nodes, the forwarding ranks of this rank's node
+        sources = layout.size(1)  # the source ranks (across nodes too: the handle names the true sources)
         for i in range(sc.e_local):
             begins = [int(layout[i][j] >> 32) for j in range(sources)]
             lens = [int(layout[i][j] & int_mask) for j in range(sources)]
-            want = [int((ll_ref.src_rank[i] == j).sum()) for j in range(sources)]
-            res.expect_eq(f"handle[1][{i}] counts", lens, want)
-            res.expect_eq(f"handle[1][{i}] begins", begins, [sum(want[:j]) for j in range(sources)])
+            want = low_latency_ranges(ll_ref, i)
+            res.expect_eq(f"handle[1][{i}] counts", lens, [c for _, c in want])
+            res.expect_eq(f"handle[1][{i}] begins", begins, [b for b, _ in want])
         res.expect_eq("handle[2:]", tuple(handle[2:]), (MAX_TOKENS, HIDDEN, sc.num_experts))
         ll_buffer.get_next_low_latency_combine_buffer(handle)[:, :, :] = ys[sc.rank]
         out_t = torch.empty((mine.x.size(0), HIDDEN), dtype=torch.bfloat16, device=sc.device)

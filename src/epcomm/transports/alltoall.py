@@ -31,9 +31,9 @@ import torch.distributed as dist
 
 from ..core.handles import DispatchHandle, LowLatencyHandle
 from ..core.layout import align_up, low_latency_pair_capacity
-from ..core.validate import raise_if_bad_topk
+from ..core.validate import check_precast, raise_if_bad_topk
 from ..errors import EpcommError
-from ..fp8 import FP8_DTYPE, per_token_cast_to_fp8
+from ..fp8 import FP8_DTYPE, pack_ue8m0, per_token_cast_to_fp8
 from ..kernels import triton_available
 from .device_errors import LOW_LATENCY, NORMAL, DeviceErrors
 from .faults import host_wait
@@ -477,8 +477,11 @@ class AllToAllTransport(Transport):
 
         # the row each token sends: payload bytes | scales bytes | source token (int32)
         tokens = torch.arange(n, dtype=torch.int32, device=dev)
+        if req.x_scales is not None:  # pre-cast: moved as they are
+            check_precast("Buffer.low_latency_dispatch", x, req.x_scales, req.use_fp8)
         if req.use_fp8:
-            x_fp8, scales = per_token_cast_to_fp8(x, req.round_scale, req.use_ue8m0)
+            x_fp8, scales = ((x, pack_ue8m0(req.x_scales) if req.use_ue8m0 else req.x_scales)
+                             if req.x_scales is not None else per_token_cast_to_fp8(x, req.round_scale, req.use_ue8m0))
             parts = [_as_bytes(x_fp8), _as_bytes(scales), _as_bytes(tokens.unsqueeze(1))]
         else:
             scales = None

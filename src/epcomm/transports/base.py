@@ -84,6 +84,11 @@ class LowLatencyDispatchRequest:
     use_ue8m0: bool
     return_recv_hook: bool
     bad_topk: Optional[torch.Tensor]
+    # pre-cast input (``use_fp8`` only): ``x`` is ``[N, H]`` float8_e4m3fn and ``x_scales`` ``[N, H / 128]``
+    # float32, both from ``epcomm.fp8.per_token_cast_to_fp8(x, round_scale or use_ue8m0)`` (float32 scales even
+    # with ``use_ue8m0``: the transport packs them); the transport moves them as they are, bit for bit what it
+    # would have received had it cast ``x`` itself (``check_precast``). The hierarchical path casts at the source.
+    x_scales: Optional[torch.Tensor] = None
 
 
 @dataclass(frozen=True)

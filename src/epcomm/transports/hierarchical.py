@@ -35,14 +35,22 @@ of the combine's input back), so the order does not depend on the chunks or the 
 (no host synchronisation): each rank sends at most ``num_worst_tokens // num_ranks`` tokens to each domain (the
 inter-domain leg has fixed slots of that many rows per peer); more tokens raise at once.
 
-Low-latency mode: (1) the tokens cross to their domains as in normal mode with fixed slots of ``T`` rows per
-domain (no host synchronisation, CUDA-graph capturable over NCCL), in BF16 (the FP8 cast happens at the forwarding
-rank: the same values as a cast at the source); (2) a low-latency dispatch within the domain of the forwarded
-rows (``D * T`` per forwarding rank), which gives the receiver the usual ``[E_local, R * T, H]`` layout, rows of
-each expert ordered by forwarding rank, then its rows (source domain, token). The combine sends the top-k weights
-to the forwarding ranks (a small all_to_all), runs the domain's low-latency combine there (weighted, FP32, cast
-once to BF16: the partial), and adds the domains' partials at the source (FP32, domain order, cast once).
-``handle.src_info`` / ``layout_range`` describe the domain leg (forwarding rank and row).
+Low-latency mode: (1) with ``use_fp8`` every source casts its tokens once (``epcomm.fp8``; float32 scales, powers
+of two with ``round_scale`` / ``use_ue8m0``); the tokens (FP8 rows and scales, about half the bytes of BF16; else
+BF16) cross to their domains as in normal mode with fixed slots of ``T`` rows per domain (no host synchronisation,
+CUDA-graph capturable over NCCL); the forwarding rank puts each received token in a fixed slot of its ``D * T``
+forwarded rows: row ``s * T + t`` is token ``t`` of its rail peer in domain ``s`` (slots of tokens not bound to
+this domain hold no expert ids). (2) A low-latency dispatch within the domain of the forwarded rows, pre-cast
+(``LowLatencyDispatchRequest.x_scales``: the domain's kernel stores the FP8 bytes and scales as they are, packing
+UE8M0 exponents from the scales, so the receiver gets the bits of a cast anywhere else), which gives the
+receiver the usual ``[E_local, R * T, H]`` layout, rows of each expert ordered by forwarding rank ``l``, then by
+forwarded row ``j = s * T + t``: each (forwarding rank, source domain) group is the block of source rank
+``s * L + l``. ``handle.src_info`` / ``layout_range`` name the true sources as DeepEP's do (source token; (first
+row, count) per global source rank, the blocks ordered by (local index, domain)), computed on the device from the
+domain leg's handle after its receive (no host synchronisation; with ``return_recv_hook``, when the hook runs);
+the domain leg's own handle stays in the private state for the combine. The combine sends the top-k weights to the
+forwarding ranks (a small all_to_all), runs the domain's low-latency combine there (weighted, FP32, cast once to
+BF16: the partial), and adds the domains' partials at the source (FP32, domain order, cast once).
 
 Faults: a dead or stalled rank becomes an exception on every other rank within ``EPCOMM_TIMEOUT_S`` (and a few
 seconds), naming the rank, the leg, the phase (tokens to their domains, forwarding the tokens, sums within the
@@ -82,6 +90,7 @@ from ..core.config import Config
 from ..core.handles import DispatchHandle, LowLatencyHandle
 from ..core.layout import align_up, chunk_bounds
 from ..errors import EpcommError, EpcommTimeoutError
+from ..fp8 import FP8_DTYPE, per_token_cast_to_fp8
 from ..topology.domains import Domains
 from .alltoall import AllToAllTransport
 from .base import (Capabilities, CombineRequest, DispatchRequest, DispatchResult, LowLatencyCombineRequest,
@@ -162,6 +171,7 @@ class _LowLatencyState:
     rail: DispatchHandle
     domain: LowLatencyHandle
     forwarded_idx: torch.Tensor  # [D * T, K] int64 domain-local expert ids of the forwarded rows (-1: none)
+    slot: torch.Tensor  # [D * T] int64: the forwarded row (s * T + t) of each row the rail leg received, D * T: none
 
 
 class HierarchicalTransport(Transport):
@@ -564,26 +574,47 @@ class HierarchicalTransport(Transport):
     @_guarded("Buffer.low_latency_dispatch")
     def low_latency_dispatch(self, req: LowLatencyDispatchRequest) -> LowLatencyDispatchResult:
         fn = "Buffer.low_latency_dispatch"
-        x, t_max, D = req.x, req.num_max_dispatch_tokens_per_rank, self.num_domains
-        k = req.topk_idx.size(1)
+        x, t_max, D, L = req.x, req.num_max_dispatch_tokens_per_rank, self.num_domains, self.local_size
+        k, dev = req.topk_idx.size(1), x.device
         self._agree(fn, ("low_latency", x.dtype, x.size(1), k, req.num_experts, t_max, req.use_fp8, req.round_scale,
                          req.use_ue8m0))
+        # FP8: cast once here (epcomm.fp8, float32 scales: the domain leg packs UE8M0), the FP8 rows cross
+        x_send, scales = per_token_cast_to_fp8(x, req.round_scale or req.use_ue8m0) if req.use_fp8 else (x, None)
         per_domain, per_expert, in_domain = self.rail.get_dispatch_layout(req.topk_idx, req.num_experts)
         with self._leg(fn, "tokens to their domains"):
-            r1 = self.rail.dispatch(DispatchRequest(x, None, req.topk_idx, None, per_domain, in_domain, per_expert,
-                                                    req.num_experts, 1, D * t_max, None, Config(), None,
+            r1 = self.rail.dispatch(DispatchRequest(x_send, scales, req.topk_idx, None, per_domain, in_domain,
+                                                    per_expert, req.num_experts, 1, D * t_max, None, Config(), None,
                                                     peer_capacity=t_max))
+        # the forwarded rows in fixed slots: row s * T + t is token t of the rail peer in domain s (ids -1: none)
+        h1 = r1.handle
+        slot = torch.where(h1.recv_src_rank >= 0, h1.recv_src_rank.long() * t_max + h1.recv_src_idx.long(), D * t_max)
+        fwd_x = _to_slots(r1.recv_x, slot, None)
+        fwd_scales = None if scales is None else _to_slots(r1.recv_scales, slot, None)
+        fwd_idx = _to_slots(r1.recv_topk_idx, slot, -1)
         with self._leg(fn, "forwarding the tokens", within=True):
             r2 = self.domain.low_latency_dispatch(LowLatencyDispatchRequest(
-                r1.recv_x, r1.recv_topk_idx, D * t_max, req.num_experts // D, req.use_fp8, req.round_scale,
-                req.use_ue8m0, req.return_recv_hook, req.bad_topk))
+                fwd_x, fwd_idx, D * t_max, req.num_experts // D, req.use_fp8, req.round_scale, req.use_ue8m0,
+                req.return_recv_hook, req.bad_topk, x_scales=fwd_scales))
         h2 = r2.handle
+        e_local, rt = req.num_experts // self.num_ranks, self.num_ranks * t_max
+        src_info = torch.empty(e_local, rt, dtype=torch.int32, device=dev)
+        layout_range = torch.empty(e_local, self.num_ranks, 2, dtype=torch.int32, device=dev)
         handle = LowLatencyHandle(
             buffer_id=self.buffer_id, transport=self.name, num_max_dispatch_tokens_per_rank=t_max, hidden=x.size(1),
             num_experts=req.num_experts, num_ranks=self.num_ranks, num_tokens=x.size(0), num_topk=k,
-            src_info=h2.src_info, layout_range=h2.layout_range, recv_count=h2.recv_count,
-            state=_LowLatencyState(r1.handle, h2, r1.recv_topk_idx))
-        return LowLatencyDispatchResult(r2.recv_x, r2.recv_scales, r2.recv_count, handle, r2.hook)
+            src_info=src_info, layout_range=layout_range, recv_count=h2.recv_count,
+            state=_LowLatencyState(r1.handle, h2, fwd_idx, slot))
+
+        def receive(hook: Optional[Callable[[], None]]) -> None:
+            if hook is not None:
+                with self._leg(fn, "forwarding the tokens", within=True):
+                    hook()
+            _true_sources(h2, t_max, D, L, src_info, layout_range)
+
+        if req.return_recv_hook:
+            return LowLatencyDispatchResult(r2.recv_x, r2.recv_scales, r2.recv_count, handle, _Once(receive, r2.hook))
+        receive(None)
+        return LowLatencyDispatchResult(r2.recv_x, r2.recv_scales, r2.recv_count, handle, None)
 
     def low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         return self.domain.low_latency_combine_buffer(handle.state.domain)
@@ -596,7 +627,7 @@ class HierarchicalTransport(Transport):
         with self._leg(fn, "top-k weights to the forwarding ranks"):
             w = self.rail.dispatch(DispatchRequest(req.topk_weights, None, None, None, None, None, None,
                                                    h.num_experts, 1, 0, st.rail, Config(), None)).recv_x
-        w = torch.where(st.forwarded_idx >= 0, w, 0.0)
+        w = torch.where(st.forwarded_idx >= 0, _to_slots(w, st.slot, 0.0), 0.0)  # in the forwarded rows' slots
         with self._leg(fn, "sums within the domain", within=True):
             r2 = self.domain.low_latency_combine(LowLatencyCombineRequest(req.x, st.forwarded_idx, w, st.domain,
                                                                           req.zero_copy, req.return_recv_hook, None))
@@ -607,8 +638,9 @@ class HierarchicalTransport(Transport):
             if hook is not None:
                 with self._leg(fn, "sums within the domain", within=True):
                     hook()
+            partials = r2.combined_x.index_select(0, st.slot.clamp(max=r2.combined_x.size(0) - 1))  # rail's order
             with self._leg(fn, "partial sums back to their sources"):
-                combined, _ = self.rail.combine(CombineRequest(r2.combined_x, st.rail, None, (), Config()))
+                combined, _ = self.rail.combine(CombineRequest(partials, st.rail, None, (), Config()))
             out.copy_(combined)
 
         if req.return_recv_hook:
@@ -621,7 +653,7 @@ class HierarchicalTransport(Transport):
         t_max, hidden, topk, num_experts, fp8, round_scale, ue8m0, dtype = shape
         D = self.num_domains
         self.domain.warmup_low_latency(call_shape(D * t_max, hidden, topk, num_experts // D, fp8, round_scale, ue8m0,
-                                                  dtype))
+                                                  FP8_DTYPE if fp8 else dtype))  # FP8: forwarded pre-cast
 
     @_guarded("Buffer.clean_low_latency_buffer")
     def clean_low_latency(self) -> None:
@@ -729,6 +761,41 @@ def _cached(x: torch.Tensor, scales: Optional[torch.Tensor], handle: DispatchHan
             req: DispatchRequest) -> DispatchRequest:
     return DispatchRequest(x, scales, None, None, None, None, None, handle.num_experts, 1, 0, handle, req.config, None,
                            req.overlapped)
+
+
+def _to_slots(t: torch.Tensor, slot: torch.Tensor, fill) -> torch.Tensor:
+    """``out[slot[i]] = t[i]`` into ``[D * T, ...]`` (``slot == D * T``: dropped); rows nothing lands on hold ``fill``
+    (None: left unwritten). Moved as bytes where index ops lack the dtype (FP8)."""
+    raw = t.view(torch.uint8) if t.dtype == FP8_DTYPE else t
+    out = torch.empty(t.size(0) + 1, *t.shape[1:], dtype=raw.dtype, device=t.device)
+    if fill is not None:
+        out.fill_(fill)
+    out.index_copy_(0, slot, raw)
+    return out[:t.size(0)].view(t.dtype)
+
+
+def _true_sources(h2: LowLatencyHandle, t_max: int, D: int, L: int, src_info: torch.Tensor,
+                  layout_range: torch.Tensor) -> None:
+    """Fill the user-visible ``src_info [E_local, R * T]`` int32 and ``layout_range [E_local, R, 2]`` int32 of a
+    hierarchical low-latency dispatch from the domain leg's handle ``h2`` (on the device, no host synchronisation).
+    The domain leg's row of an expert from forwarding rank ``l`` with forwarded row ``j = s * T + t`` (fixed slots)
+    is token ``t`` of source rank ``s * L + l``; an expert's rows from forwarding rank ``l`` are ordered by ``j``,
+    so each source rank's rows are one block, the blocks in the order (local index, domain)."""
+    e_local, rt = src_info.shape
+    j = h2.src_info.long()  # [E_local, R * T]: forwarded row, -1 past the count
+    lr = h2.layout_range.long()  # [E_local, L, 2]: each forwarding rank's (first row, count)
+    rows = torch.arange(rt, device=j.device)
+    fwd = (rows.view(1, 1, rt) >= (lr[:, :, 0] + lr[:, :, 1]).unsqueeze(2)).sum(1)  # [E_local, R * T]
+    valid = j >= 0
+    src_info.copy_(torch.where(valid, j % t_max, -1))
+    num_ranks = D * L
+    src_rank = torch.where(valid, (j // t_max) * L + fwd, num_ranks)
+    counts = torch.zeros(e_local, num_ranks + 1, dtype=torch.int64, device=j.device)
+    counts.scatter_add_(1, src_rank, torch.ones_like(src_rank))
+    per = counts[:, :num_ranks].view(e_local, D, L)
+    begin = lr[:, :, 0].unsqueeze(1) + torch.cumsum(per, 1) - per  # [E_local, D, L]
+    layout_range[:, :, 0] = begin.reshape(e_local, num_ranks)
+    layout_range[:, :, 1] = per.reshape(e_local, num_ranks)
 
 
 def _cat(parts: list) -> Optional[torch.Tensor]:

@@ -21,7 +21,9 @@ Protocol (no host synchronisation, fixed shapes, no remote atomics, single-write
     uses parity ``d & 1``. The send half: every (token, slot) computes its row in region ``rank`` of its
     destination locally (its rank among this rank's pairs for that destination, ordered by (expert, token,
     slot)); each token is read and FP8-cast once and stored to every destination with its scales and
-    ``token * K + slot``; counts per (source, expert) go to the receivers; then every program fences and
+    ``token * K + slot`` (a pre-cast request, ``LowLatencyDispatchRequest.x_scales``: its e4m3 bytes and float32
+    scales are stored as they are, UE8M0 exponents packed from the scales; the hierarchical path casts at the
+    source and forwards); counts per (source, expert) go to the receivers; then every program fences and
     arrives, and the last one release-stores the epoch ``d + 1`` into flag ``(dispatch, d & 1, rank)`` of
     every rank. The receive half waits for all ``R`` flags (a timeout records an error instead of hanging),
     then compacts each source's rows into ``recv_x [E_local, R * T, H]`` (source-major, then token, slot)
@@ -59,6 +61,7 @@ import torch.distributed as dist
 
 from .. import env
 from ..core.handles import LowLatencyHandle
+from ..core.validate import check_precast
 from ..core.layout import LOW_LATENCY_ALIGN, low_latency_area, low_latency_flag_bytes
 from ..kernels.launch import next_pow2
 from ..errors import BufferTooSmallError, EpcommError
@@ -275,7 +278,8 @@ class OneSidedLowLatency:
                       E_LP=max(2, next_pow2(e_local)), H=hidden, OFF_FLAG=self._off_flag, USE_PTX=self._on_gpu,
                       USE_TIMER=self._on_gpu, num_warps=8)
         dispatch_consts = dict(
-            common, K_P=max(2, next_pow2(topk)), KPER=kper, FP8=use_fp8, ROUND=round_scale, UE8M0=use_ue8m0, XW=xw,
+            common, K_P=max(2, next_pow2(topk)), KPER=kper, FP8=use_fp8, ROUND=round_scale, UE8M0=use_ue8m0,
+            PRECAST=x_dtype == FP8_DTYPE, XW=xw,
             XWP=xwp, SW=max(scale_words, 1), SWP=next_pow2(max(scale_words, 1)), G4P=next_pow2(-(-groups // 4)),
             C=lay["cap"],
             OFF_D=self._off_area, D_BYTES=d_bytes, OFF_PAY=lay["pay"], OFF_SCL=lay["scl"], OFF_META=lay["meta"],
@@ -305,7 +309,9 @@ class OneSidedLowLatency:
     def dispatch(self, req: LowLatencyDispatchRequest) -> LowLatencyDispatchResult:
         fn = "Buffer.low_latency_dispatch"
         self._alive(fn)
-        x, idx = req.x, req.topk_idx
+        x, idx, xs = req.x, req.topk_idx, req.x_scales
+        if xs is not None:  # pre-cast: the kernel stores the bytes and scales as they are
+            check_precast(fn, x, xs, req.use_fp8)
         if idx.dtype != torch.int64 or not idx.is_contiguous():  # one kernel variant (what warmup compiles)
             idx = idx.to(torch.int64).contiguous()
         n, hidden = x.shape
@@ -322,7 +328,8 @@ class OneSidedLowLatency:
         hmeta = torch.empty(geo.hmeta_words, dtype=torch.int32, device=dev)
         calls = self._calls[0]
         self._calls[0] = calls + 1
-        args = self._dispatch_args(n, x, idx, recv_x, scales, hmeta, calls % self._K.INFO_RING)
+        args = self._dispatch_args(n, x if xs is None else x.view(torch.uint8), xs, idx, recv_x, scales, hmeta,
+                                   calls % self._K.INFO_RING)
         self._first(shape, "dispatch", geo.dispatch, args)
         hook = self._run(geo.dispatch, args, req.return_recv_hook)
         m_src = e_local + 2 * e_local * self.num_ranks
@@ -366,10 +373,12 @@ class OneSidedLowLatency:
         hook = self._run(geo.combine, args, req.return_recv_hook, after)
         return LowLatencyCombineResult(out, hook)
 
-    def _dispatch_args(self, n: int, x, idx, recv_x, scales, hmeta, info_slot: int) -> tuple:
-        """``ll_dispatch_kernel``'s runtime arguments (a ``torch.dtype`` may stand for a tensor: compile_only)."""
+    def _dispatch_args(self, n: int, x, xs, idx, recv_x, scales, hmeta, info_slot: int) -> tuple:
+        """``ll_dispatch_kernel``'s runtime arguments (a ``torch.dtype`` may stand for a tensor: compile_only);
+        ``xs``: the pre-cast scales (None: not pre-cast)."""
         ctl = self._ctl
-        return (x if n else ctl, idx if n else ctl, recv_x, scales, hmeta, self._heap.peer_bases, ctl, n, info_slot,
+        xs = ctl if xs is None or not n else xs
+        return (x if n else ctl, xs, idx if n else ctl, recv_x, scales, hmeta, self._heap.peer_bases, ctl, n, info_slot,
                 self._local_base, self._timeout())
 
     def _combine_args(self, n: int, y, idx, w, out, hmeta, info_slot: int) -> tuple:
@@ -416,8 +425,10 @@ class OneSidedLowLatency:
             for n in counts.values():
                 geo = self._geometry(shape, n, what)
                 scales = geo.scale_dtype or self._ctl
-                calls = {"dispatch": (geo.dispatch, self._dispatch_args(n, shape[7], torch.int64, geo.payload_dtype,
-                                                                        scales, torch.int32, 0)),
+                precast = shape[7] == FP8_DTYPE  # x as bytes, float32 scales
+                x_arg, xs_arg = (torch.uint8, torch.float32) if precast else (shape[7], None)
+                calls = {"dispatch": (geo.dispatch, self._dispatch_args(n, x_arg, xs_arg, torch.int64,
+                                                                        geo.payload_dtype, scales, torch.int32, 0)),
                          "combine": (geo.combine, self._combine_args(n, torch.bfloat16, torch.int64, torch.float32,
                                                                      torch.bfloat16, torch.int32, 0))}
                 for kind in kinds:
@@ -517,7 +528,8 @@ class OneSidedLowLatency:
 def call_shape(t_max: int, hidden: int, topk: int, num_experts: int, use_fp8: bool, round_scale: bool,
                use_ue8m0: bool, x_dtype: torch.dtype) -> tuple:
     """What decides the storage and the kernels of a low-latency call: ``(T, hidden, topk, experts, fp8, round,
-    ue8m0, x dtype)`` (UE8M0 scales are rounded; without FP8 neither applies)."""
+    ue8m0, x dtype)`` (UE8M0 scales are rounded; without FP8 neither applies; an x dtype of float8_e4m3fn: the
+    input is pre-cast)."""
     return (t_max, hidden, topk, num_experts, bool(use_fp8), bool(round_scale or use_ue8m0),
             bool(use_fp8 and use_ue8m0), x_dtype)
 
