@@ -426,8 +426,9 @@ def _sample_args():
     common = dict(RANK=1, R=r, R_P=4, T=t, K=k, E_L=e_l, E_LP=128, H=h, OFF_FLAG=9216, USE_PTX=True, USE_TIMER=True,
                   num_warps=8)
     disp = dict(common, K_P=8, KPER=4, FP8=True, ROUND=False, UE8M0=False, PRECAST=False, XW=h // 4, XWP=2048,
-                SW=h // 128, SWP=64, G4P=16, C=lay["cap"], OFF_D=9472, D_BYTES=lay["dispatch_bytes"], OFF_PAY=lay["pay"], OFF_SCL=lay["scl"],
-                OFF_META=lay["meta"], OFF_CNT=lay["cnt"], JB=1024, EB=8, ROWS=4, FB=1024)
+                SW=h // 128, SWP=64, G4P=16, C=lay["cap"], OFF_D=9472, D_BYTES=lay["dispatch_bytes"],
+                OFF_PAY=lay["pay"], OFF_SCL=lay["scl"], OFF_META=lay["meta"], OFF_CNT=lay["cnt"], JB=1024, EB=8,
+                ROWS=4, FB=1024)
     comb = dict(common, HWP=4096, OFF_C=9472 + 2 * lay["dispatch_bytes"], C_BYTES=lay["combine_bytes"], ROWS=2,
                 BC=2048)
     x = torch.empty(t, h, dtype=torch.bfloat16)
