@@ -80,6 +80,10 @@ class _NVLinkState:
     num_tokens_per_rank: torch.Tensor  # [R] int32 (device)
     num_tokens_max: Optional[int]  # largest token count of any rank (host), None without host sync
     max_pair: Optional[int]  # most tokens any rank sends any rank (host), None without host sync
+    # expert-major dispatches: what a cached dispatch needs to place rows again without an exchange
+    topk_idx: Optional[torch.Tensor] = None  # [N, K] the sender's top-k ids
+    em_pidx: Optional[torch.Tensor] = None  # [N, K] int32 each pair's index among this rank's pairs of its expert
+    em_base: Optional[torch.Tensor] = None  # [R, E_local] int32 where each source's pairs of each expert start
 
     @property
     def recv_prefix(self) -> torch.Tensor:
@@ -362,24 +366,26 @@ class NVLinkTransport(Transport):
         """The expert-major dispatch with the rows stored straight into their expert-major rows by the receiving
         programs (``epcomm.kernels.expert_major``: the sender's records carry each pair's index among its pairs
         of that expert, the receiver places them from the exchanged count matrix); no rank-major copy and no
-        permute. Cached dispatches of expert-major handles take the generic path (rank-major, then permute)."""
+        permute. Cached dispatches of expert-major handles place the rows the same way, with the tables the first
+        dispatch left in the handle (``_cached_dispatch_expert_major``)."""
         from ..core.layout import expert_major_rows
         from ..kernels.expert_major import ExpertMajorTargets, launch_em_pad, launch_em_table, launch_pair_rows
 
         if req.handle is not None:
-            return super().dispatch_expert_major(req)
-        itr, pos, summary, num_recv, per_expert_list, n_max, max_pair, host, worst = self._exchange(req)
+            return self._cached_dispatch_expert_major(req)
         num_ranks, x, dev = self.num_ranks, req.x, self.device
         n, k, align = x.size(0), req.topk_idx.size(1), req.expert_alignment
-        e_local = req.num_experts // num_ranks
-        rows = expert_major_rows(worst, e_local, align) if worst else sum(per_expert_list)
-        # sender: each pair's index among this rank's pairs of its expert; receiver: where each source's pairs of
-        # each local expert start, from the count matrix the exchange all-gathered
+        # sender: each pair's index among this rank's pairs of its expert (launched before the exchange's host read:
+        # it needs nothing from it); receiver: where each source's pairs of each local expert start, from the count
+        # matrix the exchange all-gathered
         pidx = torch.empty(n, k, dtype=torch.int32, device=dev)
         if n:
             launch_pair_rows(req.topk_idx, req.num_tokens_per_expert, None,
                              torch.empty(req.num_experts, dtype=torch.int32, device=dev), pidx, None, None,
                              self.deferred, (1 << 31) - 1, 1, local_index=True)
+        itr, pos, summary, num_recv, per_expert_list, n_max, max_pair, host, worst = self._exchange(req)
+        e_local = req.num_experts // num_ranks
+        rows = expert_major_rows(worst, e_local, align) if worst else sum(per_expert_list)
         base = torch.empty(num_ranks, e_local, dtype=torch.int32, device=dev)
         offs = torch.empty(e_local, dtype=torch.int32, device=dev)
         launch_em_table(self.mat, base, offs, self.deferred, self.rank, rows, align)
@@ -397,7 +403,7 @@ class NVLinkTransport(Transport):
         if rows:
             launch_em_pad(targets, counts, align)
         state = _NVLinkState(summary=summary, recv_src=recv_src, pos=pos, num_tokens_per_rank=req.num_tokens_per_rank,
-                             num_tokens_max=n_max, max_pair=max_pair)
+                             num_tokens_max=n_max, max_pair=max_pair, topk_idx=req.topk_idx, em_pidx=pidx, em_base=base)
         self._run_dispatch(req, itr, state, None, num_recv, worst, em=targets)
         handle = self._handle(req, itr, state, host, num_recv, worst, counts, layout="expert_major",
                               expert_alignment=align, num_recv_rows=rows, num_topk=k, expert_offsets=offs,
@@ -592,6 +598,35 @@ class NVLinkTransport(Transport):
         outs = self._alloc_recv(h.num_recv_tokens, req.x, req.x_scales, None, False, bool(h.num_worst_tokens))
         self._run_dispatch(plan_req, h.is_token_in_rank, st, outs, h.num_recv_tokens, h.num_worst_tokens)
         return DispatchResult(outs[0], outs[1], None, None, None, h)
+
+    def _cached_dispatch_expert_major(self, req: DispatchRequest) -> DispatchResult:
+        """A cached dispatch of an expert-major handle: the receiving programs store every row straight into its
+        expert-major rows again (the first dispatch's top-k ids, pair indices and placement table, kept in the
+        handle), as the first dispatch did; no rank-major copy and no permute."""
+        from ..kernels.expert_major import ExpertMajorTargets, launch_em_pad
+
+        h: DispatchHandle = req.handle
+        st: _NVLinkState = h.state
+        if st.em_base is None:  # cannot happen for handles of this transport; kept explicit
+            return super().dispatch_expert_major(req)
+        dev, x, rows = self.device, req.x, h.num_recv_rows
+        k, m = h.num_topk, h.num_recv_tokens
+        self.first_call("Buffer.dispatch", ("barrier",), self._barrier)
+        plan_req = DispatchRequest(x, req.x_scales, st.topk_idx, None, st.num_tokens_per_rank, h.is_token_in_rank, None,
+                                   h.num_experts, h.expert_alignment, h.num_worst_tokens, None, req.config, None,
+                                   req.overlapped, layout="expert_major")
+        recv_x = torch.empty(rows, x.size(1), dtype=x.dtype, device=dev)
+        recv_scales = (torch.empty(rows, req.x_scales.size(1), dtype=req.x_scales.dtype, device=dev)
+                       if req.x_scales is not None else None)
+        # the placement the first dispatch recorded in the handle is written again into scratch (same values)
+        targets = ExpertMajorTargets(
+            recv_x.view(torch.int32), recv_scales.view(torch.int32) if recv_scales is not None else None, None,
+            torch.empty(rows, dtype=torch.int32, device=dev), torch.empty(m, k, dtype=torch.int32, device=dev),
+            torch.empty(m, 2, dtype=torch.int32, device=dev), st.em_base, st.em_pidx, rows)
+        if rows:
+            launch_em_pad(targets, h.num_recv_tokens_per_expert, h.expert_alignment)
+        self._run_dispatch(plan_req, h.is_token_in_rank, st, None, m, h.num_worst_tokens, em=targets)
+        return DispatchResult(recv_x, recv_scales, None, None, None, h)
 
     def combine(self, req: CombineRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         from ..kernels.reduce import OwnRows
