@@ -128,7 +128,21 @@ def test_chunk_count_is_measured_and_agreed():
     for rank, (failures, chosen, seen, text, described) in enumerate(results):
         assert failures == [], (rank, failures)
         assert chosen == 1, (rank, text)
-        assert seen == 9 and "measured fastest" in text and "normal-mode chunks: 1, measured" in described, text
+        assert seen == 12 and "measured fastest" in text and "normal-mode chunks: 1, measured" in described, text
+
+
+def test_chunk_count_pick_needs_a_clear_gain():
+    """A larger count replaces a smaller one only when faster by more than CHUNK_GAIN (5%) of it: gains within the
+    noise keep fewer chunks (fewer fixed costs)."""
+    from epcomm.transports.hierarchical import CHUNK_GAIN, pick_chunks
+
+    assert CHUNK_GAIN == 0.05
+    assert pick_chunks((1, 2, 4), [100.0, 97.0, 96.0]) == 1  # 3-4% faster: within the noise
+    assert pick_chunks((1, 2, 4), [100.0, 90.0, 88.0]) == 2  # 4 is only 2% faster than 2
+    assert pick_chunks((1, 2, 4), [100.0, 99.0, 80.0]) == 4
+    assert pick_chunks((1, 2, 4), [100.0, 120.0, 94.0]) == 4
+    assert pick_chunks((1, 2, 4), [float("inf"), 50.0, 49.0]) == 2
+    assert pick_chunks((2,), [10.0]) == 2
 
 
 def test_chunk_count_from_the_environment(monkeypatch):

@@ -27,7 +27,8 @@ domain, so the forwarding hides behind the network for all but the last chunk. E
 (its count exchange and host synchronisation, a few launches): tens of microseconds over InfiniBand, milliseconds
 over NCCL's sockets, so the best count depends on the link. The count is measured: the first exact-mode dispatches
 try each of ``CHUNK_CANDIDATES`` (1 first: it sizes the domain's storage for whole calls) ``TUNE_CALLS`` times,
-then the ranks agree (one all_reduce of their times, the slowest rank's counting) on the fastest and keep it;
+then the ranks agree (one all_reduce of their times, the slowest rank's counting) on the fastest and keep it (a
+larger count only when it is faster by more than ``CHUNK_GAIN``, 5%: the per-chunk costs and the noise favour fewer);
 ``EPCOMM_INTERNODE_CHUNKS`` or ``pipeline_chunks`` fixes it instead. Results do not depend on the count. Received rows
 are then put in the intranode path's order (by source rank, then source token; one gather of the outputs, and one
 of the combine's input back), so the order does not depend on the chunks or the domains, and
@@ -184,7 +185,7 @@ class HierarchicalTransport(Transport):
     # None: measured (module docstring); EPCOMM_INTERNODE_CHUNKS takes precedence.
     pipeline_chunks: Optional[int] = None
     CHUNK_CANDIDATES = (1, 2, 4)
-    TUNE_CALLS = 3  # timed dispatches per candidate (the first of each is not counted: it may compile or size)
+    TUNE_CALLS = 4  # timed dispatches per candidate (the first of each is not counted: it may compile or size)
 
     def __init__(self, group, device: torch.device, buffer_id: int, domains: Domains,
                  domain_transport: Any = "auto", leg: str = "nccl", num_nvl_bytes: int = 0,
@@ -712,7 +713,7 @@ class _ChunkTuner:
         mine = torch.tensor([_median(self.times[c]) for c in self.candidates], dtype=torch.float64)
         slowest = slowest_of(mine)
         self.medians = dict(zip(self.candidates, slowest))
-        self.chosen = self.candidates[min(range(len(slowest)), key=lambda i: (slowest[i], i))]
+        self.chosen = pick_chunks(self.candidates, slowest)
         log.info("%s: %s", fn, self.describe())
         return self.chosen
 
@@ -750,6 +751,22 @@ class _ChunkTuner:
             return f"measuring {self.candidates} ({self.seen} of {self.calls * len(self.candidates)} dispatches made)"
         times = ", ".join(f"{c}: {t:.0f} us" for c, t in self.medians.items())
         return f"{self.chosen}, measured fastest (slowest rank's median per count: {times})"
+
+
+# More chunks add fixed costs (a count exchange, a host read, launches per chunk) and more variance: a count is
+# taken over a smaller one only when its measured time is lower by more than this share (a gain within the
+# measurement's noise is none; seen over NCCL's sockets, where the link drifts by ~20% between repeats).
+CHUNK_GAIN = 0.05
+
+
+def pick_chunks(candidates: tuple, times: list, gain: float = CHUNK_GAIN) -> int:
+    """The chunk count to keep: going up ``candidates`` (increasing), each count that is faster than the one kept
+    so far by more than ``gain`` (a share of the kept one's time) replaces it."""
+    kept = 0
+    for i in range(1, len(candidates)):
+        if times[i] < times[kept] * (1.0 - gain):
+            kept = i
+    return candidates[kept]
 
 
 def _median(values: list) -> float:
