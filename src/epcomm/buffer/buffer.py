@@ -654,7 +654,9 @@ class Buffer:
         Returns:
             recv_x: ``[E_local, R * T, hidden]`` e4m3 with scales ``[E_local, R * T, hidden / 128]`` float32
                 (column-major, as DeepEP; ``[E_local, R * T, hidden / 512]`` int32 for UE8M0), or bf16.
-                Expert ``e``'s rows ``0 .. recv_count[e] - 1`` are valid, ordered by source rank, then token.
+                Expert ``e``'s rows ``0 .. recv_count[e] - 1`` are valid, each source rank's rows one block
+                ordered by token: blocks by source rank within a node; across nodes (the hierarchical transport) by
+                the source's local index, then its node. ``handle.layout_range`` gives each source's block.
             recv_count: ``[E_local]`` int32.
             handle: LowLatencyHandle (``src_info``, ``layout_range``).
             event: EventOverlap.
