@@ -170,6 +170,32 @@ def test_find_domains():
         find_domains(hosts, 3, "test")
 
 
+def _counts_without_topk(ctx, buf) -> list:
+    """A dispatch with ``num_tokens_per_expert`` but without top-k ids (the forwarding ranks route by rank; the
+    per-expert counts travel on their own, over the two subgroups): its per-expert receive counts against the sum of
+    every rank's counts for this rank's experts."""
+    import torch
+    import torch.distributed as dist
+
+    from epcomm.testing.routing import make_inputs
+
+    num_experts = 8
+    mine = make_inputs(11, ctx.world_size, 5 + 3 * ctx.rank, 64, num_experts, 3)[ctx.rank]
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(mine.topk_idx, num_experts)
+    _, _, _, counts, handle, _ = buf.dispatch(mine.x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                              num_tokens_per_expert=per_expert, expert_alignment=4)
+    every = [torch.empty_like(per_expert) for _ in range(ctx.world_size)]
+    dist.all_gather(every, per_expert, group=ctx.group)
+    e_local = num_experts // ctx.world_size
+    want = torch.stack(every).sum(0)[ctx.rank * e_local:(ctx.rank + 1) * e_local].to(torch.int32)
+    problems = []
+    if not torch.equal(handle.num_recv_tokens_per_expert, want):
+        problems.append(f"per-expert receive counts {handle.num_recv_tokens_per_expert.tolist()} != {want.tolist()}")
+    if counts != [(c + 3) // 4 * 4 for c in want.tolist()]:
+        problems.append(f"per-expert list {counts} (aligned to 4) for counts {want.tolist()}")
+    return problems
+
+
 def _disagree(ctx):
     import torch
 
@@ -181,6 +207,7 @@ def _disagree(ctx):
     except ValueError as exc:
         bad_split = str(exc)
     buf = Buffer(ctx.group, transport="alltoall", ranks_per_node=2)
+    counts_problems = _counts_without_topk(ctx, buf)
     hidden = 256 if ctx.rank != 3 else 128  # rank 3 was configured differently
     x = torch.randn(4, hidden).to(torch.bfloat16)
     idx = torch.zeros(4, 2, dtype=torch.int64)
@@ -188,12 +215,15 @@ def _disagree(ctx):
     try:
         buf.low_latency_dispatch(x, idx, 4, 8)
     except ValueError as exc:
-        return bad_split, str(exc)
-    return bad_split, "no exception"
+        return bad_split, str(exc), counts_problems
+    return bad_split, "no exception", counts_problems
 
 
 def test_ranks_that_disagree_raise_before_data_moves():
-    for bad_split, message in spawn(_disagree, 4, device="cpu"):
+    """Ranks that disagree on a call's shape raise before data moves (and, in the same processes, a dispatch without
+    top-k ids returns the per-expert counts: ``_counts_without_topk``)."""
+    for bad_split, message, counts_problems in spawn(_disagree, 4, device="cpu"):
+        assert counts_problems == [], counts_problems
         assert bad_split.startswith("Buffer: find_domains: ranks_per_node=3 (Buffer(ranks_per_node=3)) must be a "
                                     "positive divisor of the group's 4 ranks"), bad_split
         assert message.startswith("Buffer.low_latency_dispatch: the ranks disagree on this call's shape"), message

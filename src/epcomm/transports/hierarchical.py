@@ -520,10 +520,17 @@ class HierarchicalTransport(Transport):
         per_expert = torch.zeros(e_local, dtype=torch.int32, device=dev)
         counts = []
         if req.num_tokens_per_expert is not None:
-            recv = torch.empty(r, e_local, dtype=torch.int32, device=dev)
+            D, L = self.num_domains, self.local_size
             with self._leg("Buffer.dispatch", "per-expert counts"):
-                dist.all_to_all_single(recv, req.num_tokens_per_expert.view(r, e_local).contiguous(), group=self.group)
-                per_expert = recv.sum(0, dtype=torch.int32)
+                # over the two subgroups (which a fault can abort), not the Buffer's group: the rail peer in
+                # domain d gets this rank's counts for d's ranks; then each rank of the domain gets, from every
+                # rail, the counts for itself
+                mine = req.num_tokens_per_expert.view(D, L, e_local).contiguous()
+                via_rail = torch.empty(D, L, e_local, dtype=torch.int32, device=dev)  # [source domain, dest, e]
+                dist.all_to_all_single(via_rail, mine, group=self.rail_group)
+                recv = torch.empty(L, D, e_local, dtype=torch.int32, device=dev)  # [source local index, domain, e]
+                dist.all_to_all_single(recv, via_rail.transpose(0, 1).contiguous(), group=self.domain_group)
+                per_expert = recv.sum((0, 1), dtype=torch.int32)
                 if not req.num_worst_tokens:
                     counts = [align_up(c, req.expert_alignment)
                               for c in faults.host_list(per_expert, "Buffer.dispatch", "the per-expert counts")]
