@@ -14,7 +14,11 @@ routing), at DeepSeek's shape (4096 tokens per rank, hidden 7168, top-8, 256 exp
   the rows, NCCL between every pair of ranks);
 * ``nccl-baseline``: the plain NCCL pipeline a framework writes (``epcomm.bench.baseline``);
 * ``raw link``: one all_to_all_single over the rail group (the ranks with this rank's local index) of exactly
-  the bytes the hierarchical path sends across domains: the inter-domain link's rate on that traffic.
+  the bytes the hierarchical path sends across domains: the inter-domain link's rate on that traffic;
+* ``hierarchical, 1 chunk, by phase`` (first round): where a one-chunk BF16 dispatch's time goes, each part of
+  the call that the transport runs as a leg (``HierarchicalTransport.phase_log``: the inter-domain leg with its
+  count exchange and host read, the forwarding within the domain, the chunk agreement), the median of the slowest
+  rank; what the parts leave out (the rows' reordering, host gaps) is the rest of the call's time.
 
 Every call is timed isolated (a barrier before each; the median over iterations of the slowest rank); with
 ``--rounds N`` the whole measurement runs N times, the implementations interleaved, and each row gives the median
@@ -33,7 +37,7 @@ from typing import Optional
 import torch
 
 from ..testing import run
-from ..transports.hierarchical import HierarchicalTransport
+from ..transports.hierarchical import HierarchicalTransport, phase_durations_us
 from .report import bench_parser, finish, format_table
 from .timing import time_op
 from .traffic import (DEEPEP_PUBLISHED_LOW_LATENCY, DEEPEP_PUBLISHED_NORMAL, distinct_domains, internode_estimate,
@@ -85,6 +89,7 @@ def bench_worker(ctx, opts: InternodeBenchOptions) -> list:
     flat = Buffer(ctx.group, transport="alltoall", ranks_per_node=world)
     rail_group = hier.runtime.rail_group
     rows = []
+    phased: set = set()
     base = {"ranks": world, "domains": f"{D}x{L}", "domain leg": hier.runtime.domain.name}
 
     def t(fn):
@@ -132,6 +137,25 @@ def bench_worker(ctx, opts: InternodeBenchOptions) -> list:
             add(routing, name, "combine BF16", t(lambda: buf.combine(recv_x, handle)), cross, "bf16", opts.tokens,
                 chunks)
             del recv_x, handle
+        if routing not in phased:  # where a one-chunk BF16 dispatch's time goes (the first round only)
+            phased.add(routing)
+            HierarchicalTransport.pipeline_chunks = 1
+            per_rank, per_rdma, per_expert, in_rank, _ = hier.get_dispatch_layout(idx, opts.experts)
+            layout = dict(num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
+                          num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+            hier.dispatch(x, **layout)
+            hier.runtime.phase_log = []
+            for _ in range(max(3, opts.iters)):
+                dist.barrier(group=ctx.group)
+                hier.dispatch(x, **layout)
+            durations = phase_durations_us(hier.runtime.phase_log)
+            hier.runtime.phase_log = None
+            for phase, us in durations.items():
+                slowest = torch.tensor([float(sorted(us)[len(us) // 2])], dtype=torch.float64, device=ctx.device)
+                dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=ctx.group)
+                rows.append({**base, "routing": routing, "impl": "hierarchical, 1 chunk, by phase",
+                             "op": f"dispatch BF16: {phase}", "chunks": 1, "time_us": round(float(slowest), 1),
+                             "crossing rows/token": "", "crossing MB/rank": "", "link GB/s": ""})
         HierarchicalTransport.pipeline_chunks = None
         add(routing, "nccl-baseline", "dispatch FP8",
             t(lambda: baseline_dispatch(x8[0], x8[1], idx, w, opts.experts, ctx.group)), flat_cross, "fp8",

@@ -211,6 +211,7 @@ class HierarchicalTransport(Transport):
         self.rail = INTER_DOMAIN_LEGS[leg](self.rail_group, device, buffer_id)
         self.errors = CombinedErrors((self.domain.errors, self.rail.errors), device)
         self._agreed: set = set()
+        self.phase_log: Optional[list] = None  # see _leg
         self._net: Optional[torch.cuda.Stream] = None  # the inter-domain leg's stream while a dispatch pipelines
         self._tuner = _ChunkTuner(self.CHUNK_CANDIDATES, self.TUNE_CALLS, device)
         self._fault = _faults.setdefault(self.rail_group, {})  # shared with every Buffer on these groups
@@ -251,9 +252,15 @@ class HierarchicalTransport(Transport):
     def _leg(self, fn: str, phase: str, within: bool = False):
         """Run a part of a call; a wait of it that expired (``faults.WaitExpired``) or a failure of
         torch.distributed in it (gloo's timeout, a peer that closed its connection) ends this transport
-        (``_fail``). ``within``: the domain leg (its one-sided kernels report their own timeouts)."""
+        (``_fail``). ``within``: the domain leg (its one-sided kernels report their own timeouts). With
+        ``phase_log`` a list (a benchmark's breakdown), each part appends ``(phase, start, end)``: CUDA events on the
+        stream it ran on, or host times (s) on CPUs."""
+        log = self.phase_log
+        start = _mark(self.device) if log is not None else None
         try:
             yield
+            if log is not None:
+                log.append((phase, start, _mark(self.device)))
         except faults.WaitExpired as exc:
             raise self._fail(fn, phase, within, exc) from exc
         except EpcommError:
@@ -774,6 +781,26 @@ def pick_chunks(candidates: tuple, times: list, gain: float = CHUNK_GAIN) -> int
         if times[i] < times[kept] * (1.0 - gain):
             kept = i
     return candidates[kept]
+
+
+def _mark(device: torch.device):
+    """A point in time of the current stream (a recorded CUDA event), or of the host on CPUs."""
+    if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
+
+
+def phase_durations_us(log: list) -> dict:
+    """``{phase: [microseconds, ...]}`` of a ``phase_log`` (synchronises with the device to read its events)."""
+    if any(isinstance(m, torch.cuda.Event) for _, m, _ in log):
+        torch.cuda.synchronize()
+    out: dict = {}
+    for phase, start, end in log:
+        us = start.elapsed_time(end) * 1e3 if isinstance(start, torch.cuda.Event) else (end - start) * 1e6
+        out.setdefault(phase, []).append(us)
+    return out
 
 
 def _median(values: list) -> float:
