@@ -4,8 +4,8 @@ Three layouts arrive from the communication:
 
 * normal mode, expert-major (the default, ``Buffer.dispatch(..., layout="expert_major")``): ``recv_x [rows,
   H]`` already grouped by local expert, every group starting at a multiple of ``ALIGN`` and padded with zero
-  rows, with its int32 group ends: one grouped GEMM reads it as it is (``expert_major_experts``); the
-  weighting and the reduction per token happen in the combine.
+  rows, with its int32 group ends: the grouped GEMMs read it as it is (``expert_major_act``, ``expert_major_down``);
+  the weighting and the reduction per token happen in the combine.
 * normal mode, rank-major (``MoEConfig.normal_layout="rank_major"``, the earlier path): ``recv_x [M, H]``
   with ``recv_topk_idx [M, K]`` local expert ids (-1: not here). The
   (row, slot) pairs are sorted by expert, the rows gathered (``[T, H]``, T = pairs), the experts run on
@@ -31,7 +31,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from .ops import swiglu
+from .ops import glu, swiglu
 
 log = logging.getLogger("epcomm.layers")
 
@@ -114,9 +114,12 @@ def choose_grouped_gemm(requested, device: torch.device, dtype: torch.dtype, hid
 def grouped_swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """SwiGLU of the row groups of ``x [T, H]`` (group g = rows ``offs[g-1] .. offs[g]-1``) with expert g's
     ``w13 [G, 2F, H]``, ``w2 [G, H, F]``. Rows past ``offs[-1]`` are undefined."""
-    gate_up = torch._grouped_mm(x, w13.transpose(1, 2), offs=offs)
-    gate, up = gate_up.chunk(2, dim=-1)
-    return torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offs)
+    return torch._grouped_mm(_grouped_act(x, w13, offs), w2.transpose(1, 2), offs=offs)
+
+
+def _grouped_act(x: torch.Tensor, w13: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``glu`` of the row groups' gate/up projections, ``[T, F]`` (the first half of ``grouped_swiglu``)."""
+    return glu(torch._grouped_mm(x, w13.transpose(1, 2), offs=offs))
 
 
 def loop_swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
@@ -126,34 +129,22 @@ def loop_swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts: Se
     return torch.cat([swiglu(c, w13[e], w2[e]) for e, c in enumerate(chunks)], dim=0)
 
 
-def expert_major_experts(recv_x: torch.Tensor, offsets: torch.Tensor, counts: Sequence[int], w13: torch.Tensor,
-                         w2: torch.Tensor, *, grouped: bool) -> torch.Tensor:
-    """Expert outputs ``[rows, H]`` of expert-major rows ``recv_x [rows, H]`` (group e = rows ``offsets[e-1] ..
-    offsets[e] - 1``, ``offsets [E_local]`` int32 on the device; padding rows zero, so their outputs are zero).
-    ``counts``: the groups' (aligned) sizes on the host, for the loop. Rows past the last group: undefined."""
-    return expert_major_down(expert_major_act(recv_x, offsets, counts, w13, grouped=grouped), offsets, counts, w2,
-                             grouped=grouped)
-
-
 def expert_major_act(recv_x: torch.Tensor, offsets: torch.Tensor, counts: Sequence[int], w13: torch.Tensor, *,
                      grouped: bool) -> torch.Tensor:
-    """The first half of ``expert_major_experts``: ``silu(x W_gate^T) * x W_up^T`` per group, ``[rows, F]``
-    (padding rows zero; rows past the last group undefined)."""
+    """The first half of the experts on expert-major rows ``recv_x [rows, H]`` (group e = rows ``offsets[e-1] ..
+    offsets[e] - 1``, ``offsets [E_local]`` int32 on the device; padding rows zero): ``silu(x W_gate^T) * x
+    W_up^T`` per group, ``[rows, F]`` (padding rows zero; rows past the last group undefined). ``counts``: the
+    groups' (aligned) sizes on the host, for the loop."""
     if grouped:
-        gate, up = torch._grouped_mm(recv_x, w13.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return _grouped_act(recv_x, w13, offsets)
     chunks = torch.split(recv_x[:sum(counts)], list(counts), dim=0)
-    parts = []
-    for e, c in enumerate(chunks):
-        gate, up = F.linear(c, w13[e]).chunk(2, dim=-1)
-        parts.append(F.silu(gate) * up)
-    return _pad_rows(torch.cat(parts, dim=0), recv_x.size(0))
+    return _pad_rows(torch.cat([glu(F.linear(c, w13[e])) for e, c in enumerate(chunks)], dim=0), recv_x.size(0))
 
 
 def expert_major_down(act: torch.Tensor, offsets: torch.Tensor, counts: Sequence[int], w2: torch.Tensor, *,
                       grouped: bool) -> torch.Tensor:
-    """The second half of ``expert_major_experts``: ``act [rows, F]`` times each group's ``W2^T``, ``[rows, H]``.
-    ``MoE``'s weighted combine differentiates through it itself (``layers.autograd``)."""
+    """The second half: ``act [rows, F]`` times each group's ``W2^T``, ``[rows, H]`` (padding rows zero, rows past
+    the last group undefined). ``MoE``'s weighted combine differentiates through it itself (``layers.autograd``)."""
     if grouped:
         return torch._grouped_mm(act, w2.transpose(1, 2), offs=offsets)
     chunks = torch.split(act[:sum(counts)], list(counts), dim=0)
@@ -233,8 +224,7 @@ def low_latency_experts(xe: torch.Tensor, recv_count: torch.Tensor, w13: torch.T
     No host synchronisation (CUDA-graph capturable)."""
     g, c, h = xe.shape
     if not grouped:
-        gate, up = torch.bmm(xe, w13.transpose(1, 2)).chunk(2, dim=-1)
-        return torch.bmm(F.silu(gate) * up, w2.transpose(1, 2))
+        return torch.bmm(glu(torch.bmm(xe, w13.transpose(1, 2))), w2.transpose(1, 2))
     cap = min(g * int(_align(c)), max_rows + (ALIGN - 1) * g)
     count = recv_count.long()
     acount = _align(count)

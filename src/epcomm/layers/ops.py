@@ -39,10 +39,15 @@ def bf16_round_ste(x: torch.Tensor) -> torch.Tensor:
     return _RoundSTE.apply(x, lambda t: t.to(torch.bfloat16).to(t.dtype))
 
 
+def glu(gate_up: torch.Tensor) -> torch.Tensor:
+    """The SwiGLU activation of ``[..., 2F]`` gate/up projections: ``silu(gate) * up``, ``[..., F]``."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """One SwiGLU MLP: ``(silu(x W_gate^T) * x W_up^T) W2^T`` with ``w13 = [W_gate; W_up]``."""
-    gate, up = F.linear(x, w13).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, w2)
+    return F.linear(glu(F.linear(x, w13)), w2)
 
 
 def route(x: torch.Tensor, router_weight: torch.Tensor, config: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
