@@ -95,6 +95,12 @@ def bench_worker(ctx, opts: InternodeBenchOptions) -> list:
     def t(fn):
         return time_op(fn, ctx.group, ctx.device, iters=opts.iters, warmup=3)
 
+    def layout_of(buf, idx, w) -> dict:
+        """``Buffer.dispatch``'s layout arguments for top-k ``idx`` with weights ``w``."""
+        per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, opts.experts)
+        return dict(num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
+                    num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+
     def add(routing, impl, op, timing, crossing_rows, kind, n, chunks=""):
         crossing = crossing_rows * n * row_bytes(opts.hidden, kind)
         rows.append({**base, "routing": routing, "impl": impl, "op": op, "chunks": chunks,
@@ -119,9 +125,7 @@ def bench_worker(ctx, opts: InternodeBenchOptions) -> list:
         for name, buf, fixed in [("hierarchical", hier, None), ("flat alltoall", flat, None)] + sweep:
             HierarchicalTransport.pipeline_chunks = fixed  # None: the count the transport measures
             cross = hier_cross if buf is hier else flat_cross
-            per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, opts.experts)
-            layout = dict(num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma,
-                          is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+            layout = layout_of(buf, idx, w)
             buf.dispatch(x, **layout)
             tuner = hier.runtime._tuner
             for _ in range(len(tuner.candidates) * tuner.calls + 1):  # time the count it measured, not the trials
@@ -140,9 +144,7 @@ def bench_worker(ctx, opts: InternodeBenchOptions) -> list:
         if routing not in phased:  # where a one-chunk BF16 dispatch's time goes (the first round only)
             phased.add(routing)
             HierarchicalTransport.pipeline_chunks = 1
-            per_rank, per_rdma, per_expert, in_rank, _ = hier.get_dispatch_layout(idx, opts.experts)
-            layout = dict(num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
-                          num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+            layout = layout_of(hier, idx, w)
             hier.dispatch(x, **layout)
             hier.runtime.phase_log = []
             for _ in range(max(3, opts.iters)):
@@ -187,11 +189,9 @@ def bench_worker(ctx, opts: InternodeBenchOptions) -> list:
         small = _inputs(ctx, opts, routing, 8, D)
         sx, sidx, sw = (v.to(ctx.device) for v in small[ctx.rank])
         HierarchicalTransport.pipeline_chunks = 1
-        s_rank, s_rdma, s_expert, s_in, _ = hier.get_dispatch_layout(sidx, opts.experts)
+        small_layout = layout_of(hier, sidx, sw)
         add(routing, "hierarchical", "dispatch BF16 (8 tokens, one chunk)",
-            t(lambda: hier.dispatch(sx, num_tokens_per_rank=s_rank, num_tokens_per_rdma_rank=s_rdma,
-                                    is_token_in_rank=s_in, num_tokens_per_expert=s_expert, topk_idx=sidx,
-                                    topk_weights=sw)), 0.0, "bf16", 8, 1)
+            t(lambda: hier.dispatch(sx, **small_layout)), 0.0, "bf16", 8, 1)
         HierarchicalTransport.pipeline_chunks = None
         # low latency (FP8 dispatch, BF16 combine)
         ll = _inputs(ctx, opts, routing, opts.ll_tokens, D)
@@ -213,19 +213,16 @@ def bench_worker(ctx, opts: InternodeBenchOptions) -> list:
 
 
 def _median_of_rounds(rows: list) -> list:
-    """One row per measurement (routing, implementation, operation) from its rounds: the median time (and the link
-    rate at it), and the range over the rounds. The measured chunk count may differ between rounds (each measures
-    it again): the row then lists every count chosen (``1/2``)."""
+    """One row per measurement (routing, implementation, operation, chunk count) from its rounds: the median
+    time (and the link rate at it), and the range over the rounds."""
     groups: dict = {}
     for r in rows:
-        groups.setdefault((r["routing"], r["impl"], r["op"]), []).append(r)
+        groups.setdefault((r["routing"], r["impl"], r["op"], r["chunks"]), []).append(r)
     out = []
     for same in groups.values():
         times = sorted(r["time_us"] for r in same)
         mid = sorted(same, key=lambda r: r["time_us"])[(len(same) - 1) // 2]
-        chunks = sorted({r["chunks"] for r in same}, key=str)
-        out.append({**mid, "chunks": chunks[0] if len(chunks) == 1 else "/".join(map(str, chunks)),
-                    "time_us range": f"{times[0]:.0f}-{times[-1]:.0f}", "rounds": len(same)})
+        out.append({**mid, "time_us range": f"{times[0]:.0f}-{times[-1]:.0f}", "rounds": len(same)})
     return out
 
 
