@@ -369,7 +369,7 @@ class NVLinkTransport(Transport):
         permute. Cached dispatches of expert-major handles place the rows the same way, with the tables the first
         dispatch left in the handle (``_cached_dispatch_expert_major``)."""
         from ..core.layout import expert_major_rows
-        from ..kernels.expert_major import ExpertMajorTargets, launch_em_pad, launch_em_table, launch_pair_rows
+        from ..kernels.expert_major import launch_em_table, launch_pair_rows
 
         if req.handle is not None:
             return self._cached_dispatch_expert_major(req)
@@ -390,18 +390,12 @@ class NVLinkTransport(Transport):
         offs = torch.empty(e_local, dtype=torch.int32, device=dev)
         launch_em_table(self.mat, base, offs, self.deferred, self.rank, rows, align)
         counts = _recv_per_expert(summary, num_ranks, e_local)
-        recv_x = torch.empty(rows, x.size(1), dtype=x.dtype, device=dev)
-        recv_scales = (torch.empty(rows, req.x_scales.size(1), dtype=req.x_scales.dtype, device=dev)
-                       if req.x_scales is not None else None)
         row_w = torch.empty(rows, dtype=torch.float32, device=dev) if req.topk_weights is not None else None
         row_src = torch.empty(rows, dtype=torch.int32, device=dev)
         pair_row = (torch.full if worst else _empty)((num_recv, k), -1, dtype=torch.int32, device=dev)
         recv_src = (torch.full if worst else _empty)((num_recv, 2), -1, dtype=torch.int32, device=dev)
-        targets = ExpertMajorTargets(
-            recv_x.view(torch.int32), recv_scales.view(torch.int32) if recv_scales is not None else None, row_w,
-            row_src, pair_row, recv_src, base, pidx, rows)
-        if rows:
-            launch_em_pad(targets, counts, align)
+        recv_x, recv_scales, targets = self._em_targets(x, req.x_scales, rows, row_w, row_src, pair_row, recv_src,
+                                                        base, pidx, counts, align)
         state = _NVLinkState(summary=summary, recv_src=recv_src, pos=pos, num_tokens_per_rank=req.num_tokens_per_rank,
                              num_tokens_max=n_max, max_pair=max_pair, topk_idx=req.topk_idx, em_pidx=pidx, em_base=base)
         self._run_dispatch(req, itr, state, None, num_recv, worst, em=targets)
@@ -599,32 +593,39 @@ class NVLinkTransport(Transport):
         self._run_dispatch(plan_req, h.is_token_in_rank, st, outs, h.num_recv_tokens, h.num_worst_tokens)
         return DispatchResult(outs[0], outs[1], None, None, None, h)
 
+    def _em_targets(self, x, x_scales, rows: int, row_w, row_src, pair_row, recv_src, base, pidx, counts,
+                    align: int) -> tuple:
+        """``(recv_x [rows, H], recv_scales or None, ExpertMajorTargets)`` of an expert-major dispatch, its padding
+        rows zeroed (``launch_em_pad`` with the per-expert ``counts``)."""
+        from ..kernels.expert_major import ExpertMajorTargets, launch_em_pad
+
+        recv_x = torch.empty(rows, x.size(1), dtype=x.dtype, device=self.device)
+        recv_scales = (torch.empty(rows, x_scales.size(1), dtype=x_scales.dtype, device=self.device)
+                       if x_scales is not None else None)
+        targets = ExpertMajorTargets(
+            recv_x.view(torch.int32), recv_scales.view(torch.int32) if recv_scales is not None else None, row_w,
+            row_src, pair_row, recv_src, base, pidx, rows)
+        if rows:
+            launch_em_pad(targets, counts, align)
+        return recv_x, recv_scales, targets
+
     def _cached_dispatch_expert_major(self, req: DispatchRequest) -> DispatchResult:
         """A cached dispatch of an expert-major handle: the receiving programs store every row straight into its
         expert-major rows again (the first dispatch's top-k ids, pair indices and placement table, kept in the
         handle), as the first dispatch did; no rank-major copy and no permute."""
-        from ..kernels.expert_major import ExpertMajorTargets, launch_em_pad
-
         h: DispatchHandle = req.handle
         st: _NVLinkState = h.state
-        if st.em_base is None:  # cannot happen for handles of this transport; kept explicit
-            return super().dispatch_expert_major(req)
         dev, x, rows = self.device, req.x, h.num_recv_rows
         k, m = h.num_topk, h.num_recv_tokens
         self.first_call("Buffer.dispatch", ("barrier",), self._barrier)
         plan_req = DispatchRequest(x, req.x_scales, st.topk_idx, None, st.num_tokens_per_rank, h.is_token_in_rank, None,
                                    h.num_experts, h.expert_alignment, h.num_worst_tokens, None, req.config, None,
                                    req.overlapped, layout="expert_major")
-        recv_x = torch.empty(rows, x.size(1), dtype=x.dtype, device=dev)
-        recv_scales = (torch.empty(rows, req.x_scales.size(1), dtype=req.x_scales.dtype, device=dev)
-                       if req.x_scales is not None else None)
         # the placement the first dispatch recorded in the handle is written again into scratch (same values)
-        targets = ExpertMajorTargets(
-            recv_x.view(torch.int32), recv_scales.view(torch.int32) if recv_scales is not None else None, None,
-            torch.empty(rows, dtype=torch.int32, device=dev), torch.empty(m, k, dtype=torch.int32, device=dev),
-            torch.empty(m, 2, dtype=torch.int32, device=dev), st.em_base, st.em_pidx, rows)
-        if rows:
-            launch_em_pad(targets, h.num_recv_tokens_per_expert, h.expert_alignment)
+        recv_x, recv_scales, targets = self._em_targets(
+            x, req.x_scales, rows, None, torch.empty(rows, dtype=torch.int32, device=dev),
+            torch.empty(m, k, dtype=torch.int32, device=dev), torch.empty(m, 2, dtype=torch.int32, device=dev),
+            st.em_base, st.em_pidx, h.num_recv_tokens_per_expert, h.expert_alignment)
         self._run_dispatch(plan_req, h.is_token_in_rank, st, None, m, h.num_worst_tokens, em=targets)
         return DispatchResult(recv_x, recv_scales, None, None, None, h)
 
