@@ -150,15 +150,27 @@ def describe_peers(where: Optional[dict]) -> str:
 
 def abort_groups(groups: Sequence[Any]) -> None:
     """Abort ``groups`` (``torch.distributed``'s ``_abort_process_group``: the group is marked aborted, then its
-    communicators are, so the stuck kernels exit and NCCL's watchdog does not end the process). Failures are
-    logged: the caller raises anyway."""
+    communicators are, so the stuck kernels exit and NCCL's watchdog does not end the process). The groups are
+    aborted at once, one thread each: aborting a communicator may wait for the whole device (it frees memory),
+    and so for a kernel of another group's collective that is stuck too; one by one, the first abort would wait
+    for that kernel until the group's timeout (NCCL's "group abort" problem: every abort must have started before
+    any can finish). Failures are logged: the caller raises anyway."""
     import torch.distributed as dist
 
-    for g in groups:
+    def abort(g) -> None:
         try:
             dist.distributed_c10d._abort_process_group(g)
         except Exception as exc:  # noqa: BLE001 - already aborted, or a backend without abort
             log.warning("aborting a process group failed: %s: %s", type(exc).__name__, exc)
+
+    threads = [threading.Thread(target=abort, args=(g,), name="epcomm-abort", daemon=True) for g in groups]
+    for t in threads:
+        t.start()
+    limit = time.monotonic() + backstop_s()
+    for t in threads:
+        t.join(max(0.0, limit - time.monotonic()))
+        if t.is_alive():
+            log.warning("aborting a process group did not finish within %.0f s", backstop_s())
 
 
 __all__ = ["WaitExpired", "group_timeout", "backstop_s", "done", "host_wait", "host_list", "where_are",
