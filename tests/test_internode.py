@@ -103,13 +103,13 @@ def _chunk_count(ctx, per_chunk_s: float):
 
     buf = Buffer(ctx.group, transport="alltoall", ranks_per_node=2)
     rt = buf.runtime
-    rail = rt._rail
+    rail = rt.rail.dispatch
 
     def slow_rail(*args, **kwargs):
         time.sleep(per_chunk_s)
         return rail(*args, **kwargs)
 
-    rt._rail = slow_rail
+    rt.rail.dispatch = slow_rail
     case = NormalCase(num_tokens=(40, 33, 0, 17), hidden=64, num_experts=8, topk=3, dtype="bf16", seed=5)
     failures, calls = [], 0
     while rt._tuner.chosen is None and calls < 30 and not rt.chunks_description().endswith("(EPCOMM_INTERNODE_CHUNKS)"):

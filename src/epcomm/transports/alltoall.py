@@ -87,6 +87,17 @@ class _LowLatencyState:
     recv_dst: torch.Tensor  # [R * C] int64 flat output row of each received slot (E_local*R*T = unused)
 
 
+@dataclass
+class _Plan:
+    """An exact-mode GPU dispatch between its plan kernel and its rows' all_to_all (``AllToAllTransport``)."""
+    ctl: torch.Tensor  # int32: checks [4] | send table [R, 1 + E_local] | received table, read by the host once
+    table: torch.Tensor  # [R, 1 + E_local] view of ctl
+    recv_table: torch.Tensor  # [R, 1 + E_local] view of ctl
+    pos: torch.Tensor  # [N, R] int32
+    first: torch.Tensor  # [R] int32
+    packed: Optional[tuple] = None  # (rows, records) of the pack kernel
+
+
 class AllToAllTransport(Transport):
     """Dispatch/combine over ``all_to_all_single``; see the module docstring."""
 
@@ -298,6 +309,49 @@ class AllToAllTransport(Transport):
     def _dispatch_gpu(self, req: DispatchRequest) -> DispatchResult:
         """Exact-mode dispatch on GPUs: a plan kernel (positions, checks, count table), the count all_to_all,
         a pack kernel, one host synchronisation, then the rows and records all_to_alls."""
+        plan = self._plan_gpu(req, None)
+        self._a2a(plan.recv_table, plan.table)
+        read = self._read_later(plan.ctl)  # the host waits for the counts only, not for the pack kernel below
+        self._pack_plan(req, plan)
+        host = read()
+        self._check_plan(req, host)
+        return self._finish_gpu(req, plan, host)
+
+    def dispatch_many(self, reqs: list):
+        """``dispatch`` of each request in turn (a generator that yields each result once its collectives are
+        issued: an event recorded then marks that request's end). Exact-mode requests on the GPU path share one count
+        all_to_all and one host synchronisation (a pipelined caller's network stream never idles between them,
+        waiting for the host); other requests are dispatched one after another."""
+        if len(reqs) < 2 or not all(r.handle is None and not r.num_worst_tokens and not r.peer_capacity
+                                    and self._gpu_path(r.x) for r in reqs):
+            for r in reqs:
+                yield self.dispatch(r)
+            return
+        e_local = reqs[0].num_experts // self.num_ranks
+        if any(r.num_experts != reqs[0].num_experts for r in reqs):
+            raise ValueError("AllToAllTransport.dispatch_many: the requests must have the same num_experts")
+        width = 4 + 2 * self.num_ranks * (1 + e_local)
+        ctl = torch.zeros(len(reqs), width, dtype=torch.int32, device=reqs[0].x.device)
+        plans = [self._plan_gpu(r, ctl[c]) for c, r in enumerate(reqs)]
+        tw = self.num_ranks * (1 + e_local)
+        send = ctl[:, 4:4 + tw].view(len(reqs), self.num_ranks, 1 + e_local).transpose(0, 1).contiguous()
+        recv = torch.empty_like(send)  # [source rank, request, 1 + E_local]
+        self._a2a(recv, send)
+        ctl[:, 4 + tw:].view(len(reqs), self.num_ranks, 1 + e_local).copy_(recv.transpose(0, 1))
+        read = self._read_later(ctl.view(-1))
+        for r, plan in zip(reqs, plans):
+            self._pack_plan(r, plan)
+        host = read()
+        hosts = [host[c * width:(c + 1) * width] for c in range(len(reqs))]
+        for r, h in zip(reqs, hosts):  # every request's checks before any row moves
+            self._check_plan(r, h)
+        for r, plan, h in zip(reqs, plans, hosts):  # each result as soon as its rows and records are issued
+            yield self._finish_gpu(r, plan, h)
+
+    def _plan_gpu(self, req: DispatchRequest, ctl: Optional[torch.Tensor]) -> "_Plan":
+        """The plan kernel of an exact-mode GPU dispatch: positions, checks and the count table, in ``ctl`` (one
+        int32 block the host reads: checks [4] | send table [R, 1 + E_local] | received table; a fresh one when
+        None)."""
         from ..kernels.ep import plan_kernel, pow2_block
         from ..kernels.launch import launch, next_pow2
 
@@ -308,8 +362,8 @@ class AllToAllTransport(Transport):
         has_experts = req.num_tokens_per_expert is not None
         tw = num_ranks * (1 + e_local)
         pos = torch.empty(n, num_ranks, dtype=torch.int32, device=dev)
-        # one int32 block, read by the host once: checks [4] | send table [R, 1 + E_local] | received table
-        ctl = (torch.empty if has_experts else torch.zeros)(4 + 2 * tw, dtype=torch.int32, device=dev)
+        if ctl is None:
+            ctl = (torch.empty if has_experts else torch.zeros)(4 + 2 * tw, dtype=torch.int32, device=dev)
         checks, table, recv_table = ctl[:4], ctl[4:4 + tw].view(num_ranks, -1), ctl[4 + tw:].view(num_ranks, -1)
         first = torch.empty(num_ranks, dtype=torch.int32, device=dev)
         launch(plan_kernel, (1,), req.num_tokens_per_rank, req.num_tokens_per_expert if has_experts else checks,
@@ -317,23 +371,33 @@ class AllToAllTransport(Transport):
                n, req.num_experts, E_LOCAL=e_local, K=max(k, 1), R=num_ranks,
                R_POW2=max(2, next_pow2(num_ranks)), HAS_EXPERTS=has_experts, HAS_TOPK=k > 0,
                BLOCK_T=256, BLOCK_E=pow2_block(e_local), BLOCK_K=pow2_block(k))
-        self._a2a(recv_table, table)
-        read = self._read_later(ctl)  # the host waits for the counts only, not for the pack kernel below
-        rows, recs = self._pack(x, req.x_scales, req.topk_idx, req.topk_weights, itr, pos, first, req.num_experts)
-        host = read()
+        return _Plan(ctl, table, recv_table, pos, first)
+
+    def _pack_plan(self, req: DispatchRequest, plan: "_Plan") -> None:
+        plan.packed = self._pack(req.x, req.x_scales, req.topk_idx, req.topk_weights, req.is_token_in_rank,
+                                 plan.pos, plan.first, req.num_experts)
+
+    def _check_plan(self, req: DispatchRequest, host: list) -> None:
         bad_layout, bad_topk = host[:2]
         self._raise_host_checks(host[2:4], bad_topk, bad_layout, req.num_experts)
+
+    def _finish_gpu(self, req: DispatchRequest, plan: "_Plan", host: list) -> DispatchResult:
+        """After the host read ``host`` (``plan.ctl`` as a list): the rows and records all_to_alls."""
+        num_ranks, e_local = self.num_ranks, req.num_experts // self.num_ranks
+        tw = num_ranks * (1 + e_local)
         send_counts = host[4:4 + tw:1 + e_local]
         recv_table_h = host[4 + tw:]
         num_send = sum(send_counts)
         state = _NormalState(send_idx=self._no_rows, send_counts=tuple(send_counts), slot=None, capacity=0,
-                             recv_dst=None, pos=pos, first=first)
+                             recv_dst=None, pos=plan.pos, first=plan.first)
+        recv_table = plan.recv_table
 
         def expert_counts():
             per_expert = [sum(recv_table_h[s * (1 + e_local) + 1 + e] for s in range(num_ranks))
                           for e in range(e_local)]
             return per_expert, recv_table[:, 1:].sum(0, dtype=torch.int32)
 
+        rows, recs = plan.packed
         return self._exchange_rows(req, rows[:num_send], recs[:num_send], send_counts,
                                    recv_table_h[::1 + e_local], expert_counts, state)
 

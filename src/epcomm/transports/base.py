@@ -163,6 +163,13 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def dispatch(self, req: DispatchRequest) -> DispatchResult: ...
 
+    def dispatch_many(self, reqs: list):
+        """``dispatch`` of each of ``reqs`` (a generator). A transport may start every request's data moving
+        before it yields the first result (``AllToAllTransport`` shares one count exchange among them), so a caller
+        that records an event after each result must take them all before waiting for any."""
+        for req in reqs:
+            yield self.dispatch(req)
+
     @abc.abstractmethod
     def combine(self, req: CombineRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]: ...
 

@@ -394,8 +394,7 @@ class HierarchicalTransport(Transport):
         subs = [req] if chunks == 1 else [self._chunk(req, a, b, c == 0) for c, (a, b) in enumerate(bounds)]
         starts = self._chunk_starts(n, chunks) if chunks > 1 else None
         parts = []
-        legs = [lambda r=r: self._rail(fn, r, cap) for r in subs]
-        for c, r1 in enumerate(self._pipelined(legs)):
+        for c, r1 in enumerate(self._rail_chunks(fn, subs, cap)):
             h1 = r1.handle
             r2, src_rank, src_idx = self._forward(fn, subs[c], r1, h1, None if starts is None else starts[:, c])
             parts.append((r2, src_rank, src_idx.to(torch.int32), h1))
@@ -443,16 +442,43 @@ class HierarchicalTransport(Transport):
         per = (torch.cat(every) + chunks - 1) // chunks
         return per.unsqueeze(1) * torch.arange(chunks, device=self.device)
 
-    def _rail(self, fn: str, req: DispatchRequest, cap: int) -> DispatchResult:
-        """The inter-domain leg of (a chunk of) a dispatch."""
-        n, D, L = req.x.size(0), self.num_domains, self.local_size
-        in_domain = req.is_token_in_rank.view(n, D, L).any(2)
-        rail_req = DispatchRequest(req.x, req.x_scales, req.topk_idx, req.topk_weights,
+    def _rail_chunks(self, fn: str, subs: list, cap: int):
+        """The inter-domain leg of each chunk of a dispatch (a generator of its results, in order). With several
+        chunks on GPUs every chunk's rows are issued on the network stream before the first result is yielded (one
+        count exchange for all: ``Transport.dispatch_many``), so the link moves chunk after chunk while the caller
+        forwards the earlier ones within the domain; each result is yielded once the caller's stream waits for it."""
+        D, L = self.num_domains, self.local_size
+
+        def request(req: DispatchRequest) -> DispatchRequest:
+            n = req.x.size(0)
+            in_domain = req.is_token_in_rank.view(n, D, L).any(2)
+            return DispatchRequest(req.x, req.x_scales, req.topk_idx, req.topk_weights,
                                    in_domain.sum(0, dtype=torch.int32), in_domain, req.num_tokens_per_expert,
                                    req.num_experts, 1, D * cap, None, req.config, req.bad_topk, req.overlapped,
                                    peer_capacity=cap)
-        with self._leg(fn, "tokens to their domains"):
-            return self.rail.dispatch(rail_req)
+
+        if self.device.type != "cuda" or len(subs) == 1:
+            for req in subs:
+                with self._leg(fn, "tokens to their domains"):
+                    r1 = self.rail.dispatch(request(req))
+                yield r1
+            return
+        main = torch.cuda.current_stream(self.device)
+        if self._net is None:
+            self._net = torch.cuda.Stream(self.device)
+        net = self._net
+        net.wait_stream(main)
+        outs = []
+        with torch.cuda.stream(net), self._leg(fn, "tokens to their domains"):
+            for r1 in self.rail.dispatch_many([request(r) for r in subs]):
+                done = torch.cuda.Event()
+                done.record(net)
+                outs.append((r1, done))
+        for r1, done in outs:
+            main.wait_event(done)
+            for t in _tensors(r1):
+                t.record_stream(main)
+            yield r1
 
     def _forward(self, fn: str, req: DispatchRequest, r1: DispatchResult, h1: DispatchHandle,
                  starts: Optional[torch.Tensor]) -> tuple:
