@@ -137,8 +137,8 @@ def _many_against_one(ctx):
     for c, (one, many) in enumerate(zip([rt.dispatch(r) for r in reqs], list(rt.dispatch_many(reqs)))):
         for field in ("recv_x", "recv_scales", "recv_topk_idx", "recv_topk_weights", "num_recv_tokens_per_expert_list"):
             a, b = getattr(one, field), getattr(many, field)
-            same = a == b if not isinstance(a, torch.Tensor) else (a.shape == b.shape and torch.equal(
-                a.view(torch.uint8) if a.dtype.itemsize == 1 else a, b.view(torch.uint8) if b.dtype.itemsize == 1 else b))
+            raw = [v.view(torch.uint8) if isinstance(v, torch.Tensor) and v.dtype.itemsize == 1 else v for v in (a, b)]
+            same = a == b if not isinstance(a, torch.Tensor) else (a.shape == b.shape and torch.equal(*raw))
             if not same:
                 wrong.append((c, field))
         for field in ("recv_src_rank", "recv_src_idx", "num_recv_tokens_per_expert"):

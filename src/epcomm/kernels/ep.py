@@ -422,6 +422,63 @@ def _copy_rows(area_ptr, meta_ptr, out_x_ptr, out_scales_ptr, out_idx_ptr, out_w
         i0 += step
 
 
+@triton.jit
+def _copy_rows_em(area_ptr, meta_ptr, out_x_ptr, out_s_ptr, out_w_ptr, out_src_ptr, row_src_ptr, pair_row_ptr,
+                  base_ptr, s, src0, dst0, lo, hi, step, rows_out, XW: tl.constexpr, W: tl.constexpr,
+                  NS: tl.constexpr, K: tl.constexpr, E_LOCAL: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                  BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_W: tl.constexpr,
+                  VEC: tl.constexpr):
+    """Rows ``i`` of ``[lo, hi)`` of source ``s`` (``ROWS`` at a time, strides of ``step``): area row ``src0 + i``
+    is received token ``m = dst0 + i``. Writes ``out_src[m]`` (source token, source rank) and, for every slot k
+    whose record says local id e >= 0 and pair index p >= 0, the row ``base[s, e] + p`` (if below ``rows_out``)
+    of ``out_x`` (and scales), ``out_w`` (the slot's weight), ``row_src`` (``m * K + k``), and ``pair_row[m, k]``
+    (-1 for the other slots)."""
+    kc = tl.arange(0, BLOCK_K)
+    scols = tl.arange(0, BLOCK_S)
+    rr = tl.arange(0, ROWS)
+    poff = 2 + NS + K
+    if HAS_W:
+        poff += K
+    i0 = lo
+    while i0 < hi:
+        i = i0 + rr
+        live = i < hi
+        src = (src0 + i).to(tl.int64)
+        dst = (dst0 + i).to(tl.int64)
+        rec = meta_ptr + src * W
+        tl.store(out_src_ptr + dst * 2, tl.load(rec, mask=live), mask=live)
+        tl.store(out_src_ptr + dst * 2 + 1, tl.load(rec + 1, mask=live), mask=live)
+        km = live[:, None] & (kc < K)[None, :]
+        ids = tl.load(rec[:, None] + 2 + NS + kc[None, :], mask=km, other=-1)
+        pidx = tl.load(rec[:, None] + poff + kc[None, :], mask=km, other=-1)
+        ok = km & (ids >= 0) & (ids < E_LOCAL) & (pidx >= 0)
+        row = tl.load(base_ptr + s * E_LOCAL + ids, mask=ok, other=0) + pidx
+        ok = ok & (row < rows_out)
+        row = tl.where(ok, row, -1)
+        tl.store(pair_row_ptr + dst[:, None] * K + kc[None, :], row, mask=km)
+        row64 = row.to(tl.int64)
+        tl.store(row_src_ptr + row64, (dst[:, None] * K + kc[None, :]).to(tl.int32), mask=ok)
+        if HAS_W:
+            wv = tl.load(rec[:, None] + 2 + NS + K + kc[None, :], mask=ok).to(tl.float32, bitcast=True)
+            tl.store(out_w_ptr + row64, wv, mask=ok)
+        if HAS_SCALES:
+            sm = live[:, None] & (scols < NS)[None, :]
+            sv = tl.load(rec[:, None] + 2 + scols[None, :], mask=sm)
+            for k in tl.static_range(K):
+                rk = tl.sum(tl.where(kc[None, :] == k, row64, 0), axis=1)
+                tl.store(out_s_ptr + rk[:, None] * NS + scols[None, :], sv, mask=(rk >= 0)[:, None] & sm)
+        for c0 in tl.static_range(0, XW, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            if VEC:
+                cols = tl.max_contiguous(tl.multiple_of(cols, 4), 4)
+            cm = cols < XW
+            v = tl.load(area_ptr + src[:, None] * XW + cols[None, :], mask=live[:, None] & cm[None, :])
+            for k in tl.static_range(K):
+                rk = tl.sum(tl.where(kc[None, :] == k, row64, 0), axis=1)
+                tl.store(out_x_ptr + rk[:, None] * XW + cols[None, :], v, mask=(rk >= 0)[:, None] & cm[None, :])
+        i0 += step
+
+
 @triton.jit(do_not_specialize=["out_rows", "cap", "timeout"])
 def dispatch_copyout_kernel(area_ptr, meta_ptr, hdr_ptr, bases_ptr, arrive_off, epoch_ptr, err_ptr, prefix_ptr,
                             out_x_ptr, out_scales_ptr, out_idx_ptr, out_w_ptr, out_src_ptr, out_rows, cap, rank,
@@ -472,6 +529,54 @@ def _await(ptr, value, timeout, err_ptr, rank, peer, slot, USE_PTX: tl.constexpr
     return tl.where(ok, low, -1)
 
 
+@triton.jit
+def _receive_stream(pid, num_push, world, prog_ptr, tag, timeout, err_ptr, rank, prefix_ptr, out_rows, cap, area_ptr,
+                    meta_ptr, out_x_ptr, out_scales_ptr, out_idx_ptr, out_w_ptr, out_src_ptr, row_src_ptr, pair_row_ptr,
+                    em_base_ptr, rows_out, XW: tl.constexpr, W: tl.constexpr, NS: tl.constexpr, K: tl.constexpr,
+                    E_LOCAL: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
+                    HAS_SCALES: tl.constexpr, HAS_IDX: tl.constexpr, HAS_W: tl.constexpr, VEC: tl.constexpr,
+                    USE_PTX: tl.constexpr, USE_TIMER: tl.constexpr, PMAX: tl.constexpr, EM: tl.constexpr):
+    """The receiving half of a streaming dispatch (``dispatch_kernel``; ``em_dispatch_kernel`` with ``EM``):
+    program ``pid >= num_push`` is receiving program ``j = pid - num_push`` and takes source ``s = j // nrp``
+    (``nrp = (programs - num_push) // world`` per source, spare ones exit), waits for each of the sender's programs
+    ``p = q, q + nrp, ...`` and copies every newly reported stretch of rows into the outputs: rank-major rows and
+    unpacked records (``_copy_rows``), or with ``EM`` the expert-major rows of their pairs (``_copy_rows_em``;
+    ``row_src``, ``pair_row``, ``em_base``, ``rows_out``)."""
+    nrp = (tl.num_programs(0) - num_push) // world  # receiving programs per source
+    j = pid - num_push
+    s = j // nrp
+    q = j % nrp
+    if s < world:
+        row = prog_ptr + s * (PMAX + 2) * 2
+        nsend = _await(row, tag, timeout, err_ptr, rank, s, -1, USE_PTX, USE_TIMER)
+        first = _await(row + 1, tag, timeout, err_ptr, rank, s, -1, USE_PTX, USE_TIMER)
+        ok = (nsend >= 0) & (first >= 0)
+        base = tl.load(prefix_ptr + s)
+        p = q
+        while ok & (p < nsend):
+            start = _await(row + (2 + p) * 2, tag, timeout, err_ptr, rank, s, p, USE_PTX, USE_TIMER)
+            ok = start >= 0
+            copied = start
+            fin = tl.zeros([], tl.int64)
+            while ok & (fin == 0):
+                word = _await(row + (2 + p) * 2 + 1, tag + copied + 1, timeout, err_ptr, rank, s, p, USE_PTX,
+                              USE_TIMER)
+                ok = word >= 0
+                fin = (word >> 31) & 1
+                end = tl.where(ok, word & 0x7FFFFFFF, copied)
+                hi = tl.minimum(tl.minimum(end, out_rows - base), first + cap)  # rows past the region: not sent
+                if EM:
+                    _copy_rows_em(area_ptr, meta_ptr, out_x_ptr, out_scales_ptr, out_w_ptr, out_src_ptr, row_src_ptr,
+                                  pair_row_ptr, em_base_ptr, s, s * cap - first, base, copied, hi, ROWS, rows_out,
+                                  XW, W, NS, K, E_LOCAL, ROWS, 1024, BLOCK_K, BLOCK_S, HAS_SCALES, HAS_W, VEC)
+                else:
+                    _copy_rows(area_ptr, meta_ptr, out_x_ptr, out_scales_ptr, out_idx_ptr, out_w_ptr, out_src_ptr,
+                               s * cap - first, base, copied, hi, ROWS, XW, W, NS, K, ROWS, 1024, BLOCK_K, BLOCK_S,
+                               HAS_SCALES, HAS_IDX, HAS_W, VEC, True)
+                copied = end
+            p += nrp
+
+
 @triton.jit(do_not_specialize=["t_begin", "t_end", "cap", "num_push", "out_rows", "timeout"])
 def dispatch_kernel(x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_ptr, itr_ptr, pos_ptr, first_ptr,
                     bases_ptr, area_off, meta_off, prog_off, epoch_ptr, t_begin, t_end, cap, rank, world, num_push,
@@ -511,34 +616,10 @@ def dispatch_kernel(x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_ptr, 
                      NS, K, E_LOCAL, R, R_POW2, TOK, BLOCK, BLOCK_S, BLOCK_K, HAS_SCALES, HAS_TOPK, HAS_W,
                      SINGLE_ROUND, VEC, USE_PTX, PMAX, SIG)
     else:
-        nrp = (tl.num_programs(0) - num_push) // world  # receiving programs per source
-        j = pid - num_push
-        s = j // nrp
-        q = j % nrp
-        if s < world:
-            row = prog_ptr + s * (PMAX + 2) * 2
-            nsend = _await(row, tag, timeout, err_ptr, rank, s, -1, USE_PTX, USE_TIMER)
-            first = _await(row + 1, tag, timeout, err_ptr, rank, s, -1, USE_PTX, USE_TIMER)
-            ok = (nsend >= 0) & (first >= 0)
-            base = tl.load(prefix_ptr + s)
-            p = q
-            while ok & (p < nsend):
-                start = _await(row + (2 + p) * 2, tag, timeout, err_ptr, rank, s, p, USE_PTX, USE_TIMER)
-                ok = start >= 0
-                copied = start
-                fin = tl.zeros([], tl.int64)
-                while ok & (fin == 0):
-                    word = _await(row + (2 + p) * 2 + 1, tag + copied + 1, timeout, err_ptr, rank, s, p, USE_PTX,
-                                  USE_TIMER)
-                    ok = word >= 0
-                    fin = (word >> 31) & 1
-                    end = tl.where(ok, word & 0x7FFFFFFF, copied)
-                    hi = tl.minimum(tl.minimum(end, out_rows - base), first + cap)  # rows past the region: not sent
-                    _copy_rows(area_ptr, meta_ptr, out_x_ptr, out_scales_ptr, out_idx_ptr, out_w_ptr, out_src_ptr,
-                               s * cap - first, base, copied, hi, ROWS, XW, W, NS, K, ROWS, 1024, BLOCK_K, BLOCK_S,
-                               HAS_SCALES, HAS_IDX, HAS_W, VEC, True)
-                    copied = end
-                p += nrp
+        _receive_stream(pid, num_push, world, prog_ptr, tag, timeout, err_ptr, rank, prefix_ptr, out_rows, cap,
+                        area_ptr, meta_ptr, out_x_ptr, out_scales_ptr, out_idx_ptr, out_w_ptr, out_src_ptr, out_src_ptr,
+                        out_src_ptr, out_src_ptr, 0, XW, W, NS, K, E_LOCAL, ROWS, BLOCK_K, BLOCK_S, HAS_SCALES,
+                        HAS_IDX, HAS_W, VEC, USE_PTX, USE_TIMER, PMAX, False)
 
 
 @triton.jit
