@@ -28,7 +28,7 @@ CASES = [
     LayerCase("low latency, fp8, shared, dropped", config=dict(**LL, fp8_dispatch=True, num_shared_experts=1),
               routing="dropped", mode="low_latency"),
     LayerCase("low latency, loop experts", config=dict(**LL, grouped_gemm=False), mode="low_latency"),
-    LayerCase("auto picks normal when one rank exceeds T", config=dict(low_latency_max_tokens=8), tokens=(4, 20, 2, 3),
+    LayerCase("auto picks normal when one rank exceeds T", config=dict(low_latency_max_tokens=8), tokens=(20, 4, 2, 3),
               expect_mode="normal"),
     LayerCase("checkpoint (non-reentrant)", checkpoint="non_reentrant", config=dict(num_shared_experts=1)),
     LayerCase("checkpoint (reentrant), low latency", checkpoint="reentrant", config=LL, routing="uniform"),
