@@ -23,9 +23,11 @@ bit-exact.
 
 Pipelining: an exact-mode call moves its tokens in chunks (each rank's tokens split evenly, the same count on every
 rank); the inter-domain leg of chunk ``c + 1`` runs on a network stream while chunk ``c`` is forwarded within the
-domain, so the forwarding hides behind the network for all but the last chunk. Each chunk also costs a fixed time
-(its count exchange and host synchronisation, a few launches): tens of microseconds over InfiniBand, milliseconds
-over NCCL's sockets, so the best count depends on the link. The count is measured: the first exact-mode dispatches
+domain, so the forwarding hides behind the network for all but the last chunk. The chunks' inter-domain legs share
+one count exchange and one host synchronisation (``Transport.dispatch_many``), so every chunk's rows are issued
+before the first is forwarded and the link never waits for the host between chunks; each chunk's forwarding still
+costs a fixed time on the host (its own count read within the domain, a few launches), hidden while the network is
+busy, so the best count depends on the link. The count is measured: the first exact-mode dispatches
 try each of ``CHUNK_CANDIDATES`` (1 first: it sizes the domain's storage for whole calls) ``TUNE_CALLS`` times,
 then the ranks agree (one all_reduce of their times, the slowest rank's counting) on the fastest and keep it (a
 larger count only when it is faster by more than ``CHUNK_GAIN``, 5%: the per-chunk costs and the noise favour fewer);
