@@ -454,3 +454,29 @@ def test_layer_and_demo_across_simulated_nodes(monkeypatch):
     results = spawn(_layer_and_demo, 4, device="cpu", timeout_s=400)
     problems = [f"rank {r}: {label}: {fails}" for r, res in enumerate(results) for label, fails in res]
     assert not problems, "\n".join(problems)
+
+
+def test_groups_are_aborted_at_once(monkeypatch):
+    """``faults.abort_groups`` starts every group's abort before waiting for any: here (as with NCCL, where an abort
+    frees memory and so waits for the device) aborting the first group cannot finish until the second group's abort
+    has started. One by one, the first abort would wait for its whole limit."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from epcomm.transports import faults
+
+    started = {g: threading.Event() for g in ("rail", "domain")}
+    finished = []
+
+    def abort(g):
+        started[g].set()
+        if g == "rail" and not started["domain"].wait(5.0):
+            return  # the domain group's abort never started while this one waited
+        finished.append(g)
+
+    monkeypatch.setattr(dist.distributed_c10d, "_abort_process_group", abort)
+    begin = time.monotonic()
+    faults.abort_groups(("rail", "domain"))
+    assert sorted(finished) == ["domain", "rail"] and time.monotonic() - begin < 4.0
