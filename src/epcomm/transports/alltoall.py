@@ -87,7 +87,7 @@ class _LowLatencyState:
     recv_dst: torch.Tensor  # [R * C] int64 flat output row of each received slot (E_local*R*T = unused)
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Plan:
     """An exact-mode GPU dispatch between its plan kernel and its rows' all_to_all (``AllToAllTransport``)."""
     ctl: torch.Tensor  # int32: checks [4] | send table [R, 1 + E_local] | received table, read by the host once
@@ -95,7 +95,6 @@ class _Plan:
     recv_table: torch.Tensor  # [R, 1 + E_local] view of ctl
     pos: torch.Tensor  # [N, R] int32
     first: torch.Tensor  # [R] int32
-    packed: Optional[tuple] = None  # (rows, records) of the pack kernel
 
 
 class AllToAllTransport(Transport):
@@ -312,10 +311,10 @@ class AllToAllTransport(Transport):
         plan = self._plan_gpu(req, None)
         self._a2a(plan.recv_table, plan.table)
         read = self._read_later(plan.ctl)  # the host waits for the counts only, not for the pack kernel below
-        self._pack_plan(req, plan)
+        packed = self._pack_plan(req, plan)
         host = read()
         self._check_plan(req, host)
-        return self._finish_gpu(req, plan, host)
+        return self._finish_gpu(req, plan, packed, host)
 
     def dispatch_many(self, reqs: list):
         """``dispatch`` of each request in turn (a generator that yields each result once its collectives are
@@ -339,14 +338,13 @@ class AllToAllTransport(Transport):
         self._a2a(recv, send)
         ctl[:, 4 + tw:].view(len(reqs), self.num_ranks, 1 + e_local).copy_(recv.transpose(0, 1))
         read = self._read_later(ctl.view(-1))
-        for r, plan in zip(reqs, plans):
-            self._pack_plan(r, plan)
+        packed = [self._pack_plan(r, plan) for r, plan in zip(reqs, plans)]
         host = read()
         hosts = [host[c * width:(c + 1) * width] for c in range(len(reqs))]
         for r, h in zip(reqs, hosts):  # every request's checks before any row moves
             self._check_plan(r, h)
-        for r, plan, h in zip(reqs, plans, hosts):  # each result as soon as its rows and records are issued
-            yield self._finish_gpu(r, plan, h)
+        for r, plan, rows, h in zip(reqs, plans, packed, hosts):  # each result once its collectives are issued
+            yield self._finish_gpu(r, plan, rows, h)
 
     def _plan_gpu(self, req: DispatchRequest, ctl: Optional[torch.Tensor]) -> "_Plan":
         """The plan kernel of an exact-mode GPU dispatch: positions, checks and the count table, in ``ctl`` (one
@@ -373,16 +371,17 @@ class AllToAllTransport(Transport):
                BLOCK_T=256, BLOCK_E=pow2_block(e_local), BLOCK_K=pow2_block(k))
         return _Plan(ctl, table, recv_table, pos, first)
 
-    def _pack_plan(self, req: DispatchRequest, plan: "_Plan") -> None:
-        plan.packed = self._pack(req.x, req.x_scales, req.topk_idx, req.topk_weights, req.is_token_in_rank,
-                                 plan.pos, plan.first, req.num_experts)
+    def _pack_plan(self, req: DispatchRequest, plan: "_Plan") -> tuple:
+        """``(rows, records)`` of every (token, destination) pair of ``req`` (``_pack``), in the plan's positions."""
+        return self._pack(req.x, req.x_scales, req.topk_idx, req.topk_weights, req.is_token_in_rank, plan.pos,
+                          plan.first, req.num_experts)
 
     def _check_plan(self, req: DispatchRequest, host: list) -> None:
         bad_layout, bad_topk = host[:2]
         self._raise_host_checks(host[2:4], bad_topk, bad_layout, req.num_experts)
 
-    def _finish_gpu(self, req: DispatchRequest, plan: "_Plan", host: list) -> DispatchResult:
-        """After the host read ``host`` (``plan.ctl`` as a list): the rows and records all_to_alls."""
+    def _finish_gpu(self, req: DispatchRequest, plan: "_Plan", packed: tuple, host: list) -> DispatchResult:
+        """After the host read ``host`` (``plan.ctl`` as a list): the all_to_alls of the packed rows and records."""
         num_ranks, e_local = self.num_ranks, req.num_experts // self.num_ranks
         tw = num_ranks * (1 + e_local)
         send_counts = host[4:4 + tw:1 + e_local]
@@ -397,7 +396,7 @@ class AllToAllTransport(Transport):
                           for e in range(e_local)]
             return per_expert, recv_table[:, 1:].sum(0, dtype=torch.int32)
 
-        rows, recs = plan.packed
+        rows, recs = packed
         return self._exchange_rows(req, rows[:num_send], recs[:num_send], send_counts,
                                    recv_table_h[::1 + e_local], expert_counts, state)
 

@@ -465,10 +465,7 @@ class HierarchicalTransport(Transport):
                     r1 = self.rail.dispatch(request(req))
                 yield r1
             return
-        main = torch.cuda.current_stream(self.device)
-        if self._net is None:
-            self._net = torch.cuda.Stream(self.device)
-        net = self._net
+        main, net = self._streams()
         net.wait_stream(main)
         outs = []
         with torch.cuda.stream(net), self._leg(fn, "tokens to their domains"):
@@ -477,10 +474,7 @@ class HierarchicalTransport(Transport):
                 done.record(net)
                 outs.append((r1, done))
         for r1, done in outs:
-            main.wait_event(done)
-            for t in _tensors(r1):
-                t.record_stream(main)
-            yield r1
+            yield _handed_over(r1, done, main)
 
     def _forward(self, fn: str, req: DispatchRequest, r1: DispatchResult, h1: DispatchHandle,
                  starts: Optional[torch.Tensor]) -> tuple:
@@ -510,15 +504,13 @@ class HierarchicalTransport(Transport):
         """Yield ``legs[c]()`` (inter-domain legs) in order. On GPUs each is issued on the network stream one step
         ahead of the caller's use of the previous one: leg ``c + 1`` moves over the network while the caller
         forwards leg ``c``'s rows within the domain. Tensors cross the two streams with events and
-        ``record_stream``; ``_join`` makes the caller's stream wait for the network stream at the end."""
+        ``record_stream`` (``_handed_over``); ``_join`` makes the caller's stream wait for the network stream at the
+        end."""
         if self.device.type != "cuda" or len(legs) == 1:
             for leg in legs:
                 yield leg()
             return
-        main = torch.cuda.current_stream(self.device)
-        if self._net is None:
-            self._net = torch.cuda.Stream(self.device)
-        net = self._net
+        main, net = self._streams()
 
         def issue(leg):
             net.wait_stream(main)
@@ -533,10 +525,13 @@ class HierarchicalTransport(Transport):
             out, done = ahead
             if c + 1 < len(legs):
                 ahead = issue(legs[c + 1])
-            main.wait_event(done)
-            for t in _tensors(out):
-                t.record_stream(main)
-            yield out
+            yield _handed_over(out, done, main)
+
+    def _streams(self) -> tuple:
+        """``(the caller's stream, the network stream)`` of a pipelined call."""
+        if self._net is None:
+            self._net = torch.cuda.Stream(self.device)
+        return torch.cuda.current_stream(self.device), self._net
 
     def _join(self) -> None:
         """The caller's stream waits for everything issued on the network stream."""
@@ -901,6 +896,15 @@ def _take(parts: list, order: torch.Tensor) -> Optional[torch.Tensor]:
         return None
     raw = t.view(torch.uint8) if t.element_size() == 1 else t
     return raw.index_select(0, order).view(t.dtype)
+
+
+def _handed_over(out, done: torch.cuda.Event, main: torch.cuda.Stream):
+    """``out`` (a leg's result, made on the network stream up to ``done``) for use on ``main``: ``main`` waits for
+    ``done`` and every tensor of ``out`` is marked as used there (``record_stream``)."""
+    main.wait_event(done)
+    for t in _tensors(out):
+        t.record_stream(main)
+    return out
 
 
 def _tensors(out) -> list:
