@@ -121,6 +121,71 @@ def _chunk_count(ctx, per_chunk_s: float):
     return out
 
 
+def _host_reads(ctx, transport, chunks):
+    """An exact-mode dispatch (after a first one) at a fixed chunk count, checked against the reference while every
+    host read of counts and every collective is counted: ``(failures, host reads, collectives by name)``."""
+    import collections
+
+    import torch.distributed as dist
+
+    from epcomm.buffer import Buffer
+    from epcomm.testing.checks import NormalCase, check_normal
+    from epcomm.transports import alltoall, faults, hierarchical, nvlink
+    from epcomm.transports.hierarchical import HierarchicalTransport
+
+    HierarchicalTransport.pipeline_chunks = chunks
+    buf = Buffer(ctx.group, transport=transport, ranks_per_node=2)
+    case = NormalCase(num_tokens=(13, 0, 21, 8), hidden=128, num_experts=8, topk=3, dtype="fp8", seed=9)
+    failures = check_normal(ctx, buf, case).failures
+    reads, calls = [0], collections.Counter()
+    saved = {"host_list": faults.host_list, "read_later": alltoall.AllToAllTransport._read_later,
+             **{n: getattr(dist, n) for n in ("all_to_all_single", "all_gather_into_tensor", "all_gather_single",
+                                              "all_reduce", "all_gather") if hasattr(dist, n)}}
+
+    def counted(name, fn):
+        def run(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return run
+
+    def host_list(*args, **kwargs):
+        reads[0] += 1
+        return saved["host_list"](*args, **kwargs)
+
+    def read_later(self, t):
+        reads[0] += 1
+        return saved["read_later"](self, t)
+
+    faults.host_list, nvlink.host_list, alltoall.AllToAllTransport._read_later = host_list, host_list, read_later
+    for name in saved:
+        if name not in ("host_list", "read_later"):
+            setattr(dist, name, counted(name, saved[name]))
+    gather = hierarchical._all_gather_single
+    hierarchical._all_gather_single = counted("all_gather_single", gather)
+    before = dict(calls)
+    failures += check_normal(ctx, buf, case).failures
+    hierarchical._all_gather_single = gather
+    for name, fn in saved.items():
+        if name not in ("host_list", "read_later"):
+            setattr(dist, name, fn)
+    faults.host_list, nvlink.host_list, alltoall.AllToAllTransport._read_later = (saved["host_list"],) * 2 + (
+        saved["read_later"],)
+    buf.destroy()
+    return failures, reads[0], {k: v - before.get(k, 0) for k, v in calls.items()}
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_both_legs_counts_in_one_exchange(chunks):
+    """An exact-mode dispatch learns both legs' counts of every chunk in one exchange and reads them once: the legs
+    make no count exchange or host read of their own (``KnownCounts``), so the domain leg's launches need not wait
+    for the inter-domain rows. Counted over the check's dispatch, cached dispatch and two combines (which read
+    nothing)."""
+    for failures, reads, calls in spawn(_host_reads, 4, "alltoall", chunks, device="cpu", timeout_s=300):
+        assert failures == [], failures
+        assert reads == 1, (reads, calls)  # the dispatch's one read; combines and cached dispatches read nothing
+        assert calls.get("all_gather_single") == 1, calls  # the domain's sums
+
+
 def test_chunk_count_is_measured_and_agreed():
     """With a fixed cost per chunk, the measured count is 1 chunk, the same on every rank (they agree on the
     slowest rank's times), and every call while measuring (1, 2 and 4 chunks) matches the reference."""

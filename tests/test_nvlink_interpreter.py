@@ -44,6 +44,25 @@ def test_one_sided_transport_in_rounds(monkeypatch):
     _run(2, P2PTransport, {"num_nvl_bytes": 2 * 3 * (128 + 64)}, cases)
 
 
+def _across_domains(ctx, cases, chunks):
+    from epcomm.transports.hierarchical import HierarchicalTransport
+
+    HierarchicalTransport.pipeline_chunks = chunks
+    return run_cases(ctx, cases, NVLinkTransport, {"num_nvl_bytes": 1 << 20, "ranks_per_node": 2})
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_one_sided_domain_leg_across_simulated_nodes(monkeypatch, chunks):
+    """2 simulated nodes of 2 ranks with these kernels forwarding within each node: the domain leg is given its
+    counts (learnt with the inter-domain leg's) and keeps its exchange on the device, checked against them."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cases = [NormalCase(num_tokens=(5, 0, 7, 3), hidden=64, num_experts=8, topk=3, dtype="bf16", bias=1, seed=51),
+             NormalCase(num_tokens=6, hidden=128, num_experts=8, topk=2, dtype="fp8", routing="dropped", seed=52)]
+    results = spawn(_across_domains, 4, cases, chunks, device="cpu", timeout_s=600)
+    problems = [f"rank {r}: {label}: {fails}" for r, res in enumerate(results) for label, fails in res]
+    assert not problems, "\n".join(problems)
+
+
 def _grows(ctx):
     """Storage sized by a small first dispatch, then calls with more tokens (after the epochs were put just below
     their 32-bit wrap): each checked against the reference; returns the failures and the storage sizes."""

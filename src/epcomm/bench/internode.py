@@ -16,9 +16,10 @@ routing), at DeepSeek's shape (4096 tokens per rank, hidden 7168, top-8, 256 exp
 * ``raw link``: one all_to_all_single over the rail group (the ranks with this rank's local index) of exactly
   the bytes the hierarchical path sends across domains: the inter-domain link's rate on that traffic;
 * ``hierarchical, 1 chunk, by phase`` (first round): where a one-chunk BF16 dispatch's time goes, each part of
-  the call that the transport runs as a leg (``HierarchicalTransport.phase_log``: the inter-domain leg with its
-  count exchange and host read, the forwarding within the domain, the chunk agreement), the median of the slowest
-  rank; what the parts leave out (the rows' reordering, host gaps) is the rest of the call's time.
+  the call that the transport runs as a leg (``HierarchicalTransport.phase_log``: the inter-domain leg with the
+  count exchange and its host read, the forwarding within the domain with the domain's gather of the counts, the
+  chunk agreement; each phase's parts summed per call, as the device ran them), the median of the slowest rank; what
+  the parts leave out (the rows' reordering, host gaps) is the rest of the call's time.
 
 Every call is timed isolated (a barrier before each; the median over iterations of the slowest rank); with
 ``--rounds N`` the whole measurement runs N times, the implementations interleaved, and each row gives the median
@@ -146,11 +147,13 @@ def bench_worker(ctx, opts: InternodeBenchOptions) -> list:
             HierarchicalTransport.pipeline_chunks = 1
             layout = layout_of(hier, idx, w)
             hier.dispatch(x, **layout)
-            hier.runtime.phase_log = []
-            for _ in range(max(3, opts.iters)):
+            durations: dict = {}
+            for _ in range(max(3, opts.iters)):  # each phase's parts summed per call
                 dist.barrier(group=ctx.group)
+                hier.runtime.phase_log = []
                 hier.dispatch(x, **layout)
-            durations = phase_durations_us(hier.runtime.phase_log)
+                for phase, parts in phase_durations_us(hier.runtime.phase_log).items():
+                    durations.setdefault(phase, []).append(sum(parts))
             hier.runtime.phase_log = None
             for phase, us in durations.items():
                 slowest = torch.tensor([float(sorted(us)[len(us) // 2])], dtype=torch.float64, device=ctx.device)

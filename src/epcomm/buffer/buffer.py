@@ -125,10 +125,8 @@ class Buffer:
     def _find_domains(self, transport, ranks_per_node: Optional[int]) -> Domains:
         """The group's domains (nodes): from the topology probe's hosts, or consecutive blocks of
         ``ranks_per_node`` (this argument, else ``EPCOMM_RANKS_PER_NODE``). A Transport class given as
-        ``transport`` is used as given, over one domain."""
-        if isinstance(transport, type):
-            if ranks_per_node is not None:
-                raise ValueError("Buffer: ranks_per_node needs a transport name, not a Transport class")
+        ``transport`` is used as given: over one domain, or within each of ``ranks_per_node``'s domains."""
+        if isinstance(transport, type) and ranks_per_node is None:
             return Domains(1, self.group_size, "transport class given")
         if ranks_per_node is not None:
             forced, source = ranks_per_node, f"Buffer(ranks_per_node={ranks_per_node})"

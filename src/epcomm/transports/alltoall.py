@@ -39,7 +39,8 @@ from .device_errors import LOW_LATENCY, NORMAL, DeviceErrors
 from .faults import host_wait
 from .plan import exclusive_cumsum, send_plan
 from .base import (Capabilities, CombineRequest, DispatchRequest, DispatchResult, LowLatencyCombineRequest,
-                   LowLatencyCombineResult, LowLatencyDispatchRequest, LowLatencyDispatchResult, Transport)
+                   LowLatencyCombineResult, LowLatencyDispatchRequest, LowLatencyDispatchResult, Transport,
+                   counts_to_device)
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -101,6 +102,7 @@ class AllToAllTransport(Transport):
     """Dispatch/combine over ``all_to_all_single``; see the module docstring."""
 
     name = "alltoall"
+    accepts_known_counts = True  # exact mode given the counts: no count all_to_all, no host read
 
     def __init__(self, group, device: torch.device, buffer_id: int) -> None:
         super().__init__(group, device, buffer_id)
@@ -225,10 +227,12 @@ class AllToAllTransport(Transport):
         counts[:, 0] = req.num_tokens_per_rank
         if req.num_tokens_per_expert is not None:
             counts[:, 1:] = req.num_tokens_per_expert.view(num_ranks, e_local)
+        capacity = req.peer_capacity or req.num_worst_tokens  # padded mode: slots per peer
+        if req.known is not None and not capacity:
+            return self._dispatch_known(req, counts)
         recv_counts = torch.empty_like(counts)
         self._a2a(recv_counts, counts)
         recv_per_expert = recv_counts[:, 1:].sum(0, dtype=torch.int32)
-        capacity = req.peer_capacity or req.num_worst_tokens  # padded mode: slots per peer
         # everything that needs no host value is enqueued before the one synchronisation below
         slot, send_idx, meta, _ = send_plan(req, counts, capacity, self.rank, self.num_ranks, self._errors)
         if capacity:
@@ -250,6 +254,22 @@ class AllToAllTransport(Transport):
         state = _NormalState(send_idx=send_idx, send_counts=tuple(send_counts), slot=slot, capacity=0, recv_dst=None)
         return self._exchange_rows(req, _as_bytes(x).index_select(0, send_idx), meta[:num_send], send_counts,
                                    recv_counts_h, lambda: (per_expert, recv_per_expert), state)
+
+    def _dispatch_known(self, req: DispatchRequest, counts: torch.Tensor) -> DispatchResult:
+        """Exact mode with the counts known beforehand (``req.known``), on the torch path: no count exchange and no
+        host synchronisation."""
+        known = req.known
+        slot, send_idx, meta, _ = send_plan(req, counts, 0, self.rank, self.num_ranks, self._errors)
+        num_send = sum(known.num_tokens_per_rank)
+        state = _NormalState(send_idx=send_idx[:num_send], send_counts=tuple(known.num_tokens_per_rank), slot=slot,
+                             capacity=0, recv_dst=None)
+        return self._exchange_rows(req, _as_bytes(req.x).index_select(0, state.send_idx), meta[:num_send],
+                                   list(known.num_tokens_per_rank), list(known.num_recv_tokens_per_rank),
+                                   lambda: self._known_expert_counts(known), state)
+
+    def _known_expert_counts(self, known) -> tuple:
+        """``(per-expert list, [E_local] int32 tensor)`` of a dispatch whose counts were known beforehand."""
+        return list(known.num_recv_tokens_per_expert), counts_to_device(known.num_recv_tokens_per_expert, self.device)
 
     def _exchange_rows(self, req: DispatchRequest, rows: torch.Tensor, records: torch.Tensor, send_counts: list,
                        recv_counts: list, expert_counts, state: "_NormalState") -> DispatchResult:
@@ -309,6 +329,14 @@ class AllToAllTransport(Transport):
         """Exact-mode dispatch on GPUs: a plan kernel (positions, checks, count table), the count all_to_all,
         a pack kernel, one host synchronisation, then the rows and records all_to_alls."""
         plan = self._plan_gpu(req, None)
+        if req.known is not None:  # no count exchange, no host read (the plan kernel's checks are not read)
+            known = req.known
+            packed = self._pack_plan(req, plan)
+            num_send = sum(known.num_tokens_per_rank)
+            return self._exchange_rows(req, packed[0][:num_send], packed[1][:num_send],
+                                       list(known.num_tokens_per_rank), list(known.num_recv_tokens_per_rank),
+                                       lambda: self._known_expert_counts(known),
+                                       self._gpu_state(plan, known.num_tokens_per_rank))
         self._a2a(plan.recv_table, plan.table)
         read = self._read_later(plan.ctl)  # the host waits for the counts only, not for the pack kernel below
         packed = self._pack_plan(req, plan)
@@ -322,7 +350,7 @@ class AllToAllTransport(Transport):
         all_to_all and one host synchronisation (a pipelined caller's network stream never idles between them,
         waiting for the host); other requests are dispatched one after another."""
         if len(reqs) < 2 or not all(r.handle is None and not r.num_worst_tokens and not r.peer_capacity
-                                    and self._gpu_path(r.x) for r in reqs):
+                                    and r.known is None and self._gpu_path(r.x) for r in reqs):
             for r in reqs:
                 yield self.dispatch(r)
             return
@@ -387,8 +415,7 @@ class AllToAllTransport(Transport):
         send_counts = host[4:4 + tw:1 + e_local]
         recv_table_h = host[4 + tw:]
         num_send = sum(send_counts)
-        state = _NormalState(send_idx=self._no_rows, send_counts=tuple(send_counts), slot=None, capacity=0,
-                             recv_dst=None, pos=plan.pos, first=plan.first)
+        state = self._gpu_state(plan, send_counts)
         recv_table = plan.recv_table
 
         def expert_counts():
@@ -399,6 +426,10 @@ class AllToAllTransport(Transport):
         rows, recs = packed
         return self._exchange_rows(req, rows[:num_send], recs[:num_send], send_counts,
                                    recv_table_h[::1 + e_local], expert_counts, state)
+
+    def _gpu_state(self, plan: "_Plan", send_counts) -> "_NormalState":
+        return _NormalState(send_idx=self._no_rows, send_counts=tuple(send_counts), slot=None, capacity=0,
+                            recv_dst=None, pos=plan.pos, first=plan.first)
 
     def _read_later(self, t: torch.Tensor):
         """Start copying the int32 tensor ``t`` (a dispatch's counts) to the host; returns a function that waits for

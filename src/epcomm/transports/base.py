@@ -32,6 +32,40 @@ class Capabilities:
 
 
 @dataclass(frozen=True)
+class KnownCounts:
+    """What an exact-mode dispatch's count exchange would tell this rank's host, known to the caller beforehand
+    (the hierarchical path learns both legs' counts in one exchange before either moves a row). A transport that
+    accepts them (``Transport.accepts_known_counts``) makes no count exchange of its own, or keeps it on the device,
+    and no host synchronisation: everything the call launches can be enqueued behind work still running."""
+
+    num_tokens_per_rank: tuple  # rows this rank sends to each rank of the group (tokens of is_token_in_rank)
+    num_recv_tokens_per_rank: tuple  # rows this rank receives from each rank
+    num_recv_tokens_per_expert: tuple  # [E_local] (token, local expert) pairs received, not aligned
+    num_tokens_max: Optional[int] = None  # the largest token count of any rank of the group (None: not known)
+    max_pair: Optional[int] = None  # the most rows any rank sends any rank, itself included (None: not known)
+
+    def __post_init__(self) -> None:
+        lists = (self.num_tokens_per_rank, self.num_recv_tokens_per_rank, self.num_recv_tokens_per_expert)
+        if len(self.num_tokens_per_rank) != len(self.num_recv_tokens_per_rank) or any(
+                v < 0 for t in lists for v in t):
+            raise ValueError(f"KnownCounts: one non-negative count per rank for sends and receives, non-negative "
+                             f"per-expert counts; got {lists}")
+
+    @property
+    def num_recv_tokens(self) -> int:
+        return sum(self.num_recv_tokens_per_rank)
+
+
+def counts_to_device(values, device: torch.device) -> torch.Tensor:
+    """An int32 tensor of the host's ``values`` on ``device``, copied from pinned memory: the host does not wait for
+    the work already queued on the device (as a pageable copy would)."""
+    host = torch.tensor(list(values), dtype=torch.int32)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+@dataclass(frozen=True)
 class DispatchRequest:
     x: torch.Tensor
     x_scales: Optional[torch.Tensor]
@@ -50,6 +84,8 @@ class DispatchRequest:
     # with num_worst_tokens, rows each peer may send (0: num_worst_tokens); the portable transport's padded slots
     peer_capacity: int = 0
     layout: str = "rank_major"  # "expert_major": Transport.dispatch_expert_major
+    # exact mode: the counts, known beforehand (used by a transport with accepts_known_counts, else ignored)
+    known: Optional[KnownCounts] = None
 
 
 @dataclass(frozen=True)
@@ -122,6 +158,8 @@ class Transport(abc.ABC):
 
     name: ClassVar[str]
     validates_topk: ClassVar[bool] = False  # its kernels count invalid expert ids themselves (low latency too)
+    # an exact-mode dispatch given DispatchRequest.known makes no host synchronisation
+    accepts_known_counts: ClassVar[bool] = False
 
     def __init__(self, group: Any, device: torch.device, buffer_id: int) -> None:
         import torch.distributed as dist

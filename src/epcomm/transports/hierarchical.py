@@ -21,13 +21,19 @@ order, cast once to the dtype of ``x``: the *partial* that crosses back, BF16 fo
 reference (``epcomm.reference`` with ``local_size``) composes its two oracles the same way, so every test is
 bit-exact.
 
+Counts: an exact-mode call learns both legs' counts of every chunk before any row moves, in one exchange: every
+source sends its rail peer in each domain its tokens for that domain, for each of the domain's ranks and experts
+(one all_to_all over the rail group); each rank's sums are what it forwards, gathered over its domain (one
+all_gather); one host read. Neither leg then exchanges or reads counts of its own (``KnownCounts``: the one-sided
+domain leg keeps its exchange on the device and checks it against them), so every launch of the call is enqueued
+while its rows still cross between domains and the forwarding starts on the device as soon as they land, instead of
+after a host read and the host's launches.
+
 Pipelining: an exact-mode call moves its tokens in chunks (each rank's tokens split evenly, the same count on every
 rank); the inter-domain leg of chunk ``c + 1`` runs on a network stream while chunk ``c`` is forwarded within the
-domain, so the forwarding hides behind the network for all but the last chunk. The chunks' inter-domain legs share
-one count exchange and one host synchronisation (``Transport.dispatch_many``), so every chunk's rows are issued
-before the first is forwarded and the link never waits for the host between chunks; each chunk's forwarding still
-costs a fixed time on the host (its own count read within the domain, a few launches), hidden while the network is
-busy, so the best count depends on the link. The count is measured: the first exact-mode dispatches
+domain, so the forwarding hides behind the network for all but the last chunk. Every chunk's rows are issued
+before the first is forwarded, so the link never waits for the host between chunks; each chunk adds a few launches
+and collectives, so the best count depends on the link. The count is measured: the first exact-mode dispatches
 try each of ``CHUNK_CANDIDATES`` (1 first: it sizes the domain's storage for whole calls) ``TUNE_CALLS`` times,
 then the ranks agree (one all_reduce of their times, the slowest rank's counting) on the fastest and keep it (a
 larger count only when it is faster by more than ``CHUNK_GAIN``, 5%: the per-chunk costs and the noise favour fewer);
@@ -96,8 +102,10 @@ from ..errors import EpcommError, EpcommTimeoutError
 from ..fp8 import FP8_DTYPE, per_token_cast_to_fp8
 from ..topology.domains import Domains
 from .alltoall import AllToAllTransport
-from .base import (Capabilities, CombineRequest, DispatchRequest, DispatchResult, LowLatencyCombineRequest,
-                   LowLatencyCombineResult, LowLatencyDispatchRequest, LowLatencyDispatchResult, Transport, meet)
+from ..core.validate import raise_if_bad_topk
+from .base import (Capabilities, CombineRequest, DispatchRequest, DispatchResult, KnownCounts,
+                   LowLatencyCombineRequest, LowLatencyCombineResult, LowLatencyDispatchRequest,
+                   LowLatencyDispatchResult, Transport, counts_to_device, meet)
 from . import faults
 from .device_errors import NORMAL, CombinedErrors
 from .low_latency import _Once, call_shape
@@ -365,7 +373,8 @@ class HierarchicalTransport(Transport):
         self._agreed.add(key)
 
     def checks_topk(self, x: torch.Tensor, num_worst_tokens: int) -> bool:
-        return self.rail.checks_topk(x, num_worst_tokens)
+        # the inter-domain leg is given its counts and reads none: the Buffer counts bad ids, read with the counts
+        return False
 
     @property
     def expert_major_errors(self) -> torch.Tensor:
@@ -393,12 +402,16 @@ class HierarchicalTransport(Transport):
             chunks = 1 if W else forced or self._tuner.next(lambda times: self._slowest(fn, times), fn)
         timing = None if W or forced else self._tuner.start(chunks)
         bounds = chunk_bounds(n, chunks)
-        subs = [req] if chunks == 1 else [self._chunk(req, a, b, c == 0) for c, (a, b) in enumerate(bounds)]
-        starts = self._chunk_starts(n, chunks) if chunks > 1 else None
+        if W:  # fixed slots, no counts to learn
+            subs, counts_known, starts = [req], None, None
+        else:  # every chunk's layout computed here (the counts below are made from it), both legs' counts learnt
+            subs = [self._chunk(req, a, b, c == 0) for c, (a, b) in enumerate(bounds)]
+            counts_known, starts = self._exchange_counts(fn, req, subs, bounds)
         parts = []
-        for c, r1 in enumerate(self._rail_chunks(fn, subs, cap)):
+        for c, r1 in enumerate(self._rail_chunks(fn, subs, cap, counts_known)):
             h1 = r1.handle
-            r2, src_rank, src_idx = self._forward(fn, subs[c], r1, h1, None if starts is None else starts[:, c])
+            r2, src_rank, src_idx = self._forward(fn, subs[c], r1, h1, None if starts is None else starts[:, c],
+                                                  None if counts_known is None else counts_known[c][1])
             parts.append((r2, src_rank, src_idx.to(torch.int32), h1))
         self._join()
         r2s = [p[0] for p in parts]
@@ -434,42 +447,67 @@ class HierarchicalTransport(Transport):
                        num_tokens_per_rank=per_rank, is_token_in_rank=itr, num_tokens_per_expert=per_expert,
                        bad_topk=req.bad_topk if first else None)
 
-    def _chunk_starts(self, n: int, chunks: int) -> torch.Tensor:
-        """``[D, chunks]`` int64 on the device: the first token of each chunk of every rail peer (the sources of
-        the rows this rank forwards; from their token counts, gathered over the rail group)."""
-        mine = torch.tensor([n], dtype=torch.int64, device=self.device)
-        every = [torch.empty_like(mine) for _ in range(self.num_domains)]
-        with self._leg("Buffer.dispatch", "token counts of the pipelined chunks"):
-            dist.all_gather(every, mine, group=self.rail_group)
-        per = (torch.cat(every) + chunks - 1) // chunks
-        return per.unsqueeze(1) * torch.arange(chunks, device=self.device)
+    def _exchange_counts(self, fn: str, req: DispatchRequest, subs: list, bounds: list) -> tuple:
+        """Both legs' counts of every chunk of an exact-mode dispatch, learnt before any row moves: one all_to_all over
+        the rail group, one all_gather over the domain group, one host read. Every source sends its rail peer in each
+        domain, per chunk, ``[tokens with an expert in that domain, tokens for each of its ranks (L), tokens for each
+        of its experts (E / D), the chunk's first token]``; a rank's sums over its sources are what it forwards, and
+        the domain's gathered sums give every forwarding rank's sends: so neither leg exchanges counts or reads them
+        on its own (``KnownCounts``), and the domain leg's launches are enqueued while the rows still cross between
+        domains. Returns ``([(rail KnownCounts, domain KnownCounts)] per chunk, [D, chunks] int64 first token of
+        each chunk of every rail peer, or None for one chunk)``; raises on bad expert ids (``req.bad_topk``)."""
+        D, L, C, dev = self.num_domains, self.local_size, len(subs), req.x.device
+        e_dom = req.num_experts // D
+        tables = []
+        for sub in subs:
+            per_domain = sub.is_token_in_rank.view(-1, D, L).any(2).sum(0, dtype=torch.int32)
+            tables.append(torch.cat([per_domain.view(D, 1), sub.num_tokens_per_rank.view(D, L),
+                                     sub.num_tokens_per_expert.view(D, e_dom)], 1))
+        first = counts_to_device([a for a, _ in bounds], dev).view(1, C, 1).expand(D, C, 1)
+        send = torch.cat([torch.stack(tables, 1), first], 2)  # [D, C, V]
+        recv = torch.empty_like(send)  # [source domain, C, V]
+        with self._leg(fn, "tokens to their domains"):
+            dist.all_to_all_single(recv, send, group=self.rail_group)
+        mine = recv[:, :, :-1].sum(0, dtype=torch.int32)  # [C, V - 1]: what this rank forwards
+        every = torch.empty(L * C, mine.size(1), dtype=torch.int32, device=dev)  # [L, C, V - 1], as gloo takes it
+        with self._leg(fn, "forwarding the tokens", within=True):
+            _all_gather_single(every, mine, group=self.domain_group)
+        bad = req.bad_topk if req.bad_topk is not None else torch.zeros((), dtype=torch.int32, device=dev)
+        with self._leg(fn, "tokens to their domains"):
+            host = faults.host_list(torch.cat([every.view(-1), send[:, :, 0].reshape(-1), recv[:, :, 0].reshape(-1),
+                                               bad.view(1).to(torch.int32)]), fn,
+                                    f"rank {self.rank}: the counts of both legs")
+        raise_if_bad_topk(fn, host[-1], req.num_experts)
+        return (_known_counts(host, C, L, D, e_dom, self.local_index),
+                recv[:, :, -1].long() if C > 1 else None)
 
-    def _rail_chunks(self, fn: str, subs: list, cap: int):
+    def _rail_chunks(self, fn: str, subs: list, cap: int, counts_known: Optional[list]):
         """The inter-domain leg of each chunk of a dispatch (a generator of its results, in order). With several
-        chunks on GPUs every chunk's rows are issued on the network stream before the first result is yielded (one
-        count exchange for all: ``Transport.dispatch_many``), so the link moves chunk after chunk while the caller
-        forwards the earlier ones within the domain; each result is yielded once the caller's stream waits for it."""
+        chunks on GPUs every chunk's rows are issued on the network stream before the first result is yielded (with
+        their counts known, or one count exchange for all: ``Transport.dispatch_many``), so the link moves chunk
+        after chunk while the caller forwards the earlier ones within the domain; each result is yielded once the
+        caller's stream waits for it."""
         D, L = self.num_domains, self.local_size
 
-        def request(req: DispatchRequest) -> DispatchRequest:
+        def request(c: int, req: DispatchRequest) -> DispatchRequest:
             n = req.x.size(0)
             in_domain = req.is_token_in_rank.view(n, D, L).any(2)
             return DispatchRequest(req.x, req.x_scales, req.topk_idx, req.topk_weights,
                                    in_domain.sum(0, dtype=torch.int32), in_domain, req.num_tokens_per_expert,
                                    req.num_experts, 1, D * cap, None, req.config, req.bad_topk, req.overlapped,
-                                   peer_capacity=cap)
+                                   peer_capacity=cap, known=None if counts_known is None else counts_known[c][0])
 
         if self.device.type != "cuda" or len(subs) == 1:
-            for req in subs:
+            for c, req in enumerate(subs):
                 with self._leg(fn, "tokens to their domains"):
-                    r1 = self.rail.dispatch(request(req))
+                    r1 = self.rail.dispatch(request(c, req))
                 yield r1
             return
         main, net = self._streams()
         net.wait_stream(main)
         outs = []
         with torch.cuda.stream(net), self._leg(fn, "tokens to their domains"):
-            for r1 in self.rail.dispatch_many([request(r) for r in subs]):
+            for r1 in self.rail.dispatch_many([request(c, r) for c, r in enumerate(subs)]):
                 done = torch.cuda.Event()
                 done.record(net)
                 outs.append((r1, done))
@@ -477,16 +515,16 @@ class HierarchicalTransport(Transport):
             yield _handed_over(r1, done, main)
 
     def _forward(self, fn: str, req: DispatchRequest, r1: DispatchResult, h1: DispatchHandle,
-                 starts: Optional[torch.Tensor]) -> tuple:
+                 starts: Optional[torch.Tensor], known: Optional[KnownCounts]) -> tuple:
         """The domain leg of (a chunk of) a dispatch: ``(result, recv_src_rank, recv_src_idx)``, the source token
         index within the source's x (``starts``: ``[D]`` int64, this chunk's first token on each rail peer; None
-        for a single chunk)."""
+        for a single chunk). ``known``: its counts (``_exchange_counts``), None with ``num_worst_tokens``."""
         e_dom, L, W = req.num_experts // self.num_domains, self.local_size, req.num_worst_tokens
         per_rank, per_expert, itr = self.domain.get_dispatch_layout(r1.recv_topk_idx, e_dom)
         with self._leg(fn, "forwarding the tokens", within=True):
             r2 = self.domain.dispatch(DispatchRequest(
                 r1.recv_x, r1.recv_scales, r1.recv_topk_idx, r1.recv_topk_weights, per_rank, itr, per_expert, e_dom,
-                req.expert_alignment if W else 1, W, None, req.config, None, req.overlapped))
+                req.expert_alignment if W else 1, W, None, req.config, None, req.overlapped, known=known))
             # every row's source: (domain, token) as the forwarding rank received it, sent along the domain leg
             src = torch.zeros(h1.num_recv_tokens, 4, dtype=torch.int32, device=req.x.device)
             src[:, 0] = h1.recv_src_rank
@@ -870,6 +908,32 @@ def _true_sources(h2: LowLatencyHandle, t_max: int, D: int, L: int, src_info: to
     begin = lr[:, :, 0].unsqueeze(1) + torch.cumsum(per, 1) - per  # [E_local, D, L]
     layout_range[:, :, 0] = begin.reshape(e_local, num_ranks)
     layout_range[:, :, 1] = per.reshape(e_local, num_ranks)
+
+
+# torch >= 2.13 names it all_gather_single (all_gather_into_tensor is deprecated there)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _known_counts(host: list, C: int, L: int, D: int, e_dom: int, l: int) -> list:
+    """``[(rail KnownCounts, domain KnownCounts)]`` per chunk from the host read of ``_exchange_counts`` (the domain's
+    gathered sums ``[L, C, V]`` with ``V = 1 + L + e_dom``, then this rank's sends ``[D, C]`` and receives ``[D, C]``
+    over the rail) for local index ``l``."""
+    V = 1 + L + e_dom
+    e_local = e_dom // L
+    every = [[host[(f * C + c) * V:(f * C + c + 1) * V] for c in range(C)] for f in range(L)]
+    base = L * C * V
+    sends, recvs = host[base:base + D * C], host[base + D * C:base + 2 * D * C]
+    out = []
+    for c in range(C):
+        rail = KnownCounts(tuple(sends[d * C + c] for d in range(D)), tuple(recvs[d * C + c] for d in range(D)),
+                           tuple(every[l][c][1 + L:]))
+        domain = KnownCounts(
+            tuple(every[l][c][1:1 + L]), tuple(every[f][c][1 + l] for f in range(L)),
+            tuple(sum(every[f][c][1 + L + l * e_local + e] for f in range(L)) for e in range(e_local)),
+            num_tokens_max=max(every[f][c][0] for f in range(L)),
+            max_pair=max(max(every[f][c][1:1 + L]) for f in range(L)))
+        out.append((rail, domain))
+    return out
 
 
 def _cat(parts: list) -> Optional[torch.Tensor]:

@@ -49,7 +49,8 @@ from ..errors import BufferTooSmallError, EpcommError
 from .device_errors import LOW_LATENCY, NORMAL, DeviceErrors
 from .faults import backstop_s, host_list
 from .base import (Capabilities, CombineRequest, DispatchRequest, DispatchResult, LowLatencyCombineRequest,
-                   LowLatencyCombineResult, LowLatencyDispatchRequest, LowLatencyDispatchResult, Transport)
+                   LowLatencyCombineResult, LowLatencyDispatchRequest, LowLatencyDispatchResult, Transport,
+                   counts_to_device)
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +122,7 @@ class NVLinkTransport(Transport):
     min_storage_bytes = 1 << 20  # the least normal-mode storage a first dispatch sizes
     description = "one-sided Triton kernels writing into peers' symmetric memory over NVLink"
     validates_topk = True  # the exchange kernel checks expert ids; the Buffer need not
+    accepts_known_counts = True  # the exchange stays on the device, checked against them
 
     def __init__(self, group, device: torch.device, buffer_id: int, num_nvl_bytes: int = 0,
                  num_rdma_bytes: int = 0) -> None:
@@ -298,8 +300,8 @@ class NVLinkTransport(Transport):
         deferred = words[8] & 0xFFFFFFFF
         if deferred:
             found.append((NORMAL, f"rank {self.rank}: a call without host synchronisation got invalid input "
-                                  f"({deferred} bad expert ids, an inconsistent layout or more rows than "
-                                  f"num_worst_tokens)"))
+                                  f"({deferred} found of: bad expert ids, an inconsistent layout, more rows "
+                                  f"than num_worst_tokens, counts other than the ones known beforehand)"))
         from ..kernels.low_latency import CTL_BAD, CTL_ERR
 
         ll = words[_LL_CTL + CTL_ERR:_LL_CTL + CTL_BAD + 1]
@@ -434,7 +436,20 @@ class NVLinkTransport(Transport):
             HAS_EXPERTS=has_experts, HAS_TOPK=k > 0, BLOCK_T=256, BLOCK_E=pow2_block(e_local), BLOCK_K=pow2_block(k),
             **self.flags_kw, **self.timer_kw))
         worst = req.num_worst_tokens
-        if worst:
+        known = req.known if req.known is not None and req.known.max_pair is not None else None
+        if known is not None and not worst:
+            # counts known beforehand: the host uses them and the device checks them against the exchange (a
+            # difference is a deferred error, like a sync-free call's bad input)
+            host = _known_summary(known, num_ranks, e_local, has_experts)
+            num_recv, max_pair, n_max = host[:3]
+            width = len(host) if has_experts else SUMMARY_HEAD + 3 * num_ranks
+            expected = counts_to_device(host[:width], dev)
+            differs = summary[:width].ne(expected)
+            differs[3:SUMMARY_HEAD] = False
+            self.deferred += differs.sum(dtype=torch.int32) + summary[3] + summary[4]
+            per_expert_list = ([align_up(c, req.expert_alignment) for c in known.num_recv_tokens_per_expert]
+                               if has_experts else [])
+        elif worst:
             num_recv, per_expert_list, n_max, max_pair = worst, [], None, None
             head = summary[:5]
             # bad ids, a bad layout, more rows for this rank than num_worst_tokens, or for any rank from one source
@@ -729,6 +744,25 @@ class P2PTransport(NVLinkTransport):
     name = "p2p"
     link_gbps = 25.0  # PCIe 4/5 x16 in practice
     description = "one-sided Triton kernels with single-writer flags, for P2P without NVLink or atomics"
+
+
+def _known_summary(known, num_ranks: int, e_local: int, has_experts: bool) -> list:
+    """The summary the exchange kernel writes (``kernels.ep``), made from counts known beforehand (``KnownCounts``)."""
+    from ..kernels.ep import SUMMARY_HEAD
+
+    recv = list(known.num_recv_tokens_per_rank)
+    if len(recv) != num_ranks or len(known.num_tokens_per_rank) != num_ranks or (
+            has_experts and len(known.num_recv_tokens_per_expert) != e_local):
+        raise ValueError(f"Buffer.dispatch: the known counts are for another group ({len(recv)} ranks, "
+                         f"{len(known.num_recv_tokens_per_expert)} local experts; this one has {num_ranks} and "
+                         f"{e_local})")
+    prefix, total = [], 0
+    for c in recv:
+        prefix.append(total)
+        total += c
+    head = [total, known.max_pair, known.num_tokens_max] + [0] * (SUMMARY_HEAD - 3)
+    experts = list(known.num_recv_tokens_per_expert) if has_experts else [0] * max(e_local, 1)
+    return head + prefix + recv + list(known.num_tokens_per_rank) + experts
 
 
 def _recv_per_expert(summary: torch.Tensor, num_ranks: int, e_local: int) -> torch.Tensor:
