@@ -32,13 +32,14 @@ measured rate), beside DeepEP's published internode figures."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from ..testing import run
-from ..transports.hierarchical import HierarchicalTransport, phase_durations_us
+from ..transports.hierarchical import COUNTS_PHASE, HierarchicalTransport, phase_durations_us
 from .report import bench_parser, finish, format_table
 from .timing import time_op
 from .traffic import (DEEPEP_PUBLISHED_LOW_LATENCY, DEEPEP_PUBLISHED_NORMAL, distinct_domains, internode_estimate,
@@ -146,20 +147,32 @@ def bench_worker(ctx, opts: InternodeBenchOptions) -> list:
             phased.add(routing)
             HierarchicalTransport.pipeline_chunks = 1
             layout = layout_of(hier, idx, w)
-            hier.dispatch(x, **layout)
+            recv_x, _, _, _, handle, _ = hier.dispatch(x, **layout)
             durations: dict = {}
-            for _ in range(max(3, opts.iters)):  # each phase's parts summed per call
+            for _ in range(max(3, opts.iters)):  # each phase's parts summed per call, on the device and the host
                 dist.barrier(group=ctx.group)
                 hier.runtime.phase_log = []
+                began = time.perf_counter()
                 hier.dispatch(x, **layout)
-                for phase, parts in phase_durations_us(hier.runtime.phase_log).items():
-                    durations.setdefault(phase, []).append(sum(parts))
+                durations.setdefault("the call (host)", []).append((time.perf_counter() - began) * 1e6)
+                for host in (False, True):
+                    for phase, parts in phase_durations_us(hier.runtime.phase_log, host).items():
+                        durations.setdefault(phase + " (host)" * host, []).append(sum(parts))
+                if ctx.device.type == "cuda":
+                    torch.cuda.synchronize()
+                dist.barrier(group=ctx.group)
+                began = time.perf_counter()
+                hier.combine(recv_x, handle)
+                durations.setdefault("combine: the call (host)", []).append((time.perf_counter() - began) * 1e6)
             hier.runtime.phase_log = None
+            del recv_x, handle
             for phase, us in durations.items():
                 slowest = torch.tensor([float(sorted(us)[len(us) // 2])], dtype=torch.float64, device=ctx.device)
                 dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=ctx.group)
+                op = phase.replace("combine: ", "combine BF16: ") if phase.startswith("combine") else \
+                    f"dispatch BF16: {phase}"
                 rows.append({**base, "routing": routing, "impl": "hierarchical, 1 chunk, by phase",
-                             "op": f"dispatch BF16: {phase}", "chunks": 1, "time_us": round(float(slowest), 1),
+                             "op": op, "chunks": 1, "time_us": round(float(slowest), 1),
                              "crossing rows/token": "", "crossing MB/rank": "", "link GB/s": ""})
         HierarchicalTransport.pipeline_chunks = None
         add(routing, "nccl-baseline", "dispatch FP8",
@@ -239,16 +252,46 @@ def _same_domain_ranks(idx: torch.Tensor, num_experts: int, world: int, local: i
     return hit[:, domain * local:(domain + 1) * local].sum(1)
 
 
-def model_rows(opts, nic_gbps: float, nvlink_gbps: float, fixed_us: float, gpus_per_node: int = 8) -> list:
+@dataclass(frozen=True)
+class HostCosts:
+    """The model's costs besides bytes (``internode_estimate``), in us: a dispatch's count exchange before its rows
+    cross (``fixed``), and the host's issue time per chunk of a dispatch and of a combine (which has no count
+    exchange)."""
+
+    fixed: float = 0.0
+    dispatch_host: float = 0.0
+    combine_host: float = 0.0
+
+    def describe(self) -> str:
+        return (f"{self.fixed:.0f} us of count exchange per dispatch before its rows cross, {self.dispatch_host:.0f} "
+                f"/ {self.combine_host:.0f} us of host issue per chunk of a dispatch / combine")
+
+    @classmethod
+    def measured(cls, rows: list) -> "HostCosts":
+        """From a run's ``hierarchical, 1 chunk, by phase`` rows (uniform routing, else the first): the count
+        exchange as the device saw it (its host read included), and each call's host time less its wait for the
+        counts."""
+        phased = [r for r in rows if r["impl"] == "hierarchical, 1 chunk, by phase"]
+        uniform = [r for r in phased if r["routing"] == "uniform"] or phased
+        got = {r["op"]: float(r["time_us"]) for r in uniform}
+        counts = f"dispatch BF16: {COUNTS_PHASE}"
+        if counts not in got:
+            return cls()
+        return cls(got[counts], max(0.0, got.get("dispatch BF16: the call (host)", 0.0) - got[counts]),
+                   got.get("combine BF16: the call (host)", 0.0))
+
+
+def model_rows(opts, nic_gbps: float, nvlink_gbps: float, costs: HostCosts, gpus_per_node: int = 8) -> list:
     """The traffic model at EP16/32/64 (normal mode, FP8 dispatch and BF16 combine, uniform and group-limited
     routing) beside DeepEP's published figures."""
     rows = []
     for ranks in (16, 32, 64):
         for routing, groups in (("uniform", 0), ("group_limited", opts.max_groups)):
             for op, kind in (("dispatch FP8", "fp8"), ("combine BF16", "bf16")):
+                fixed, host = (costs.fixed, costs.dispatch_host) if "dispatch" in op else (0.0, costs.combine_host)
                 # the chunk count the transport would measure as fastest: the model's best candidate
                 e = min((internode_estimate(ranks, gpus_per_node, opts.tokens, opts.hidden, opts.topk, opts.experts,
-                                            kind, nic_gbps, nvlink_gbps, groups, c, fixed_us=fixed_us)
+                                            kind, nic_gbps, nvlink_gbps, groups, c, fixed_us=fixed, host_us=host)
                          for c in HierarchicalTransport.CHUNK_CANDIDATES), key=lambda e: e.pipelined_us)
                 pub = DEEPEP_PUBLISHED_NORMAL.get(ranks)
                 rows.append({"EP": ranks, "routing": routing, "op": op,
@@ -260,6 +303,23 @@ def model_rows(opts, nic_gbps: float, nvlink_gbps: float, fixed_us: float, gpus_
                              "NIC share": round(e.nic_share(nic_gbps), 3),
                              "DeepEP published RDMA GB/s": (pub[0] if "dispatch" in op else pub[1]) if pub else ""})
     return rows
+
+
+def fixed_for_share(opts, nic_gbps: float, nvlink_gbps: float, costs: HostCosts, ranks: int, share: float) -> str:
+    """How the model's FP8 dispatch at ``ranks`` GPUs (uniform routing, the best chunk count) reaches ``share`` of the
+    NIC with the host issue times of ``costs``: a sentence naming the largest count exchange (us, in steps of 10)
+    that allows it, or the share reached without one."""
+    def best(fixed: float) -> float:
+        return max(internode_estimate(ranks, 8, opts.tokens, opts.hidden, opts.topk, opts.experts, "fp8", nic_gbps,
+                                      nvlink_gbps, 0, c, fixed_us=fixed, host_us=costs.dispatch_host
+                                      ).nic_share(nic_gbps) for c in HierarchicalTransport.CHUNK_CANDIDATES)
+
+    if best(0.0) < share:
+        return f"stays at {best(0.0):.0%} of the NIC even without a count exchange (the host's issue bounds it)"
+    fixed = 0.0
+    while best(fixed + 10.0) >= share and fixed < 1e6:
+        fixed += 10.0
+    return f"reaches {share:.0%} of the NIC with a count exchange of at most {fixed:.0f} us"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -279,21 +339,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nvlink-gbps", type=float, default=None,
                         help="the model's intranode rate (default: the measured intranode FP8 dispatch of "
                              "benchmarks/results/bench_dispatch_8ranks.md, 322 GB/s)")
-    parser.add_argument("--chunk-fixed-us", type=float, default=None,
-                        help="the model's cost of a chunk besides its bytes (default: this run's 8-token dispatch)")
+    parser.add_argument("--fixed-us", type=float, default=None,
+                        help="the model's count exchange per dispatch, before its rows cross (default: this run's)")
+    parser.add_argument("--host-us", type=float, default=None,
+                        help="the model's host issue time per chunk of a dispatch and of a combine (default: this "
+                             "run's)")
     parser.add_argument("--model-only", action="store_true",
-                        help="write the traffic model's table (with --chunk-fixed-us, default 0) and run nothing")
+                        help="write the traffic model's table (with --fixed-us and --host-us, default 0) and run "
+                             "nothing")
     args = parser.parse_args(argv)
     per_node = args.ranks_per_node or env.ranks_per_node() or max(1, args.world_size // 2)
     opts = InternodeBenchOptions(args.tokens, args.ll_tokens, args.hidden, args.topk, args.experts, per_node,
                                  tuple(args.routings.split(",")), args.max_groups, args.domain_transport, args.iters,
                                  max(1, args.rounds))
     if args.model_only:
-        fixed = args.chunk_fixed_us or 0.0
-        model = model_rows(opts, args.nic_gbps, args.nvlink_gbps or 322.0, fixed)
+        costs = HostCosts(args.fixed_us or 0.0, args.host_us or 0.0, args.host_us or 0.0)
+        model = model_rows(opts, args.nic_gbps, args.nvlink_gbps or 322.0, costs)
         notes = (f"Traffic model only (epcomm.bench.traffic.internode_estimate): NIC {args.nic_gbps:g} GB/s per GPU, "
-                 f"intranode {args.nvlink_gbps or 322.0:g} GB/s, 8 GPUs per node, {fixed:g} us per chunk besides "
-                 f"its bytes; DeepEP's published internode figures beside it (H800 + ConnectX-7 400 Gb/s). "
+                 f"intranode {args.nvlink_gbps or 322.0:g} GB/s, 8 GPUs per node, {costs.describe()}; DeepEP's "
+                 f"published internode figures beside it (H800 + ConnectX-7 400 Gb/s). "
                  "DeepEP published low latency (128 tokens, us, dispatch / combine): "
                  + ", ".join(f"EP{k} {v[0]} / {v[1]}" for k, v in DEEPEP_PUBLISHED_LOW_LATENCY.items()))
         return finish(model, args.name or "internode_model", args.out, "internode traffic model", notes, None,
@@ -301,9 +365,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = run(bench_worker, args.world_size, opts)[0]
     name = args.name or f"bench_internode_{rows[0]['ranks']}ranks"
     nvlink = args.nvlink_gbps or 322.0
-    fixed = (args.chunk_fixed_us if args.chunk_fixed_us is not None else
-             min(r["time_us"] for r in rows if r["op"].startswith("dispatch BF16 (8 tokens")))
-    model = model_rows(opts, args.nic_gbps, nvlink, fixed)
+    costs = HostCosts.measured(rows)
+    if args.fixed_us is not None or args.host_us is not None:
+        host = args.host_us
+        costs = HostCosts(costs.fixed if args.fixed_us is None else args.fixed_us,
+                          costs.dispatch_host if host is None else host, costs.combine_host if host is None else host)
+    model = model_rows(opts, args.nic_gbps, nvlink, costs)
+    need = fixed_for_share(opts, args.nic_gbps, nvlink, costs, 64, 0.9)
     notes = ("Isolated calls (a barrier before each), the median over iterations of the slowest rank"
              + (f"; the whole measurement ran {opts.rounds} times (implementations interleaved): each row is its "
                 "median round, with the range over the rounds" if opts.rounds > 1 else "") + ". Crossing rows "
@@ -313,8 +381,9 @@ def main(argv: list[str] | None = None) -> int:
              "Link GB/s: those bytes (BF16 2H, FP8 H + 4H/128 per row) per rank over the time. The raw link row moves "
              "exactly the hierarchical path's crossing bytes in one all_to_all over the rail group.\n\n"
              f"Traffic model (NIC {args.nic_gbps:g} GB/s per GPU, intranode {nvlink:g} GB/s, 8 GPUs per node, "
-             f"{fixed:.0f} us per chunk besides its bytes (this run's 8-token dispatch); "
-             "DeepEP's published internode figures: H800 + ConnectX-7 400 Gb/s, group-limited routing):\n\n"
+             f"{costs.describe()} (this run's, from the 'by phase' rows, unless given); "
+             "DeepEP's published internode figures: H800 + ConnectX-7 400 Gb/s, group-limited routing). "
+             f"With this run's host issue times, the FP8 dispatch at EP64 (uniform routing) {need}:\n\n"
              + format_table(model, list(model[0].keys())) +
              "\n\nDeepEP published low latency (128 tokens, us, dispatch / combine): "
              + ", ".join(f"EP{k} {v[0]} / {v[1]}" for k, v in DEEPEP_PUBLISHED_LOW_LATENCY.items()))

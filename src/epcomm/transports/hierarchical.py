@@ -113,6 +113,7 @@ from .low_latency import _Once, call_shape
 # The inter-domain legs this build has, by name: a Transport class whose calls run between hosts. A
 # device-initiated leg (NCCL's GPU-initiated networking, NVSHMEM) would be one more entry.
 INTER_DOMAIN_LEGS = {"nccl": AllToAllTransport}
+COUNTS_PHASE = "counts of both legs"  # an exact-mode dispatch's one count exchange (faults name it; benchmarks time it)
 
 _subgroups: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 # per rail group: {"message": why its groups were aborted}, shared by every transport that uses them
@@ -264,13 +265,14 @@ class HierarchicalTransport(Transport):
         torch.distributed in it (gloo's timeout, a peer that closed its connection) ends this transport
         (``_fail``). ``within``: the domain leg (its one-sided kernels report their own timeouts). With
         ``phase_log`` a list (a benchmark's breakdown), each part appends ``(phase, start, end)``: CUDA events on the
-        stream it ran on, or host times (s) on CPUs."""
+        stream it ran on, or host times (s) on CPUs, and the seconds the host spent in it."""
         log = self.phase_log
         start = _mark(self.device) if log is not None else None
+        began = time.perf_counter()
         try:
             yield
             if log is not None:
-                log.append((phase, start, _mark(self.device)))
+                log.append((phase, start, _mark(self.device), time.perf_counter() - began))
         except faults.WaitExpired as exc:
             raise self._fail(fn, phase, within, exc) from exc
         except EpcommError:
@@ -466,14 +468,14 @@ class HierarchicalTransport(Transport):
         first = counts_to_device([a for a, _ in bounds], dev).view(1, C, 1).expand(D, C, 1)
         send = torch.cat([torch.stack(tables, 1), first], 2)  # [D, C, V]
         recv = torch.empty_like(send)  # [source domain, C, V]
-        with self._leg(fn, "tokens to their domains"):
+        with self._leg(fn, COUNTS_PHASE):
             dist.all_to_all_single(recv, send, group=self.rail_group)
         mine = recv[:, :, :-1].sum(0, dtype=torch.int32)  # [C, V - 1]: what this rank forwards
         every = torch.empty(L * C, mine.size(1), dtype=torch.int32, device=dev)  # [L, C, V - 1], as gloo takes it
-        with self._leg(fn, "forwarding the tokens", within=True):
+        with self._leg(fn, COUNTS_PHASE, within=True):
             _all_gather_single(every, mine, group=self.domain_group)
         bad = req.bad_topk if req.bad_topk is not None else torch.zeros((), dtype=torch.int32, device=dev)
-        with self._leg(fn, "tokens to their domains"):
+        with self._leg(fn, COUNTS_PHASE):
             host = faults.host_list(torch.cat([every.view(-1), send[:, :, 0].reshape(-1), recv[:, :, 0].reshape(-1),
                                                bad.view(1).to(torch.int32)]), fn,
                                     f"rank {self.rank}: the counts of both legs")
@@ -853,13 +855,17 @@ def _mark(device: torch.device):
     return time.perf_counter()
 
 
-def phase_durations_us(log: list) -> dict:
-    """``{phase: [microseconds, ...]}`` of a ``phase_log`` (synchronises with the device to read its events)."""
-    if any(isinstance(m, torch.cuda.Event) for _, m, _ in log):
+def phase_durations_us(log: list, host: bool = False) -> dict:
+    """``{phase: [microseconds, ...]}`` of a ``phase_log``: as the device ran them (synchronises with the device to
+    read its events), or with ``host`` the time the host spent in them."""
+    if not host and any(isinstance(entry[1], torch.cuda.Event) for entry in log):
         torch.cuda.synchronize()
     out: dict = {}
-    for phase, start, end in log:
-        us = start.elapsed_time(end) * 1e3 if isinstance(start, torch.cuda.Event) else (end - start) * 1e6
+    for phase, start, end, on_host in log:
+        if host:
+            us = on_host * 1e6
+        else:
+            us = start.elapsed_time(end) * 1e3 if isinstance(start, torch.cuda.Event) else (end - start) * 1e6
         out.setdefault(phase, []).append(us)
     return out
 
