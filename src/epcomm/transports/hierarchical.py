@@ -456,13 +456,16 @@ class HierarchicalTransport(Transport):
         of its experts (E / D), the chunk's first token]``; a rank's sums over its sources are what it forwards, and
         the domain's gathered sums give every forwarding rank's sends: so neither leg exchanges counts or reads them
         on its own (``KnownCounts``), and the domain leg's launches are enqueued while the rows still cross between
-        domains. Returns ``([(rail KnownCounts, domain KnownCounts)] per chunk, [D, chunks] int64 first token of
-        each chunk of every rail peer, or None for one chunk)``; raises on bad expert ids (``req.bad_topk``)."""
+        domains. Returns ``([(rail KnownCounts, domain KnownCounts, (in_domain [n_c, D] bool, tokens per domain [D]
+        int32))] per chunk, [D, chunks] int64 first token of each chunk of every rail peer, or None for one chunk)``;
+        raises on bad expert ids (``req.bad_topk``)."""
         D, L, C, dev = self.num_domains, self.local_size, len(subs), req.x.device
         e_dom = req.num_experts // D
-        tables = []
+        tables, routes = [], []
         for sub in subs:
-            per_domain = sub.is_token_in_rank.view(-1, D, L).any(2).sum(0, dtype=torch.int32)
+            in_domain = sub.is_token_in_rank.view(-1, D, L).any(2)
+            per_domain = in_domain.sum(0, dtype=torch.int32)
+            routes.append((in_domain, per_domain))
             tables.append(torch.cat([per_domain.view(D, 1), sub.num_tokens_per_rank.view(D, L),
                                      sub.num_tokens_per_expert.view(D, e_dom)], 1))
         first = counts_to_device([a for a, _ in bounds], dev).view(1, C, 1).expand(D, C, 1)
@@ -480,8 +483,9 @@ class HierarchicalTransport(Transport):
                                                bad.view(1).to(torch.int32)]), fn,
                                     f"rank {self.rank}: the counts of both legs")
         raise_if_bad_topk(fn, host[-1], req.num_experts)
-        return (_known_counts(host, C, L, D, e_dom, self.local_index),
-                recv[:, :, -1].long() if C > 1 else None)
+        known = _known_counts(host, C, L, D, e_dom, self.local_index)
+        return [(rail, domain, route) for (rail, domain), route in zip(known, routes)], (
+            recv[:, :, -1].long() if C > 1 else None)
 
     def _rail_chunks(self, fn: str, subs: list, cap: int, counts_known: Optional[list]):
         """The inter-domain leg of each chunk of a dispatch (a generator of its results, in order). With several
@@ -492,12 +496,14 @@ class HierarchicalTransport(Transport):
         D, L = self.num_domains, self.local_size
 
         def request(c: int, req: DispatchRequest) -> DispatchRequest:
-            n = req.x.size(0)
-            in_domain = req.is_token_in_rank.view(n, D, L).any(2)
-            return DispatchRequest(req.x, req.x_scales, req.topk_idx, req.topk_weights,
-                                   in_domain.sum(0, dtype=torch.int32), in_domain, req.num_tokens_per_expert,
-                                   req.num_experts, 1, D * cap, None, req.config, req.bad_topk, req.overlapped,
-                                   peer_capacity=cap, known=None if counts_known is None else counts_known[c][0])
+            if counts_known is None:
+                in_domain = req.is_token_in_rank.view(req.x.size(0), D, L).any(2)
+                known, per_domain = None, in_domain.sum(0, dtype=torch.int32)
+            else:
+                known, _, (in_domain, per_domain) = counts_known[c]
+            return DispatchRequest(req.x, req.x_scales, req.topk_idx, req.topk_weights, per_domain, in_domain,
+                                   req.num_tokens_per_expert, req.num_experts, 1, D * cap, None, req.config,
+                                   req.bad_topk, req.overlapped, peer_capacity=cap, known=known)
 
         if self.device.type != "cuda" or len(subs) == 1:
             for c, req in enumerate(subs):
@@ -523,18 +529,20 @@ class HierarchicalTransport(Transport):
         for a single chunk). ``known``: its counts (``_exchange_counts``), None with ``num_worst_tokens``."""
         e_dom, L, W = req.num_experts // self.num_domains, self.local_size, req.num_worst_tokens
         per_rank, per_expert, itr = self.domain.get_dispatch_layout(r1.recv_topk_idx, e_dom)
+        # every row's source, (domain, token) as the forwarding rank received it, rides along as two more scale
+        # columns (4-byte words, which every transport moves as they are): no second dispatch within the domain
+        src = torch.empty(h1.num_recv_tokens, 2, dtype=torch.int32, device=req.x.device)
+        src[:, 0] = h1.recv_src_rank
+        src[:, 1] = (h1.recv_src_idx if starts is None
+                     else h1.recv_src_idx + starts[h1.recv_src_rank.clamp(min=0).long()])
+        ns = 0 if r1.recv_scales is None else r1.recv_scales.size(1)
+        carried = src.view(torch.float32) if not ns else torch.cat([r1.recv_scales, src.view(torch.float32)], 1)
         with self._leg(fn, "forwarding the tokens", within=True):
             r2 = self.domain.dispatch(DispatchRequest(
-                r1.recv_x, r1.recv_scales, r1.recv_topk_idx, r1.recv_topk_weights, per_rank, itr, per_expert, e_dom,
+                r1.recv_x, carried, r1.recv_topk_idx, r1.recv_topk_weights, per_rank, itr, per_expert, e_dom,
                 req.expert_alignment if W else 1, W, None, req.config, None, req.overlapped, known=known))
-            # every row's source: (domain, token) as the forwarding rank received it, sent along the domain leg
-            src = torch.zeros(h1.num_recv_tokens, 4, dtype=torch.int32, device=req.x.device)
-            src[:, 0] = h1.recv_src_rank
-            src[:, 1] = (h1.recv_src_idx if starts is None
-                         else h1.recv_src_idx + starts[h1.recv_src_rank.clamp(min=0).long()])
-            got = self.domain.dispatch(DispatchRequest(src.view(torch.float32), None, None, None, None, None, None,
-                                                       e_dom, 1, W, r2.handle, req.config, None, req.overlapped)
-                                       ).recv_x.view(torch.int32)
+        got = r2.recv_scales[:, ns:].view(torch.int32)
+        r2 = replace(r2, recv_scales=r2.recv_scales[:, :ns] if ns else None)
         fwd = r2.handle.recv_src_rank
         real = fwd >= 0
         return (r2, torch.where(real, got[:, 0] * L + fwd, -1).to(torch.int32),
