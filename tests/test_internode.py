@@ -186,6 +186,66 @@ def test_both_legs_counts_in_one_exchange(chunks):
         assert calls.get("all_gather_single") == 1, calls  # the domain's sums
 
 
+def _fused_rows(ctx):
+    """The portable transport with and without ``fuse_rows`` (rows with their records or weights in one all_to_all):
+    each checked against the reference, and its all_to_all calls counted."""
+    import torch.distributed as dist
+
+    from epcomm.buffer import Buffer
+    from epcomm.testing.checks import NormalCase, check_normal
+
+    case = NormalCase(num_tokens=(7, 0, 12), hidden=128, num_experts=6, topk=2, dtype="fp8", bias=1, seed=21)
+    a2a, out = dist.all_to_all_single, []
+    for fused in (False, True):
+        buf = Buffer(ctx.group, transport="alltoall")
+        buf.runtime.fuse_rows = fused
+        calls = [0]
+
+        def counted(*args, **kwargs):
+            calls[0] += 1
+            return a2a(*args, **kwargs)
+
+        dist.all_to_all_single = counted
+        try:
+            out.append((check_normal(ctx, buf, case).failures, calls[0]))
+        finally:
+            dist.all_to_all_single = a2a
+        buf.destroy()
+    return out
+
+
+def test_rows_and_records_in_one_collective():
+    """``AllToAllTransport.fuse_rows`` (set on the inter-domain leg): the same results as one all_to_all per tensor,
+    with fewer collectives (a dispatch's rows and records, an FP8 cached dispatch's rows and scales, a combine's rows
+    and weights: one each)."""
+    for (plain, plain_calls), (fused, fused_calls) in spawn(_fused_rows, 3, device="cpu", timeout_s=300):
+        assert plain == [] and fused == [], (plain, fused)
+        # the count exchange, then rows + records, FP8 rows + scales, rows + weights: 7 collectives, fused 4
+        assert (plain_calls, fused_calls) == (7, 4), (plain_calls, fused_calls)
+
+
+def test_known_counts_from_the_exchange():
+    """How a rank reads both legs' counts from the one exchange's host list (``_known_counts``): 2 domains of 2
+    ranks, 1 chunk, 4 experts per domain; and ``KnownCounts`` refuses counts that cannot be."""
+    from epcomm.transports.base import KnownCounts
+    from epcomm.transports.hierarchical import _known_counts
+
+    # the domain's gathered sums per forwarding rank f: [tokens it forwards, rows to rank 0, rows to rank 1,
+    # pairs per expert of the domain (4)]; then this rank's rail sends [D] and receives [D]
+    every = [[5, 3, 4, 1, 2, 3, 4], [6, 2, 5, 5, 6, 7, 8]]
+    host = every[0] + every[1] + [7, 8] + [2, 3]
+    (rail, domain), = _known_counts(host, 1, 2, 2, 4, 0)
+    assert rail == KnownCounts((7, 8), (2, 3), (1, 2, 3, 4))
+    assert domain == KnownCounts((3, 4), (3, 2), (1 + 5, 2 + 6), num_tokens_max=6, max_pair=5)
+    assert domain.num_recv_tokens == 5
+    (_, domain1), = _known_counts(host, 1, 2, 2, 4, 1)  # the same gather read by the rank of local index 1
+    assert domain1 == KnownCounts((2, 5), (4, 5), (3 + 7, 4 + 8), num_tokens_max=6, max_pair=5)
+    with pytest.raises(ValueError, match=r"^KnownCounts: one non-negative count per rank"):
+        KnownCounts((1, 2), (3,), ())
+    with pytest.raises(ValueError, match=r"^KnownCounts: "):
+        KnownCounts((1, -2), (3, 0), ())
+
+
 def test_chunk_count_is_measured_and_agreed():
     """With a fixed cost per chunk, the measured count is 1 chunk, the same on every rank (they agree on the
     slowest rank's times), and every call while measuring (1, 2 and 4 chunks) matches the reference."""

@@ -103,6 +103,10 @@ class AllToAllTransport(Transport):
 
     name = "alltoall"
     accepts_known_counts = True  # exact mode given the counts: no count all_to_all, no host read
+    # one all_to_all per call for a dispatch's rows and records (and a combine's rows and weights), their bytes side
+    # by side, instead of one each: a network round trip and a collective fewer, a local copy on each side more.
+    # What an inter-domain leg wants (the hierarchical path sets it on its own); within a node the copies cost more
+    fuse_rows = False
 
     def __init__(self, group, device: torch.device, buffer_id: int) -> None:
         super().__init__(group, device, buffer_id)
@@ -131,6 +135,28 @@ class AllToAllTransport(Transport):
                 f"with an NCCL group, or use a one-sided transport (transport='nvlink' or 'p2p')")
         return dist.all_to_all_single(_as_bytes(out), _as_bytes(inp), out_splits, in_splits, group=self.group,
                                       async_op=async_op)
+
+    def _a2a_rows(self, parts: list, out_rows: int, out_splits: list, in_splits: list) -> list:
+        """All-to-all of several tensors whose rows go to the same ranks (rows, their records or weights; split
+        sizes in rows): one collective per tensor, or with ``fuse_rows`` one of their bytes side by side, then
+        split (fresh contiguous tensors of the parts' dtypes and widths)."""
+        dev = parts[0].device
+        if not self.fuse_rows or len(parts) == 1:
+            outs = []
+            for t in parts:
+                out = torch.empty(out_rows, *t.shape[1:], dtype=t.dtype, device=dev)
+                self._a2a(out, t.contiguous(), out_splits, in_splits)
+                outs.append(out)
+            return outs
+        views = [_as_bytes(t.contiguous()) for t in parts]
+        recv = torch.empty(out_rows, sum(v.size(1) for v in views), dtype=torch.uint8, device=dev)
+        self._a2a(recv, torch.cat(views, 1), out_splits, in_splits)
+        outs, col = [], 0
+        for t, v in zip(parts, views):
+            width = v.size(1)
+            outs.append(recv[:, col:col + width].contiguous().view(t.dtype).view(out_rows, *t.shape[1:]))
+            col += width
+        return outs
 
     @property
     def expert_major_errors(self) -> torch.Tensor:
@@ -279,11 +305,16 @@ class AllToAllTransport(Transport):
         their way (the call is host-bound until the rows' all_to_all is issued)."""
         x, dev, num_ranks = req.x, req.x.device, self.num_ranks
         num_recv = sum(recv_counts)
-        recv_x = torch.empty(num_recv, x.size(1), dtype=x.dtype, device=dev)
-        self._a2a(recv_x, rows, recv_counts, send_counts)
-        per_expert, recv_per_expert = expert_counts()
-        recv_meta = torch.empty(num_recv, records.size(1), dtype=torch.int32, device=dev)
-        self._a2a(recv_meta, records, recv_counts, send_counts)
+        if self.fuse_rows:
+            recv_x, recv_meta = self._a2a_rows([rows, records], num_recv, recv_counts, send_counts)
+            recv_x = recv_x.view(x.dtype).view(num_recv, x.size(1))
+            per_expert, recv_per_expert = expert_counts()
+        else:
+            recv_x = torch.empty(num_recv, x.size(1), dtype=x.dtype, device=dev)
+            self._a2a(recv_x, rows, recv_counts, send_counts)
+            per_expert, recv_per_expert = expert_counts()
+            recv_meta = torch.empty(num_recv, records.size(1), dtype=torch.int32, device=dev)
+            self._a2a(recv_meta, records, recv_counts, send_counts)
         if self._gpu_path(x):  # one kernel instead of a torch op per field
             recv_src_idx, recv_src_rank, recv_scales, recv_idx, recv_w = self._unpack_records(recv_meta, req)
         else:
@@ -461,26 +492,21 @@ class AllToAllTransport(Transport):
             num_send = sum(st.send_counts)
             rows, recs = self._pack(req.x, req.x_scales, None, None, h.is_token_in_rank, st.pos, st.first,
                                     h.num_experts, num_send)
-            recv_x = torch.empty(h.num_recv_tokens, req.x.size(1), dtype=req.x.dtype, device=req.x.device)
-            self._a2a(recv_x, rows[:num_send], list(h.num_recv_tokens_per_rank), list(st.send_counts))
+            parts = [rows[:num_send]] + ([recs[:num_send]] if req.x_scales is not None else [])
+            got = self._a2a_rows(parts, h.num_recv_tokens, list(h.num_recv_tokens_per_rank), list(st.send_counts))
+            recv_x = got[0].view(req.x.dtype).view(h.num_recv_tokens, req.x.size(1))
             recv_scales = None
             if req.x_scales is not None:
-                recv_meta = torch.empty(h.num_recv_tokens, recs.size(1), dtype=torch.int32, device=req.x.device)
-                self._a2a(recv_meta, recs[:num_send], list(h.num_recv_tokens_per_rank), list(st.send_counts))
-                recv_scales = recv_meta[:, 2:2 + req.x_scales.size(1)].contiguous().view(req.x_scales.dtype)
+                recv_scales = got[1][:, 2:2 + req.x_scales.size(1)].contiguous().view(req.x_scales.dtype)
             return DispatchResult(recv_x, recv_scales, None, None, None, h)
-        recv = []
-        for t in (req.x, req.x_scales):
-            if t is None:
-                recv.append(None)
-            elif st.capacity:
-                recv.append(self._padded_rows(t, st))
-            else:
-                out = torch.empty(h.num_recv_tokens, t.size(1), dtype=t.dtype, device=t.device)
-                self._a2a(out, _as_bytes(t.contiguous()).index_select(0, st.send_idx),
-                          list(h.num_recv_tokens_per_rank), list(st.send_counts))
-                recv.append(out)
-        return DispatchResult(recv[0], recv[1], None, None, None, h)
+        present = [t for t in (req.x, req.x_scales) if t is not None]
+        if st.capacity:
+            recv = [self._padded_rows(t, st) for t in present]
+        else:
+            got = self._a2a_rows([_as_bytes(t.contiguous()).index_select(0, st.send_idx) for t in present],
+                                 h.num_recv_tokens, list(h.num_recv_tokens_per_rank), list(st.send_counts))
+            recv = [g.view(t.dtype).view(h.num_recv_tokens, t.size(1)) for g, t in zip(got, present)]
+        return DispatchResult(recv[0], recv[1] if len(recv) > 1 else None, None, None, None, h)
 
     def _padded_dispatch(self, req: DispatchRequest, recv_counts: torch.Tensor, recv_per_expert: torch.Tensor,
                          slot: torch.Tensor, send_idx: torch.Tensor, meta: torch.Tensor) -> DispatchResult:
@@ -534,18 +560,17 @@ class AllToAllTransport(Transport):
         st: _NormalState = h.state
         x, dev, num_ranks = req.x, req.x.device, self.num_ranks
         parts = [x] + ([req.topk_weights] if req.topk_weights is not None else [])
-        back = []
-        for t in parts:
-            if st.capacity:  # padded: row j of peer s goes back to slot j of s
+        if st.capacity:
+            back = []
+            for t in parts:  # padded: row j of peer s goes back to slot j of s
                 gather = torch.where(st.recv_dst < st.num_rows, st.recv_dst, 0)
                 send = t.index_select(0, gather) if t.size(0) else torch.zeros(
                     num_ranks * st.capacity, t.size(1), dtype=t.dtype, device=dev)
                 recv = torch.empty(num_ranks * st.capacity, t.size(1), dtype=t.dtype, device=dev)
                 self._a2a(recv, send)
-            else:
-                recv = torch.empty(sum(st.send_counts), t.size(1), dtype=t.dtype, device=dev)
-                self._a2a(recv, t.contiguous(), list(st.send_counts), list(h.num_recv_tokens_per_rank))
-            back.append(recv)
+                back.append(recv)
+        else:
+            back = self._a2a_rows(parts, sum(st.send_counts), list(st.send_counts), list(h.num_recv_tokens_per_rank))
         if st.pos is not None:  # GPU path: one kernel reduces rows and weights, slots from the layout
             from ..kernels.reduce import reduce_from_layout
 

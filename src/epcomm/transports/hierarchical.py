@@ -220,6 +220,7 @@ class HierarchicalTransport(Transport):
                                                            num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes)
         self.leg_name = leg
         self.rail = INTER_DOMAIN_LEGS[leg](self.rail_group, device, buffer_id)
+        self.rail.fuse_rows = True  # rows with their records (weights) in one all_to_all: a round trip fewer
         self.errors = CombinedErrors((self.domain.errors, self.rail.errors), device)
         self._agreed: set = set()
         self.phase_log: Optional[list] = None  # see _leg
