@@ -256,6 +256,27 @@ def test_chunk_count_is_measured_and_agreed():
         assert seen == 12 and "measured fastest" in text and "normal-mode chunks: 1, measured" in described, text
 
 
+def test_chunk_count_candidates_take_turns():
+    """The tuner's schedule: the candidates in turn, one dispatch each per round (1 first), the first round not
+    timed; then the agreement on the slowest rank's medians."""
+    import torch
+
+    from epcomm.transports.hierarchical import _ChunkTuner
+
+    tuner = _ChunkTuner((1, 2, 4), 3, torch.device("cpu"))
+    order, timed = [], []
+    for _ in range(9):
+        chunks = tuner.next(None, "test")
+        order.append(chunks)
+        timing = tuner.start(chunks)
+        timed.append(timing is not None)
+        if timing is not None:
+            tuner.stop(timing)
+    assert order == [1, 2, 4] * 3 and timed == [False] * 3 + [True] * 6
+    assert {c: len(t) for c, t in tuner.times.items()} == {1: 2, 2: 2, 4: 2}
+    assert tuner.next(lambda mine: [30.0, 10.0, 20.0], "test") == 2 and tuner.start(2) is None
+
+
 def test_chunk_count_pick_needs_a_clear_gain():
     """A larger count replaces a smaller one only when faster by more than CHUNK_GAIN (5%) of it: gains within the
     noise keep fewer chunks (fewer fixed costs)."""

@@ -34,8 +34,8 @@ rank); the inter-domain leg of chunk ``c + 1`` runs on a network stream while ch
 domain, so the forwarding hides behind the network for all but the last chunk. Every chunk's rows are issued
 before the first is forwarded, so the link never waits for the host between chunks; each chunk adds a few launches
 and collectives, so the best count depends on the link. The count is measured: the first exact-mode dispatches
-try each of ``CHUNK_CANDIDATES`` (1 first: it sizes the domain's storage for whole calls) ``TUNE_CALLS`` times,
-then the ranks agree (one all_reduce of their times, the slowest rank's counting) on the fastest and keep it (a
+try ``CHUNK_CANDIDATES`` in turn (1 first: it sizes the domain's storage for whole calls), ``TUNE_CALLS`` rounds (the
+first not counted; in turn, so that a link whose rate drifts weighs on every count alike), then the ranks agree (one all_reduce of their times, the slowest rank's counting) on the fastest and keep it (a
 larger count only when it is faster by more than ``CHUNK_GAIN``, 5%: the per-chunk costs and the noise favour fewer);
 ``EPCOMM_INTERNODE_CHUNKS`` or ``pipeline_chunks`` fixes it instead. Results do not depend on the count. Received rows
 are then put in the intranode path's order (by source rank, then source token; one gather of the outputs, and one
@@ -98,11 +98,11 @@ from .. import env
 from ..core.config import Config
 from ..core.handles import DispatchHandle, LowLatencyHandle
 from ..core.layout import align_up, chunk_bounds
+from ..core.validate import raise_if_bad_topk
 from ..errors import EpcommError, EpcommTimeoutError
 from ..fp8 import FP8_DTYPE, per_token_cast_to_fp8
 from ..topology.domains import Domains
 from .alltoall import AllToAllTransport
-from ..core.validate import raise_if_bad_topk
 from .base import (Capabilities, CombineRequest, DispatchRequest, DispatchResult, KnownCounts,
                    LowLatencyCombineRequest, LowLatencyCombineResult, LowLatencyDispatchRequest,
                    LowLatencyDispatchResult, Transport, counts_to_device, meet)
@@ -196,7 +196,7 @@ class HierarchicalTransport(Transport):
     # None: measured (module docstring); EPCOMM_INTERNODE_CHUNKS takes precedence.
     pipeline_chunks: Optional[int] = None
     CHUNK_CANDIDATES = (1, 2, 4)
-    TUNE_CALLS = 4  # timed dispatches per candidate (the first of each is not counted: it may compile or size)
+    TUNE_CALLS = 4  # rounds of one dispatch per candidate (the first round is not counted: it may compile or size)
 
     def __init__(self, group, device: torch.device, buffer_id: int, domains: Domains,
                  domain_transport: Any = "auto", leg: str = "nccl", num_nvl_bytes: int = 0,
@@ -265,8 +265,8 @@ class HierarchicalTransport(Transport):
         """Run a part of a call; a wait of it that expired (``faults.WaitExpired``) or a failure of
         torch.distributed in it (gloo's timeout, a peer that closed its connection) ends this transport
         (``_fail``). ``within``: the domain leg (its one-sided kernels report their own timeouts). With
-        ``phase_log`` a list (a benchmark's breakdown), each part appends ``(phase, start, end)``: CUDA events on the
-        stream it ran on, or host times (s) on CPUs, and the seconds the host spent in it."""
+        ``phase_log`` a list (a benchmark's breakdown), each part appends ``(phase, start, end, host seconds)``: CUDA
+        events on the stream it ran on (or host times (s) on CPUs), and the seconds the host spent in it."""
         log = self.phase_log
         start = _mark(self.device) if log is not None else None
         began = time.perf_counter()
@@ -773,8 +773,9 @@ class HierarchicalTransport(Transport):
 
 
 class _ChunkTuner:
-    """Measures the exact-mode dispatch in each of ``candidates`` chunk counts (``calls`` dispatches each, the first
-    not counted), then the ranks agree on the fastest (module docstring, "Pipelining"). A dispatch's time runs from
+    """Measures the exact-mode dispatch in each of ``candidates`` chunk counts (``calls`` rounds of one dispatch per
+    count, in turn; the first round not counted), then the ranks agree on the fastest (module docstring,
+    "Pipelining"). A dispatch's time runs from
     its start to the end of its work on the caller's stream (CUDA events, read at a later call: no extra
     synchronisation), or its host time on CPUs. Every rank makes the same dispatches, so every rank is at the same
     step of the schedule at each call."""
@@ -789,12 +790,12 @@ class _ChunkTuner:
 
     def next(self, slowest_of: Callable[[torch.Tensor], list], fn: str) -> int:
         """The chunk count of this dispatch (collective when the schedule ends here: the agreement;
-        ``slowest_of(times)`` returns the largest of every rank's ``times``, a float64 tensor)."""
+        ``slowest_of(times)`` returns the largest of every rank's ``times``, a float64 tensor). The candidates take
+        turns, one dispatch each per round, so that a link whose rate drifts weighs on every count alike."""
         if self.chosen is not None:
             return self.chosen
-        step = self.seen // self.calls
-        if step < len(self.candidates):
-            return self.candidates[step]
+        if self.seen < self.calls * len(self.candidates):
+            return self.candidates[self.seen % len(self.candidates)]
         self._read(fn)
         mine = torch.tensor([_median(self.times[c]) for c in self.candidates], dtype=torch.float64)
         slowest = slowest_of(mine)
@@ -807,7 +808,7 @@ class _ChunkTuner:
         """Begin timing a dispatch in ``chunks`` chunks (None once the count is chosen)."""
         if self.chosen is not None:
             return None
-        counted = self.seen % self.calls != 0
+        counted = self.seen >= len(self.candidates)  # the first round may compile or size storage
         self.seen += 1
         if not counted:
             return None
