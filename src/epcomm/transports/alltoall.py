@@ -284,18 +284,22 @@ class AllToAllTransport(Transport):
     def _dispatch_known(self, req: DispatchRequest, counts: torch.Tensor) -> DispatchResult:
         """Exact mode with the counts known beforehand (``req.known``), on the torch path: no count exchange and no
         host synchronisation."""
-        known = req.known
         slot, send_idx, meta, _ = send_plan(req, counts, 0, self.rank, self.num_ranks, self._errors)
-        num_send = sum(known.num_tokens_per_rank)
-        state = _NormalState(send_idx=send_idx[:num_send], send_counts=tuple(known.num_tokens_per_rank), slot=slot,
+        send_idx = send_idx[:sum(req.known.num_tokens_per_rank)]
+        state = _NormalState(send_idx=send_idx, send_counts=tuple(req.known.num_tokens_per_rank), slot=slot,
                              capacity=0, recv_dst=None)
-        return self._exchange_rows(req, _as_bytes(req.x).index_select(0, state.send_idx), meta[:num_send],
-                                   list(known.num_tokens_per_rank), list(known.num_recv_tokens_per_rank),
-                                   lambda: self._known_expert_counts(known), state)
+        return self._exchange_known(req, _as_bytes(req.x).index_select(0, send_idx), meta, state)
 
-    def _known_expert_counts(self, known) -> tuple:
-        """``(per-expert list, [E_local] int32 tensor)`` of a dispatch whose counts were known beforehand."""
-        return list(known.num_recv_tokens_per_expert), counts_to_device(known.num_recv_tokens_per_expert, self.device)
+    def _exchange_known(self, req: DispatchRequest, rows: torch.Tensor, records: torch.Tensor,
+                        state: "_NormalState") -> DispatchResult:
+        """``_exchange_rows`` of the first ``sum(req.known.num_tokens_per_rank)`` packed rows and records, with the
+        counts known beforehand (``req.known``)."""
+        known = req.known
+        num_send = sum(known.num_tokens_per_rank)
+        per_expert = list(known.num_recv_tokens_per_expert)
+        return self._exchange_rows(req, rows[:num_send], records[:num_send], list(known.num_tokens_per_rank),
+                                   list(known.num_recv_tokens_per_rank),
+                                   lambda: (per_expert, counts_to_device(per_expert, self.device)), state)
 
     def _exchange_rows(self, req: DispatchRequest, rows: torch.Tensor, records: torch.Tensor, send_counts: list,
                        recv_counts: list, expert_counts, state: "_NormalState") -> DispatchResult:
@@ -303,18 +307,11 @@ class AllToAllTransport(Transport):
         handle. ``rows``/``records`` are in send order (destination rank, then token). ``expert_counts()``
         returns ``(per_expert list, recv_per_expert [E_local] int32 tensor)``; it runs once the rows are on
         their way (the call is host-bound until the rows' all_to_all is issued)."""
-        x, dev, num_ranks = req.x, req.x.device, self.num_ranks
+        x, num_ranks = req.x, self.num_ranks
         num_recv = sum(recv_counts)
-        if self.fuse_rows:
-            recv_x, recv_meta = self._a2a_rows([rows, records], num_recv, recv_counts, send_counts)
-            recv_x = recv_x.view(x.dtype).view(num_recv, x.size(1))
-            per_expert, recv_per_expert = expert_counts()
-        else:
-            recv_x = torch.empty(num_recv, x.size(1), dtype=x.dtype, device=dev)
-            self._a2a(recv_x, rows, recv_counts, send_counts)
-            per_expert, recv_per_expert = expert_counts()
-            recv_meta = torch.empty(num_recv, records.size(1), dtype=torch.int32, device=dev)
-            self._a2a(recv_meta, records, recv_counts, send_counts)
+        recv_x, recv_meta = self._a2a_rows([rows, records], num_recv, recv_counts, send_counts)
+        recv_x = recv_x.view(x.dtype).view(num_recv, x.size(1))
+        per_expert, recv_per_expert = expert_counts()
         if self._gpu_path(x):  # one kernel instead of a torch op per field
             recv_src_idx, recv_src_rank, recv_scales, recv_idx, recv_w = self._unpack_records(recv_meta, req)
         else:
@@ -361,13 +358,8 @@ class AllToAllTransport(Transport):
         a pack kernel, one host synchronisation, then the rows and records all_to_alls."""
         plan = self._plan_gpu(req, None)
         if req.known is not None:  # no count exchange, no host read (the plan kernel's checks are not read)
-            known = req.known
-            packed = self._pack_plan(req, plan)
-            num_send = sum(known.num_tokens_per_rank)
-            return self._exchange_rows(req, packed[0][:num_send], packed[1][:num_send],
-                                       list(known.num_tokens_per_rank), list(known.num_recv_tokens_per_rank),
-                                       lambda: self._known_expert_counts(known),
-                                       self._gpu_state(plan, known.num_tokens_per_rank))
+            return self._exchange_known(req, *self._pack_plan(req, plan),
+                                        self._gpu_state(plan, req.known.num_tokens_per_rank))
         self._a2a(plan.recv_table, plan.table)
         read = self._read_later(plan.ctl)  # the host waits for the counts only, not for the pack kernel below
         packed = self._pack_plan(req, plan)

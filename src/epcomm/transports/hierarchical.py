@@ -269,7 +269,7 @@ class HierarchicalTransport(Transport):
         events on the stream it ran on (or host times (s) on CPUs), and the seconds the host spent in it."""
         log = self.phase_log
         start = _mark(self.device) if log is not None else None
-        began = time.perf_counter()
+        began = time.perf_counter() if log is not None else 0.0
         try:
             yield
             if log is not None:
