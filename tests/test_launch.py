@@ -92,8 +92,9 @@ def test_launcher_reuses_a_variant_and_recompiles_on_a_new_one(monkeypatch):
     launcher((4,), (t, 32, 5), {"C": 2, "num_warps": 4})
     launcher((8, 2), (t, 64, 9), {"C": 2, "num_warps": 4})  # same variant: 64 is a multiple of 16 too
     assert [e[0] for e in kernel.log] == ["slow", "fast"]
-    # the compiled kernel gets every argument in signature order, constexprs (and D's default) last
-    assert kernel.log[1] == ("fast", 1, (8, 2, 1), (t, 64, 9, 2, 3))
+    # the compiled kernel gets every argument in signature order (a tensor as its address), constexprs (and D's
+    # default) last
+    assert kernel.log[1] == ("fast", 1, (8, 2, 1), (t.data_ptr(), 64, 9, 2, 3))
     launcher((4,), (t, 33, 5), {"C": 2, "num_warps": 4})  # 33: not a multiple of 16
     launcher((4,), (t, 1, 5), {"C": 2, "num_warps": 4})  # 1: a constant for Triton
     launcher((4,), (t[1:], 32, 5), {"C": 2, "num_warps": 4})  # not 16-byte aligned
@@ -102,6 +103,43 @@ def test_launcher_reuses_a_variant_and_recompiles_on_a_new_one(monkeypatch):
     assert [e[0] for e in kernel.log] == ["slow", "fast"] + ["slow"] * 5
     launcher((4,), (t, 48, 6), {"C": 2, "num_warps": 4})
     assert kernel.log[-1][:2] == ("fast", 1)
+
+
+class CudaLauncher:
+    """Stands in for Triton 3.x's runner of a compiled kernel: a Python wrapper around the C ``launch``."""
+
+    def __init__(self, log, scratch):
+        self.log, self.global_scratch_size, self.profile_scratch_size = log, scratch, 0
+        self.launch_cooperative_grid, self.launch_pdl = True, False
+
+    def launch(self, *args):
+        self.log.append(("direct", args))
+
+    def __call__(self, *args):
+        self.log.append(("wrapper", args))
+
+
+@pytest.mark.parametrize("scratch", [0, 64])
+def test_launcher_calls_tritons_c_launch_directly(monkeypatch, scratch):
+    """With Triton's CUDA runner and no scratch memory, a cached variant's launch skips the runner's Python wrapper
+    and hands the C launch function what the wrapper would: grid, stream, function, the cooperative and PDL flags,
+    no scratch, the packed metadata, no launch metadata or hooks, then the arguments (tensors as addresses)."""
+    _no_gpu(monkeypatch)
+    kernel = _Kernel()
+    launcher = L.Launcher(kernel)
+    t = torch.zeros(16)
+    launcher((4,), (t, 32, 5), {"C": 2})
+    runner = CudaLauncher(kernel.log, scratch)
+    compiled, _, _, function, packed, tail = launcher._compiled[next(iter(launcher._compiled))]
+    launcher._compiled = {k: L._entry(type("C", (), {"run": runner, "function": function, "packed_metadata": packed})(),
+                                      tail) for k in launcher._compiled}
+    launcher((8, 2), (t, 48, 6), {"C": 2})
+    if scratch:  # the wrapper allocates the scratch: it must run
+        assert kernel.log[-1] == ("wrapper", (8, 2, 1, "stream0", function, packed, None, None, None,
+                                              t.data_ptr(), 48, 6, 2, 3))
+    else:
+        assert kernel.log[-1] == ("direct", (8, 2, 1, "stream0", function, True, False, None, None, packed, None,
+                                             None, None, t.data_ptr(), 48, 6, 2, 3))
 
 
 def test_launcher_refuses_runtime_arguments_by_keyword(monkeypatch):
@@ -150,7 +188,7 @@ def test_compile_only_compiles_without_launching(monkeypatch):
         assert loaded == []  # loaded onto the device when the block ends
     assert [e[0] for e in kernel.log] == ["warmup"] and loaded == [0]
     launcher((4,), (t, 32, 5), {"C": 2})
-    assert kernel.log[-1] == ("fast", 0, (4, 1, 1), (t, 32, 5, 2, 3))
+    assert kernel.log[-1] == ("fast", 0, (4, 1, 1), (t.data_ptr(), 32, 5, 2, 3))
     with pytest.raises(RuntimeError, match="already inside"):
         with L.compile_only():
             with L.compile_only():

@@ -4,7 +4,12 @@ Each launch through Triton binds the arguments, works out what to specialise on 
 kernel up: about 10-40 us of host time per launch on the GPU machines, more than a small put or a decode
 step's kernel takes on the device. A ``Launcher`` does that once per *variant* and then calls the compiled
 kernel's launch function directly, with the arguments in signature order, exactly what ``JITFunction.run``
-would pass (Triton's launch hooks, when a profiler sets them, still run).
+would pass (Triton's launch hooks, when a profiler sets them, still run). Tensors go to it as their device
+addresses (the integers its pointer parameters take): Triton's launcher would otherwise call each tensor's
+``data_ptr()`` again and ask the driver about every pointer (``cuPointerGetAttribute``), a few microseconds per
+pointer and 20-40 us for a kernel with a dozen tensors. That driver query is what refused a CPU tensor; the
+variant's first launch still takes Triton's path (and its check), and every caller here passes tensors of the
+current device (the Buffer checks the caller's tensors).
 
 A variant is everything Triton's compiled-kernel cache depends on (Triton 3.x):
 
@@ -129,7 +134,20 @@ class Launcher:
         return tuple(args) + tuple(kwargs.get(name, default) for name, default in self._params()[1])
 
     def _key(self, device: int, args: tuple, kwargs: dict) -> tuple:
-        return device, tuple(kwargs.items()), tuple(arg_key(a, s) for a, s in zip(args, self._params()[0]))
+        return self._bind(device, args, kwargs)[0]
+
+    def _bind(self, device: int, args: tuple, kwargs: dict) -> tuple:
+        """``(variant key, args with every tensor replaced by its address)`` in one pass over ``args``."""
+        keys, values = [], []
+        for a, s in zip(args, self._params()[0]):
+            if isinstance(a, torch.Tensor):
+                ptr = a.data_ptr()
+                keys.append((a.dtype, ptr % 16 == 0))  # arg_key's key of a tensor
+                values.append(ptr)
+            else:
+                keys.append(arg_key(a, s))
+                values.append(a)
+        return (device, tuple(kwargs.items()), tuple(keys)), values
 
     def _check_arity(self, args: tuple) -> None:
         if len(args) != len(self._params()[0]):
@@ -140,8 +158,7 @@ class Launcher:
         if hasattr(compiled, "result"):  # compiled on a thread pool (compile_only)
             compiled = compiled.result()
         compiled._init_handles()  # load it onto the device now, not at its first launch
-        self._compiled[key] = (compiled, compiled.run, compiled.function, compiled.packed_metadata,
-                               self.arguments((), kwargs))
+        self._compiled[key] = _entry(compiled, self.arguments((), kwargs))
 
     def _compile(self, grid: Grid, args: tuple, kwargs: dict) -> None:
         """``compile_only()``'s part of a launch: compile the variant, launch nothing."""
@@ -170,7 +187,7 @@ class Launcher:
         cooperative = kwargs.get("launch_cooperative_grid", False)
         if cooperative:
             kwargs = _usable_options(kwargs, device)
-        key = self._key(device, args, kwargs)
+        key, values = self._bind(device, args, kwargs)
         entry = self._compiled.get(key)
         try:
             if entry is None:  # first launch of this variant: Triton binds, compiles (or loads) and launches
@@ -181,17 +198,21 @@ class Launcher:
                     compiled._init_handles()
                     grid = self._fit(grid, resident_programs(compiled, device), kwargs)
                 compiled = self.kernel[grid](*args, **kwargs)
-                self._compiled[key] = (compiled, compiled.run, compiled.function, compiled.packed_metadata,
-                                       self.arguments((), kwargs))
+                self._compiled[key] = _entry(compiled, self.arguments((), kwargs))
                 return
-            compiled, run, function, packed, tail = entry
+            compiled, run, direct, function, packed, tail = entry
             if not isinstance(grid, tuple) or cooperative:
                 grid = self._fit(grid, self._resident(key, compiled, device), kwargs)
             g = grid + (1, 1)
             if _hooks_set(_knobs.runtime.launch_enter_hook) or _hooks_set(_knobs.runtime.launch_exit_hook):
                 compiled[g[:3]](*args, *tail)  # a profiler's launch hooks are set: let Triton call them
                 return
-            run(g[0], g[1], g[2], _current_stream(device), function, packed, None, None, None, *args, *tail)
+            if direct is not None:
+                c_launch, coop, pdl = direct
+                c_launch(g[0], g[1], g[2], _current_stream(device), function, coop, pdl, None, None, packed, None, None,
+                         None, *values, *tail)
+                return
+            run(g[0], g[1], g[2], _current_stream(device), function, packed, None, None, None, *values, *tail)
         except RuntimeError as exc:
             if not kwargs.get("launch_cooperative_grid") or not _refuse_cooperative(device, exc):
                 raise
@@ -221,6 +242,19 @@ class Launcher:
         compiled = self.kernel.warmup(*args, grid=(1,), **kwargs)
         compiled._init_handles()
         return resident_programs(compiled, _current_device())
+
+
+def _entry(compiled, tail: tuple) -> tuple:
+    """A cached variant: ``(compiled, its runner, direct, function, packed metadata, constexpr tail)``. ``direct``:
+    ``(the launcher's C launch function, cooperative, pdl)`` when the runner is Triton 3.x's ``CudaLauncher`` and the
+    kernel needs no scratch memory (its runner's Python wrapper then only forwards the call), else None."""
+    run = compiled.run
+    c_launch = getattr(run, "launch", None)
+    direct = None
+    if (type(run).__name__ == "CudaLauncher" and callable(c_launch) and getattr(run, "global_scratch_size", 1) == 0
+            and getattr(run, "profile_scratch_size", 1) == 0):
+        direct = (c_launch, run.launch_cooperative_grid, run.launch_pdl)
+    return compiled, run, direct, compiled.function, compiled.packed_metadata, tail
 
 
 @contextlib.contextmanager
