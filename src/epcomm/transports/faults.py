@@ -28,10 +28,12 @@ from ..errors import EpcommTimeoutError
 
 log = logging.getLogger(__name__)
 
-# host polling: spin on the event for this long (a count exchange takes tens of microseconds), then sleep between
-# polls, growing to POLL_MAX_SLEEP_S
-POLL_SPIN_S = 2e-3
-POLL_MAX_SLEEP_S = 1e-3
+# host polling: spin on the event for this long (yielding the GIL between polls), then sleep between polls, growing
+# to POLL_MAX_SLEEP_S. A host that runs ahead of its GPU waits for the work queued before the count read (a whole
+# backward pass in training: milliseconds), and every microsecond the wait ends late the GPU idles, waiting for the
+# launches behind it: so the spin covers such waits, and only a straggler's wait (tens of ms) sleeps, briefly
+POLL_SPIN_S = 20e-3
+POLL_MAX_SLEEP_S = 2e-4
 
 
 class WaitExpired(EpcommTimeoutError):
@@ -87,7 +89,7 @@ def host_wait(work: Any, fn: str, what: Any, started: Optional[float] = None,
                               f"{env.timeout_s():g}): a rank is stuck, died or did not make the same call", what)
         if now > spin_until:
             nap = min(POLL_MAX_SLEEP_S, max(5e-5, 2 * nap))
-            time.sleep(nap)
+        time.sleep(nap)  # 0 while spinning: lets other threads (an autograd worker) run
 
 
 def host_list(t: torch.Tensor, fn: str, what: Any, limit_s: Optional[float] = None) -> list:
