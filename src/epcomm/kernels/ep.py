@@ -253,6 +253,17 @@ def _progress(bases_ptr, prog_off, row, slot, value, rank, world, R_POW2: tl.con
 
 
 @triton.jit
+def _row_tile(ptr, rows, live, c0, XW: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr):
+    """Columns ``[c0, c0 + BLOCK)`` of the ``XW``-word rows ``rows`` (int64 ``[ROWS]``, ``live`` masks them) of
+    ``ptr``: ``(tile [ROWS, BLOCK], cols, cols < XW)``, the columns marked 4-aligned runs with ``VEC``."""
+    cols = c0 + tl.arange(0, BLOCK)
+    if VEC:
+        cols = tl.max_contiguous(tl.multiple_of(cols, 4), 4)
+    cm = cols < XW
+    return tl.load(ptr + rows[:, None] * XW + cols[None, :], mask=live[:, None] & cm[None, :]), cols, cm
+
+
+@triton.jit
 def _push_tokens(pid, nprog, x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_ptr, itr_ptr, pos_ptr, first_ptr,
                  bases_ptr, area_off, meta_off, prog_off, tag, t_begin, t_end, cap, rank, world, XW: tl.constexpr,
                  W: tl.constexpr, NS: tl.constexpr, K: tl.constexpr, E_LOCAL: tl.constexpr, R: tl.constexpr,
@@ -293,11 +304,7 @@ def _push_tokens(pid, nprog, x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr
         t = (t0 + toks).to(tl.int64)
         live = t < hi
         for c0 in tl.static_range(0, XW, BLOCK):
-            cols = c0 + tl.arange(0, BLOCK)
-            if VEC:
-                cols = tl.max_contiguous(tl.multiple_of(cols, 4), 4)
-            cm = cols < XW
-            v = tl.load(x_ptr + t[:, None] * XW + cols[None, :], mask=live[:, None] & cm[None, :])
+            v, cols, cm = _row_tile(x_ptr, t, live, c0, XW, BLOCK, VEC)
             for r in tl.static_range(R):
                 go, a = _dest_row(itr_ptr, pos_ptr, first_ptr, t, live, r, rank, cap, R, SINGLE_ROUND)
                 dst = (tl.load(bases_ptr + r) + area_off + a * (XW * 4)).to(tl.pointer_type(tl.int32))
@@ -468,11 +475,7 @@ def _copy_rows_em(area_ptr, meta_ptr, out_x_ptr, out_s_ptr, out_w_ptr, out_src_p
                 rk = tl.sum(tl.where(kc[None, :] == k, row64, 0), axis=1)
                 tl.store(out_s_ptr + rk[:, None] * NS + scols[None, :], sv, mask=(rk >= 0)[:, None] & sm)
         for c0 in tl.static_range(0, XW, BLOCK):
-            cols = c0 + tl.arange(0, BLOCK)
-            if VEC:
-                cols = tl.max_contiguous(tl.multiple_of(cols, 4), 4)
-            cm = cols < XW
-            v = tl.load(area_ptr + src[:, None] * XW + cols[None, :], mask=live[:, None] & cm[None, :])
+            v, cols, cm = _row_tile(area_ptr, src, live, c0, XW, BLOCK, VEC)
             for k in tl.static_range(K):
                 rk = tl.sum(tl.where(kc[None, :] == k, row64, 0), axis=1)
                 tl.store(out_x_ptr + rk[:, None] * XW + cols[None, :], v, mask=(rk >= 0)[:, None] & cm[None, :])

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .ep import _copy_rows_em, _publish, _push_tokens, _receive_stream
+from .ep import _copy_rows_em, _publish, _push_tokens, _receive_stream, _row_tile
 from .launch import cdiv, launch, next_pow2
 from .numerics import f32_to_bf16_rne
 from .shmem import arrive_last, fence_sys, wait_all_ge
@@ -112,6 +112,22 @@ def pair_rows_kernel(ids_ptr, counts_ptr, w_ptr, offs_ptr, pair_row_ptr, row_src
         _fill_meta(row_src_ptr, row_w_ptr, tl.minimum(start + tl.minimum(carry, count), rows), hi, HAS_W, BLOCK)
 
 
+@triton.jit
+def _padding_rows(counts_ptr, e, num_experts, align, rows, BLOCK_E: tl.constexpr):
+    """Expert ``e``'s padding rows ``[lo, hi)`` in an expert-major layout of ``rows`` rows."""
+    start, count, acount = _segment(counts_ptr, e, num_experts, align, BLOCK_E)
+    return tl.minimum(start + count, rows), tl.minimum(start + acount, rows)
+
+
+@triton.jit
+def _zero_tiles(out_ptr, r, live, XW: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Zero the ``XW``-word rows ``r`` (int64 ``[ROWS]``, ``live`` masks them) of ``out_ptr``."""
+    for c0 in tl.static_range(0, XW, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        tl.store(out_ptr + r[:, None] * XW + cols[None, :], tl.zeros([ROWS, BLOCK], tl.int32),
+                 mask=live[:, None] & (cols < XW)[None, :])
+
+
 @triton.jit(do_not_specialize=["num_src", "rows", "num_row_progs"])
 def permute_kernel(src_ptr, pair_row_ptr, out_ptr, counts_ptr, num_src, rows, num_experts, align, num_row_progs,
                    XW: tl.constexpr, K: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
@@ -127,30 +143,18 @@ def permute_kernel(src_ptr, pair_row_ptr, out_ptr, counts_ptr, num_src, rows, nu
             m = (m0 + rr).to(tl.int64)
             live = m < num_src
             for c0 in tl.static_range(0, XW, BLOCK):
-                cols = c0 + tl.arange(0, BLOCK)
-                if VEC:
-                    cols = tl.max_contiguous(tl.multiple_of(cols, 4), 4)
-                cm = cols < XW
-                v = tl.load(src_ptr + m[:, None] * XW + cols[None, :], mask=live[:, None] & cm[None, :])
+                v, cols, cm = _row_tile(src_ptr, m, live, c0, XW, BLOCK, VEC)
                 for k in tl.static_range(K):
                     r = tl.load(pair_row_ptr + m * K + k, mask=live, other=-1).to(tl.int64)
                     tl.store(out_ptr + r[:, None] * XW + cols[None, :], v, mask=(r >= 0)[:, None] & cm[None, :])
             m0 += num_row_progs * ROWS
     else:
-        e = pid - num_row_progs
-        start, count, acount = _segment(counts_ptr, e, num_experts, align, BLOCK_E)
-        lo = tl.minimum(start + count, rows)
-        hi = tl.minimum(start + acount, rows)
+        lo, hi = _padding_rows(counts_ptr, pid - num_row_progs, num_experts, align, rows, BLOCK_E)
         rr = tl.arange(0, ROWS)
         r0 = lo
         while r0 < hi:
             r = (r0 + rr).to(tl.int64)
-            live = r < hi
-            for c0 in tl.static_range(0, XW, BLOCK):
-                cols = c0 + tl.arange(0, BLOCK)
-                cm = cols < XW
-                tl.store(out_ptr + r[:, None] * XW + cols[None, :], tl.zeros([ROWS, BLOCK], tl.int32),
-                         mask=live[:, None] & cm[None, :])
+            _zero_tiles(out_ptr, r, r < hi, XW, ROWS, BLOCK)
             r0 += ROWS
 
 
@@ -330,20 +334,14 @@ def em_pad_kernel(out_x_ptr, out_s_ptr, row_src_ptr, row_w_ptr, counts_ptr, rows
     """Program ``e``: zero expert e's padding rows (``out_x`` words, scales) and give them ``row_src = -1``,
     ``row_w = 0``; the last program does the same for the meta of every row past the last segment."""
     e = tl.program_id(0)
-    start, count, acount = _segment(counts_ptr, e, num_experts, align, BLOCK_E)
-    lo = tl.minimum(start + count, rows)
-    hi = tl.minimum(start + acount, rows)
+    lo, hi = _padding_rows(counts_ptr, e, num_experts, align, rows, BLOCK_E)
     rr = tl.arange(0, ROWS)
     scols = tl.arange(0, BLOCK_S)
     r0 = lo
     while r0 < hi:
         r = (r0 + rr).to(tl.int64)
         live = r < hi
-        for c0 in tl.static_range(0, XW, BLOCK):
-            cols = c0 + tl.arange(0, BLOCK)
-            cm = cols < XW
-            tl.store(out_x_ptr + r[:, None] * XW + cols[None, :], tl.zeros([ROWS, BLOCK], tl.int32),
-                     mask=live[:, None] & cm[None, :])
+        _zero_tiles(out_x_ptr, r, live, XW, ROWS, BLOCK)
         if HAS_SCALES:
             tl.store(out_s_ptr + r[:, None] * NS + scols[None, :], tl.zeros([ROWS, BLOCK_S], tl.int32),
                      mask=live[:, None] & (scols < NS)[None, :])
