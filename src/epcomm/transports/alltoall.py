@@ -554,8 +554,8 @@ class AllToAllTransport(Transport):
         parts = [x] + ([req.topk_weights] if req.topk_weights is not None else [])
         if st.capacity:
             back = []
-            for t in parts:  # padded: row j of peer s goes back to slot j of s
-                gather = torch.where(st.recv_dst < st.num_rows, st.recv_dst, 0)
+            gather = torch.where(st.recv_dst < st.num_rows, st.recv_dst, 0)  # padded: row j of peer s goes back to
+            for t in parts:  # slot j of s
                 send = t.index_select(0, gather) if t.size(0) else torch.zeros(
                     num_ranks * st.capacity, t.size(1), dtype=t.dtype, device=dev)
                 recv = torch.empty(num_ranks * st.capacity, t.size(1), dtype=t.dtype, device=dev)
