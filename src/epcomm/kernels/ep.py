@@ -388,6 +388,21 @@ def dispatch_push_kernel(x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_
 
 
 @triton.jit
+def _row_records(meta_ptr, out_src_ptr, src0, dst0, i0, hi, W: tl.constexpr, ROWS: tl.constexpr):
+    """The copy-outs' step over rows ``i = i0 .. i0 + ROWS - 1`` below ``hi``: area row ``src0 + i`` is output row
+    ``dst0 + i``; stores its record's (source token, source rank) into ``out_src [M, 2]``. Returns ``(live, src,
+    dst, rec)`` (the mask, int64 area and output rows, record pointers)."""
+    i = i0 + tl.arange(0, ROWS)
+    live = i < hi
+    src = (src0 + i).to(tl.int64)
+    dst = (dst0 + i).to(tl.int64)
+    rec = meta_ptr + src * W
+    tl.store(out_src_ptr + dst * 2, tl.load(rec, mask=live), mask=live)
+    tl.store(out_src_ptr + dst * 2 + 1, tl.load(rec + 1, mask=live), mask=live)
+    return live, src, dst, rec
+
+
+@triton.jit
 def _copy_rows(area_ptr, meta_ptr, out_x_ptr, out_scales_ptr, out_idx_ptr, out_w_ptr, out_src_ptr, src0, dst0, lo,
                hi, step, XW: tl.constexpr, W: tl.constexpr, NS: tl.constexpr, K: tl.constexpr, ROWS: tl.constexpr,
                BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SCALES: tl.constexpr,
@@ -397,24 +412,13 @@ def _copy_rows(area_ptr, meta_ptr, out_x_ptr, out_scales_ptr, out_idx_ptr, out_w
     (source token, source rank), scales, int64 local top-k ids, float32 weights."""
     kcols = tl.arange(0, BLOCK_K)
     scols = tl.arange(0, BLOCK_S)
-    rr = tl.arange(0, ROWS)
     i0 = lo
     while i0 < hi:
-        i = i0 + rr
-        live = i < hi
-        src = (src0 + i).to(tl.int64)
-        dst = (dst0 + i).to(tl.int64)
+        live, src, dst, rec = _row_records(meta_ptr, out_src_ptr, src0, dst0, i0, hi, W, ROWS)
         if COPY_X:
             for c0 in tl.static_range(0, XW, BLOCK):
-                cols = c0 + tl.arange(0, BLOCK)
-                if VEC:
-                    cols = tl.max_contiguous(tl.multiple_of(cols, 4), 4)
-                m = live[:, None] & (cols < XW)[None, :]
-                v = tl.load(area_ptr + src[:, None] * XW + cols[None, :], mask=m)
-                tl.store(out_x_ptr + dst[:, None] * XW + cols[None, :], v, mask=m)
-        rec = meta_ptr + src * W
-        tl.store(out_src_ptr + dst * 2, tl.load(rec, mask=live), mask=live)
-        tl.store(out_src_ptr + dst * 2 + 1, tl.load(rec + 1, mask=live), mask=live)
+                v, cols, cm = _row_tile(area_ptr, src, live, c0, XW, BLOCK, VEC)
+                tl.store(out_x_ptr + dst[:, None] * XW + cols[None, :], v, mask=live[:, None] & cm[None, :])
         if HAS_SCALES:
             sm = live[:, None] & (scols < NS)[None, :]
             tl.store(out_scales_ptr + dst[:, None] * NS + scols[None, :],
@@ -442,19 +446,12 @@ def _copy_rows_em(area_ptr, meta_ptr, out_x_ptr, out_s_ptr, out_w_ptr, out_src_p
     (-1 for the other slots)."""
     kc = tl.arange(0, BLOCK_K)
     scols = tl.arange(0, BLOCK_S)
-    rr = tl.arange(0, ROWS)
     poff = 2 + NS + K
     if HAS_W:
         poff += K
     i0 = lo
     while i0 < hi:
-        i = i0 + rr
-        live = i < hi
-        src = (src0 + i).to(tl.int64)
-        dst = (dst0 + i).to(tl.int64)
-        rec = meta_ptr + src * W
-        tl.store(out_src_ptr + dst * 2, tl.load(rec, mask=live), mask=live)
-        tl.store(out_src_ptr + dst * 2 + 1, tl.load(rec + 1, mask=live), mask=live)
+        live, src, dst, rec = _row_records(meta_ptr, out_src_ptr, src0, dst0, i0, hi, W, ROWS)
         km = live[:, None] & (kc < K)[None, :]
         ids = tl.load(rec[:, None] + 2 + NS + kc[None, :], mask=km, other=-1)
         pidx = tl.load(rec[:, None] + poff + kc[None, :], mask=km, other=-1)
