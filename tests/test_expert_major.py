@@ -120,3 +120,56 @@ def test_one_sided_transport_strict_and_rounds(monkeypatch):
                  ExpertMajorCase(num_tokens=(3, 10), hidden=128, num_experts=8, topk=2, dtype="fp8",
                                  routing="dropped", expert_alignment=2, seed=8)]
     _run(2, P2PTransport, {"num_nvl_bytes": 2 * 3 * (256 + 64)}, case_list)
+
+
+def _one_rank_errors_worker(ctx):
+    """One rank, one-sided transport (the local placement: no exchange): inconsistent layouts and bad ids raise
+    at the call, naming the function and what to pass; a later good call still works."""
+    import torch
+
+    from epcomm import Buffer
+    from epcomm.transports.nvlink import NVLinkTransport
+
+    buf = Buffer(ctx.group, transport=NVLinkTransport)
+    x = torch.randn(6, 16).to(torch.bfloat16)
+    idx = torch.tensor([[0, 1], [1, 2], [-1, -1], [2, 0], [1, 3], [0, 2]])
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, 4)
+    kw = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+              topk_idx=idx, layout="expert_major", expert_alignment=4)
+    problems = []
+
+    def expect(label, fn, match):
+        try:
+            fn()
+            problems.append(f"{label}: no error")
+        except ValueError as e:
+            if not str(e).startswith("Buffer.dispatch:") or match not in str(e):
+                problems.append(f"{label}: message {str(e)!r} lacks {match!r}")
+
+    bad = per_expert.clone()
+    bad[1] -= 1
+    bad[2] += 1
+    expect("counts", lambda: buf.dispatch(x, **{**kw, "num_tokens_per_expert": bad}),
+           "num_tokens_per_expert does not match topk_idx")
+    expect("layout", lambda: buf.dispatch(x, **{**kw, "num_tokens_per_rank": per_rank + 1}),
+           "num_tokens_per_rank does not match is_token_in_rank")
+    other = in_rank.clone()
+    other[2] = True
+    expect("is_token_in_rank", lambda: buf.dispatch(x, **{**kw, "is_token_in_rank": other}),
+           "num_tokens_per_rank does not match is_token_in_rank")
+    wrong = idx.clone()
+    wrong[4, 1] = 9
+    expect("ids", lambda: buf.dispatch(x, **{**kw, "topk_idx": wrong}), "topk_idx has 1 entries outside [-1, 4)")
+    recv, offs, _, counts, handle, _ = buf.dispatch(x, **kw)
+    if counts != [4, 4, 4, 4] or offs.tolist() != [4, 8, 12, 16] or handle.num_recv_tokens != 5:
+        problems.append(f"good call: counts {counts}, offsets {offs.tolist()}, {handle.num_recv_tokens} tokens")
+    if handle.recv_src_idx.tolist() != [0, 1, 3, 4, 5]:
+        problems.append(f"received tokens {handle.recv_src_idx.tolist()}")
+    buf.destroy()
+    return problems
+
+
+def test_one_rank_one_sided_errors(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    problems = spawn(_one_rank_errors_worker, 1, device="cpu", timeout_s=120)[0]
+    assert not problems, problems

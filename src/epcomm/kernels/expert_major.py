@@ -112,6 +112,97 @@ def pair_rows_kernel(ids_ptr, counts_ptr, w_ptr, offs_ptr, pair_row_ptr, row_src
         _fill_meta(row_src_ptr, row_w_ptr, tl.minimum(start + tl.minimum(carry, count), rows), hi, HAS_W, BLOCK)
 
 
+LOCAL_HEAD = 8  # summary words of local_pairs_kernel before the per-expert counts
+_K_LOCAL_HEAD = tl.constexpr(LOCAL_HEAD)
+
+
+@triton.jit(do_not_specialize=["n", "rows", "cap"])
+def local_pairs_kernel(ids_ptr, counts_ptr, w_ptr, itr_ptr, per_rank_ptr, offs_ptr, pair_row_ptr, pair_row_t_ptr,
+                       row_src_ptr, row_w_ptr, recv_src_ptr, summary_ptr, deferred_ptr, n, rows, cap, num_experts,
+                       align, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                       HAS_W: tl.constexpr, DEFER: tl.constexpr):
+    """The expert-major placement of a one-rank group, where every valid pair is local. Program ``e`` (one per
+    expert) scans ``ids [N, K]`` (int64/int32 expert ids, -1: none) in (token, slot) order and gives its ``j``-th
+    match the row ``start_e + j`` of segments of aligned ``counts [E]`` (the layout's, int32). A token with any
+    valid slot is received, as ``m``, its rank among such tokens (``m < cap``). Writes ``pair_row [cap, K]`` (by
+    received token) and ``pair_row_t [N, K]`` (by token; what a permute of ``x`` reads), ``row_src[row] = m * K +
+    k``, ``row_w[row] = w[t, k]`` (``HAS_W``), ``offs [E]``, padding meta (``row_src = -1``, ``row_w = 0``) up to
+    ``rows``; program 0 writes -1 for the other slots, ``recv_src[m] = (t, 0)`` and the summary: ``[0]`` received
+    tokens, ``[1]`` ids outside ``[-1, E)``, ``[2]`` tokens where ``itr [N]`` (int8) or ``per_rank[0]``
+    disagrees with the ids, ``[3]`` pairs that found no row (counts that disagree with the ids, more than
+    ``rows``), ``[4]`` received tokens beyond ``cap``; ``[LOCAL_HEAD + e]`` the pairs expert ``e`` found.
+    ``DEFER``: the error words are also added to ``deferred[0]`` (calls without a host read)."""
+    e = tl.program_id(0)
+    start, count, acount = _segment(counts_ptr, e, num_experts, align, BLOCK_E)
+    end = start + acount
+    tl.store(offs_ptr + e, tl.minimum(end, rows).to(tl.int32))
+    tb = tl.arange(0, BLOCK_T)
+    kc = tl.arange(0, BLOCK_K)
+    km = kc < K
+    carry = tl.zeros([], tl.int32)  # this expert's pairs so far
+    mcarry = tl.zeros([], tl.int32)  # received tokens so far
+    over = tl.zeros([], tl.int32)
+    bad_ids = tl.zeros([], tl.int32)
+    bad_layout = tl.zeros([], tl.int32)
+    t0 = 0
+    while t0 < n:
+        t = t0 + tb
+        live = t < n
+        lk = live[:, None] & km[None, :]
+        v = tl.load(ids_ptr + t[:, None].to(tl.int64) * K + kc[None, :], mask=lk, other=-1)
+        valid = lk & (v >= 0) & (v < num_experts)
+        tok = tl.max(valid.to(tl.int32), axis=1)  # [BLOCK_T] 1 where the token has a valid slot
+        m = mcarry + tl.cumsum(tok, axis=0) - 1
+        match = lk & (v == e)
+        mi = match.to(tl.int32)
+        per_tok = tl.sum(mi, axis=1)
+        idx = carry + (tl.cumsum(per_tok, axis=0) - per_tok)[:, None] + tl.cumsum(mi, axis=1) - 1
+        row = start + idx
+        placed = match & (idx < count) & (m < cap)[:, None]
+        ok = placed & (row < rows)
+        prow = tl.where(ok, row, -1)
+        tl.store(pair_row_t_ptr + t[:, None].to(tl.int64) * K + kc[None, :], prow, mask=match)
+        tl.store(pair_row_ptr + m[:, None].to(tl.int64) * K + kc[None, :], prow, mask=match & (m < cap)[:, None])
+        tl.store(row_src_ptr + row, m[:, None] * K + kc[None, :], mask=ok)
+        if HAS_W:
+            tl.store(row_w_ptr + row, tl.load(w_ptr + t[:, None].to(tl.int64) * K + kc[None, :], mask=ok, other=0.0),
+                     mask=ok)
+        over += tl.sum(tl.sum((placed & (row >= rows)).to(tl.int32), axis=1), axis=0)
+        if e == 0:
+            other = lk & ~valid
+            keep = (m < cap)[:, None]
+            tl.store(pair_row_t_ptr + t[:, None].to(tl.int64) * K + kc[None, :], tl.full([BLOCK_T, BLOCK_K], -1,
+                     tl.int32), mask=other)
+            tl.store(pair_row_ptr + m[:, None].to(tl.int64) * K + kc[None, :], tl.full([BLOCK_T, BLOCK_K], -1,
+                     tl.int32), mask=other & keep & (tok > 0)[:, None])
+            got = live & (tok > 0) & (m < cap)
+            tl.store(recv_src_ptr + m.to(tl.int64) * 2, t, mask=got)
+            tl.store(recv_src_ptr + m.to(tl.int64) * 2 + 1, tl.zeros([BLOCK_T], tl.int32), mask=got)
+            bad_ids += tl.sum(tl.sum((lk & ((v < -1) | (v >= num_experts))).to(tl.int32), axis=1), axis=0)
+            in_rank = tl.load(itr_ptr + t, mask=live, other=0) != 0
+            bad_layout += tl.sum((live & (in_rank != (tok > 0))).to(tl.int32), axis=0)
+        carry += tl.sum(per_tok, axis=0)
+        mcarry += tl.sum(tok, axis=0)
+        t0 += BLOCK_T
+    lost = tl.abs(carry - count) + over
+    tl.store(summary_ptr + _K_LOCAL_HEAD + e, carry)
+    if lost > 0:
+        tl.atomic_add(summary_ptr + 3, lost)
+        if DEFER:
+            tl.atomic_add(deferred_ptr, lost)
+    if e == 0:
+        bad_layout += (mcarry != tl.load(per_rank_ptr)).to(tl.int32)
+        beyond = tl.maximum(mcarry - cap, 0)
+        tl.store(summary_ptr, mcarry)
+        tl.store(summary_ptr + 1, bad_ids)
+        tl.store(summary_ptr + 2, bad_layout)
+        tl.store(summary_ptr + 4, beyond)
+        if DEFER:
+            tl.atomic_add(deferred_ptr, bad_ids + bad_layout + beyond)
+    hi = tl.where(e == num_experts - 1, rows, tl.minimum(end, rows))
+    _fill_meta(row_src_ptr, row_w_ptr, tl.minimum(start + tl.minimum(carry, count), rows), hi, HAS_W, 256)
+
+
 @triton.jit
 def _padding_rows(counts_ptr, e, num_experts, align, rows, BLOCK_E: tl.constexpr):
     """Expert ``e``'s padding rows ``[lo, hi)`` in an expert-major layout of ``rows`` rows."""
@@ -376,6 +467,24 @@ def launch_pair_rows(ids: torch.Tensor, counts: torch.Tensor, weights: Optional[
            row_src if write else pair_row, row_w if has_w else counts, err, ids.numel(), rows, e, align,
            HAS_W=has_w, WRITE_ROWS=write, BLOCK=1024, BLOCK_E=max(16, next_pow2(e)), LOCAL_INDEX=local_index,
            num_warps=4)
+
+
+def launch_local_pairs(ids: torch.Tensor, counts: torch.Tensor, weights: Optional[torch.Tensor], itr: torch.Tensor,
+                       per_rank: torch.Tensor, offs: torch.Tensor, pair_row: torch.Tensor, pair_row_t: torch.Tensor,
+                       row_src: torch.Tensor, row_w: Optional[torch.Tensor], recv_src: torch.Tensor,
+                       summary: torch.Tensor, deferred: Optional[torch.Tensor], rows: int, align: int) -> None:
+    """``local_pairs_kernel``: ``ids [N, K]``, ``counts [E]`` int32, ``weights [N, K]`` float32 or None, ``itr
+    [N]`` int8/bool, ``per_rank [1]`` int32; writes ``offs [E]``, ``pair_row [cap, K]``, ``pair_row_t [N, K]``,
+    ``row_src [rows]``, ``row_w [rows]``, ``recv_src [cap, 2]`` (int32) and ``summary [LOCAL_HEAD + E]`` int32
+    (zeroed by the caller); with ``deferred`` (int32 ``[1]``) the errors are added to it as well."""
+    n, k = ids.shape
+    e = counts.numel()
+    has_w = weights is not None
+    launch(local_pairs_kernel, (e,), ids, counts, weights if has_w else counts, itr.view(torch.int8), per_rank, offs,
+           pair_row, pair_row_t, row_src, row_w if has_w else counts, recv_src, summary,
+           deferred if deferred is not None else summary, n, rows, pair_row.size(0), e, align, K=k,
+           BLOCK_K=max(2, next_pow2(k)), BLOCK_T=max(16, 4096 // next_pow2(k)), BLOCK_E=max(16, next_pow2(e)), HAS_W=has_w,
+           DEFER=deferred is not None, num_warps=8)
 
 
 def launch_permute(src: torch.Tensor, pair_row: torch.Tensor, out: torch.Tensor, counts: torch.Tensor,

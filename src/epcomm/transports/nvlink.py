@@ -20,6 +20,8 @@ Normal dispatch (``epcomm.kernels.ep``):
      call being captured) is split into rounds over token ranges; each round begins with a barrier.
 Expert-major dispatch (``layout="expert_major"``): the same steps with the pair indices in the records
 (``epcomm.kernels.expert_major``): the receiving programs store every row straight into its expert-major rows.
+On a one-rank group nothing travels: ``local_pairs_kernel`` places the pairs from the layout's counts and a permute
+copies the rows (no exchange, no symmetric memory); its combine is the local weighted reduction alone.
 Combine: per round one launch of ``combine_push``, which passes a barrier, returns every row to its source
 rank's area (rows a rank sends itself stay where they are; up to ``NARROW_RANKS`` ranks each program pushes
 one contiguous slice of the rows, so it writes to one or two peers, and above that each program takes a slice
@@ -108,6 +110,13 @@ class _NVLinkState:
         if self.max_pair <= fit:
             return _Rounds(max(self.max_pair, 1), 1)
         return _Rounds(fit, _ceil_div(self.num_tokens_max, fit))
+
+
+@dataclass(frozen=True)
+class _LocalState:
+    """What a one-rank expert-major dispatch leaves for its combine and cached dispatches."""
+
+    pair_row_t: torch.Tensor  # [N, K] int32 the expert-major row of every (token, slot), -1: none
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -375,6 +384,8 @@ class NVLinkTransport(Transport):
 
         if req.handle is not None:
             return self._cached_dispatch_expert_major(req)
+        if self.num_ranks == 1 and req.known is None:
+            return self._local_dispatch_expert_major(req)
         num_ranks, x, dev = self.num_ranks, req.x, self.device
         n, k, align = x.size(0), req.topk_idx.size(1), req.expert_alignment
         # sender: each pair's index among this rank's pairs of its expert (launched before the exchange's host read:
@@ -629,6 +640,8 @@ class NVLinkTransport(Transport):
         expert-major rows again (the first dispatch's top-k ids, pair indices and placement table, kept in the
         handle), as the first dispatch did; no rank-major copy and no permute."""
         h: DispatchHandle = req.handle
+        if isinstance(h.state, _LocalState):
+            return self._local_cached_dispatch(req)
         st: _NVLinkState = h.state
         dev, x, rows = self.device, req.x, h.num_recv_rows
         k, m = h.num_topk, h.num_recv_tokens
@@ -643,6 +656,101 @@ class NVLinkTransport(Transport):
             st.em_base, st.em_pidx, h.num_recv_tokens_per_expert, h.expert_alignment)
         self._run_dispatch(plan_req, h.is_token_in_rank, st, None, m, h.num_worst_tokens, em=targets)
         return DispatchResult(recv_x, recv_scales, None, None, None, h)
+
+    # ------------------------------------------------------------------ one rank, expert-major: nothing travels
+    def _local_dispatch_expert_major(self, req: DispatchRequest) -> DispatchResult:
+        """The expert-major dispatch of a one-rank group, where every valid pair is local and nothing travels: no
+        exchange, no symmetric memory. ``local_pairs_kernel`` places the pairs from the layout's counts and checks
+        them, a permute copies each token's row to its rows (padding zeroed); the host then reads the summary once
+        (exact mode: the outputs are made for the bound ``N * K + E * (A - 1)`` rows and cut to the real count;
+        ``num_worst_tokens``: no read, errors deferred). Its combine is the local reduction alone
+        (``combine_expert_major``), its cached dispatches the permute alone."""
+        from ..core.layout import expert_major_rows
+        from ..kernels.expert_major import LOCAL_HEAD, launch_local_pairs
+
+        fn = "Buffer.dispatch"
+        x, scales, dev, align, worst = req.x, req.x_scales, self.device, req.expert_alignment, req.num_worst_tokens
+        n, k = req.topk_idx.shape
+        e = req.num_experts
+        rows, cap = (expert_major_rows(worst, e, align), worst) if worst else (n * k + e * (align - 1), n)
+        summary = torch.zeros(LOCAL_HEAD + e, dtype=torch.int32, device=dev)
+        offs = torch.empty(e, dtype=torch.int32, device=dev)
+        pair_row = (torch.full if worst else _empty)((cap, k), -1, dtype=torch.int32, device=dev)
+        recv_src = (torch.full if worst else _empty)((cap, 2), -1, dtype=torch.int32, device=dev)
+        pair_row_t = torch.empty(n, k, dtype=torch.int32, device=dev)
+        row_src = torch.empty(rows, dtype=torch.int32, device=dev)
+        row_w = torch.empty(rows, dtype=torch.float32, device=dev) if req.topk_weights is not None else None
+        launch_local_pairs(req.topk_idx, req.num_tokens_per_expert, req.topk_weights, req.is_token_in_rank,
+                           req.num_tokens_per_rank, offs, pair_row, pair_row_t, row_src, row_w, recv_src, summary,
+                           self.deferred if worst else None, rows, align)
+        recv_x, recv_scales = self._local_permute(x, scales, pair_row_t, rows, req.num_tokens_per_expert, align)
+        counts = summary[LOCAL_HEAD:]
+        if worst:
+            num_recv, per_expert_list, sent = worst, [], None
+        else:
+            host = host_list(summary, fn, f"rank {self.rank}: the expert-major placement", backstop_s())
+            num_recv, bad_topk, bad_layout, lost = host[:4]
+            raise_if_bad_topk(fn, bad_topk, e)
+            if bad_layout:
+                raise ValueError(f"{fn}: num_tokens_per_rank does not match is_token_in_rank; pass both from the "
+                                 f"same get_dispatch_layout call")
+            if lost:
+                raise ValueError(f"{fn}: num_tokens_per_expert does not match topk_idx ({lost} pairs found no row); "
+                                 f"pass both from the same get_dispatch_layout call")
+            per_expert_list = [align_up(c, align) for c in host[LOCAL_HEAD:]]
+            rows = sum(per_expert_list)
+            recv_x, row_src, pair_row, recv_src = recv_x[:rows], row_src[:rows], pair_row[:num_recv], recv_src[:num_recv]
+            recv_scales = recv_scales[:rows] if recv_scales is not None else None
+            row_w = row_w[:rows] if row_w is not None else None
+            sent = (num_recv,)
+        handle = DispatchHandle(
+            buffer_id=self.buffer_id, transport=self.name, num_ranks=1, num_experts=e, num_tokens=n, hidden=x.size(1),
+            is_token_in_rank=req.is_token_in_rank, num_tokens_per_rank=sent, num_recv_tokens=num_recv,
+            num_recv_tokens_per_rank=sent, num_recv_tokens_per_expert=counts, recv_src_rank=recv_src[:, 1],
+            recv_src_idx=recv_src[:, 0], num_worst_tokens=worst, state=_LocalState(pair_row_t),
+            layout="expert_major", expert_alignment=align, num_recv_rows=rows, num_topk=k, expert_offsets=offs,
+            recv_pair_row=pair_row, recv_row_src=row_src, recv_row_weights=row_w)
+        return DispatchResult(recv_x, recv_scales, offs, row_w, per_expert_list, handle)
+
+    def _local_permute(self, x, scales, pair_row_t, rows: int, counts, align: int) -> tuple:
+        """``(recv_x [rows, H], recv_scales or None)``: the rows of ``x`` (and scales) at ``pair_row_t``, padding
+        rows of the segments of ``counts`` zeroed."""
+        from ..kernels.expert_major import launch_permute
+
+        recv_x = torch.empty(rows, x.size(1), dtype=x.dtype, device=self.device)
+        recv_scales = (torch.empty(rows, scales.size(1), dtype=scales.dtype, device=self.device)
+                       if scales is not None else None)
+        if x.size(0) and rows:
+            launch_permute(x.contiguous(), pair_row_t, recv_x, counts, align)
+            if scales is not None:
+                launch_permute(scales.contiguous(), pair_row_t, recv_scales, counts, align)
+        return recv_x, recv_scales
+
+    def _local_cached_dispatch(self, req: DispatchRequest) -> DispatchResult:
+        h: DispatchHandle = req.handle
+        recv_x, recv_scales = self._local_permute(req.x, req.x_scales, h.state.pair_row_t, h.num_recv_rows,
+                                                  h.num_recv_tokens_per_expert, h.expert_alignment)
+        return DispatchResult(recv_x, recv_scales, None, None, None, h)
+
+    def combine_expert_major(self, req: CombineRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """One rank (a handle of ``_local_dispatch_expert_major``): the local reduction by token, straight into the
+        output without bias (what the rank-major combine of the one partial returns, bit for bit: ``+0.0 +
+        float(partial)`` is the partial, never -0.0), with biases added by the ordered reduction of that one row;
+        other handles: the reduction and the rank-major combine of its partials (``Transport.combine_expert_major``)."""
+        h: DispatchHandle = req.handle
+        if not isinstance(h.state, _LocalState):
+            return super().combine_expert_major(req)
+        from ..kernels.expert_major import launch_expert_reduce
+        from ..kernels.reduce import reduce_rows
+
+        n, dev = h.num_tokens, self.device
+        out = torch.empty(n, req.x.size(1), dtype=req.x.dtype, device=dev)
+        values = torch.empty(n, h.num_topk, dtype=torch.float32, device=dev) if req.topk_weights is not None else None
+        partial = torch.empty_like(out) if req.bias else out
+        launch_expert_reduce(req.x.contiguous(), h.state.pair_row_t, req.row_weights, req.topk_weights, partial, values)
+        if req.bias:
+            reduce_rows(partial, torch.arange(n, dtype=torch.int32, device=dev).view(n, 1), req.bias, out=out)
+        return out, values
 
     def combine(self, req: CombineRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         from ..kernels.reduce import OwnRows
