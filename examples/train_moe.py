@@ -124,16 +124,17 @@ def _sync(dev):
 
 
 def _layer_stats(moe) -> dict:
-    """Sizes of the last normal-mode dispatch on this rank: received tokens M, (token, expert) pairs P, padded
-    pairs P' (each expert's group rounded up to the grouped GEMM's alignment) and the groups' ends."""
+    """Sizes of the last normal-mode dispatch on this rank: received tokens M (rows with a source: a sync-free
+    dispatch's spare rows excluded), (token, expert) pairs P, padded pairs P' (each expert's group rounded up to the
+    grouped GEMM's alignment) and the groups' ends."""
     from epcomm.layers.experts import ALIGN
 
     h = moe.last_handle
     counts = h.num_recv_tokens_per_expert.long()
     aligned = (counts + ALIGN - 1) // ALIGN * ALIGN
     offs = torch.cumsum(aligned, 0).to(torch.int32)
-    return {"recv_tokens": h.num_recv_tokens, "pairs": int(counts.sum()), "padded_pairs": int(aligned.sum()),
-            "offs": offs}
+    return {"recv_tokens": int((h.recv_src_rank >= 0).sum()), "pairs": int(counts.sum()),
+            "padded_pairs": int(aligned.sum()), "offs": offs}
 
 
 def _gemms_alone(ctx, args, moe, stats, gen) -> dict:

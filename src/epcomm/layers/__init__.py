@@ -62,7 +62,10 @@ Paths and their rules
 * The path (normal or low-latency) must be the same on every rank: ``mode=None`` agrees on it with one
   all-reduce of the batch sizes (a host sync); pass ``mode`` explicitly in decode loops and CUDA graphs.
 * The low-latency path never synchronises with the host (CUDA-graph capturable with a capturable
-  transport); the normal path makes one host sync in the dispatch (exact receive sizes).
+  transport); the normal path makes one host sync in the dispatch (exact receive sizes), except on one rank
+  with the grouped GEMM and the expert-major layout: every pair is local there, so ``N * K`` bounds the rows
+  exactly and the dispatch runs with ``num_worst_tokens`` (no host sync: the host issues the step ahead of the
+  GPU; a bad expert id in given routing is then a deferred error of the Buffer, raised by its next call).
 * Precision: normal mode sums in float32 and rounds once per rank and once after the combine (in slot
   order on each rank, then in rank order: ``epcomm.reference.expert_major_combine``); the
   low-latency combine is bfloat16 by design (DeepEP's too): the expert outputs are rounded to bfloat16 and

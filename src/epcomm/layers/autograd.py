@@ -123,14 +123,15 @@ class _Combine(torch.autograd.Function):
 
 class _ExpertMajorDispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, topk_weights, state: CallState, topk_idx, layout, fp8: bool, alignment: int):
+    def forward(ctx, x, topk_weights, state: CallState, topk_idx, layout, fp8: bool, alignment: int, worst: int):
         per_rank, per_expert, in_rank = layout
         payload = per_token_cast_to_fp8(x) if fp8 else x.contiguous()
         with state.timer.phase("dispatch"), actionable(state, "dispatch"):
             recv, _, row_w, counts, handle, _ = state.buffer.dispatch(
                 payload, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                 topk_idx=topk_idx, topk_weights=topk_weights.detach().float().contiguous(),
-                expert_alignment=alignment, config=state.dispatch_config, layout="expert_major")
+                expert_alignment=alignment, num_worst_tokens=worst, config=state.dispatch_config,
+                layout="expert_major")
         recv_x = per_token_cast_back(recv[0], recv[1], x.dtype) if fp8 else recv
         state.handle, state.counts = handle, counts
         ctx.state, ctx.x_dtype = state, x.dtype
@@ -148,7 +149,7 @@ class _ExpertMajorDispatch(torch.autograd.Function):
         with state.timer.phase("bwd_combine"), actionable(state, "backward of dispatch (a combine)"):
             grad_x, grad_topk_w, _ = state.buffer.combine(grad_recv_x.contiguous(), h, topk_weights=values,
                                                           weighted=False, config=state.combine_config)
-        return grad_x.to(ctx.x_dtype), grad_topk_w, None, None, None, None, None
+        return grad_x.to(ctx.x_dtype), grad_topk_w, None, None, None, None, None, None
 
 
 class _WeightedCombine(torch.autograd.Function):
@@ -195,8 +196,8 @@ class _WeightedCombine(torch.autograd.Function):
         return None, grad_w, grad_act, grad_w2, None, None, None
 
 
-def expert_major_dispatch(x, topk_weights, state, topk_idx, layout, fp8, alignment):
-    return _ExpertMajorDispatch.apply(x, topk_weights, state, topk_idx, layout, fp8, alignment)
+def expert_major_dispatch(x, topk_weights, state, topk_idx, layout, fp8, alignment, num_worst_tokens=0):
+    return _ExpertMajorDispatch.apply(x, topk_weights, state, topk_idx, layout, fp8, alignment, num_worst_tokens)
 
 
 def weighted_combine(expert_out, row_weights, state, async_finish, act=None, w2=None, down_backward=None):

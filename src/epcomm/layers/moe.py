@@ -278,7 +278,11 @@ class MoE(nn.Module):
             per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, c.num_experts)
         layout = (per_rank, per_expert, in_rank)
         if c.normal_layout == "expert_major":
-            recv_x, row_w = ag.expert_major_dispatch(x, topk_weights, state, topk_idx, layout, c.fp8_dispatch, ALIGN)
+            # one rank with the grouped GEMM: every pair is local, so N * K bounds the rows exactly and the dispatch
+            # runs without a host synchronisation (num_worst_tokens): the host issues the step ahead of the GPU
+            worst = x.size(0) * c.topk if self.num_ranks == 1 and self.grouped_gemm else 0
+            recv_x, row_w = ag.expert_major_dispatch(x, topk_weights, state, topk_idx, layout, c.fp8_dispatch, ALIGN,
+                                                     worst)
             offsets, counts, grouped = state.handle.expert_offsets, state.counts, self.grouped_gemm
 
             def down_backward(g, act_w, w2, need_w2):
