@@ -76,6 +76,14 @@ class StreamOrder:
             stream.wait_stream(last)
         self._stream = stream
 
+    def enter_current(self, device_index: int) -> None:
+        """``enter(torch.cuda.current_stream(device_index))``, without making a Stream object (host time on every
+        call) when the current stream is the previous call's."""
+        last = self._stream
+        if last is not None and last.cuda_stream == torch._C._cuda_getCurrentRawStream(device_index):
+            return
+        self.enter(torch.cuda.current_stream(device_index))
+
 
 def _capturing(stream: torch.cuda.Stream) -> bool:
     with torch.cuda.stream(stream):
@@ -106,15 +114,16 @@ class StreamScope:
         self.previous_event = previous_event
         self.async_finish = async_finish
         self.allocate_on_comm_stream = allocate_on_comm_stream
-        self.compute_stream = torch.cuda.current_stream() if comm_stream is not None else None
+        self.compute_stream = torch.cuda.current_stream() if self.comm_stream is not None else None
+        self._device = comm_stream.device_index if comm_stream is not None else None
         self._order = order
         self._check = check
         self._ctx = None
 
     def __enter__(self) -> "StreamScope":
         if self.comm_stream is None:
-            if self._order is not None and self.compute_stream is not None:
-                self._order.enter(self.compute_stream)
+            if self._order is not None and self._device is not None:
+                self._order.enter_current(self._device)
             return self
         waited = None
         if self.previous_event is not None and self.previous_event.event is not None:
