@@ -1,6 +1,6 @@
-"""Every Triton kernel the one-sided and portable transports launch (normal and low-latency mode) also
-compiles for sm_90 with its GPU-only branches on: the interpreter suites cannot see compiler-only errors
-(`epcomm.testing.compile_check`). CPU only: Triton ships the compiler and ptxas."""
+"""Every Triton kernel the one-sided and portable transports launch (normal and low-latency mode, and a one-rank
+group's expert-major placement) also compiles for sm_90 with its GPU-only branches on: the interpreter suites cannot
+see compiler-only errors (`epcomm.testing.compile_check`). CPU only: Triton ships the compiler and ptxas."""
 
 import pytest
 
@@ -48,6 +48,12 @@ def _record(ctx):
     from epcomm.transports.nvlink import NVLinkTransport
 
     launches = []
+    if ctx.world_size == 1:  # a one-rank group's expert-major dispatch: the local placement and permute
+        with record_launches(launches):
+            problems = run_cases(ctx, CASES[5:], NVLinkTransport, {"num_nvl_bytes": 1 << 20})
+        assert not problems, problems
+        assert any(n == "local_pairs_kernel" for _, n, _, _ in launches), "no one-rank placement launch"
+        return launches
     with record_launches(launches):
         problems = run_cases(ctx, CASES, NVLinkTransport, {"num_nvl_bytes": 1 << 20})
         problems += run_cases(ctx, CASES[:3] + CASES[5:], AllToAllTransport, {})
@@ -65,7 +71,8 @@ def _compile(ctx, launches):
 
 def test_kernels_compile_for_sm90(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    launches = [launch for rank in spawn(_record, 2, device="cpu", timeout_s=600) for launch in rank]
+    launches = [launch for world in (2, 1) for rank in spawn(_record, world, device="cpu", timeout_s=600)
+                for launch in rank]
     assert len({(m, n) for m, n, _, _ in launches}) >= 8, "too few distinct kernels were launched"
     # above 4 ranks the combine push interleaves its peers: compile that variant too, in and out of rounds
     launches += [(m, n, a, dict(kw, INTERLEAVE=True, SINGLE_ROUND=single)) for m, n, a, kw in launches
