@@ -260,7 +260,7 @@ class Buffer:
         def recv_hook() -> None:
             self._alive(fn)
             if self._comm_stream is not None:
-                self._order.enter(torch.cuda.current_stream())
+                self._order.enter_current(self._comm_stream.device_index)
             hook()
             self._errors.refresh()
             self._alive(fn)
