@@ -76,29 +76,20 @@ def actionable(state: CallState, what: str):
 
 
 # ---------------------------------------------------------------------------------------------- normal mode
-def _dispatch_forward(ctx, x, topk_weights, state: CallState, topk_idx, layout, fp8: bool, **kwargs) -> tuple:
-    """The forward of both dispatch Functions: ``Buffer.dispatch`` of ``x`` (cast to FP8 with ``fp8``, cast back
-    after) with the layer's layout and ``kwargs``; returns ``(recv_x, the dispatch's result tuple)`` and leaves the
-    handle and counts in ``state``."""
-    per_rank, per_expert, in_rank = layout
-    payload = per_token_cast_to_fp8(x) if fp8 else x.contiguous()
-    with state.timer.phase("dispatch"), actionable(state, "dispatch"):
-        res = state.buffer.dispatch(payload, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                                    num_tokens_per_expert=per_expert, topk_idx=topk_idx,
-                                    topk_weights=topk_weights.detach().float().contiguous(),
-                                    config=state.dispatch_config, **kwargs)
-    recv = res[0]
-    state.handle, state.counts = res[4], res[3]
-    ctx.state, ctx.x_dtype = state, x.dtype
-    return (per_token_cast_back(recv[0], recv[1], x.dtype) if fp8 else recv), res
-
-
 class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_weights, state: CallState, topk_idx, layout, fp8: bool):
-        recv_x, res = _dispatch_forward(ctx, x, topk_weights, state, topk_idx, layout, fp8)
-        state.recv_topk_idx = res[1]
-        return recv_x, res[2]
+        per_rank, per_expert, in_rank = layout
+        payload = per_token_cast_to_fp8(x) if fp8 else x.contiguous()
+        with state.timer.phase("dispatch"), actionable(state, "dispatch"):
+            recv, recv_idx, recv_w, counts, handle, _ = state.buffer.dispatch(
+                payload, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                topk_idx=topk_idx, topk_weights=topk_weights.detach().float().contiguous(),
+                config=state.dispatch_config)
+        recv_x = per_token_cast_back(recv[0], recv[1], x.dtype) if fp8 else recv
+        state.handle, state.recv_topk_idx, state.counts = handle, recv_idx, counts
+        ctx.state, ctx.x_dtype = state, x.dtype
+        return recv_x, recv_w
 
     @staticmethod
     def backward(ctx, grad_recv_x, grad_recv_w):
@@ -133,9 +124,18 @@ class _Combine(torch.autograd.Function):
 class _ExpertMajorDispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_weights, state: CallState, topk_idx, layout, fp8: bool, alignment: int, worst: int):
-        recv_x, res = _dispatch_forward(ctx, x, topk_weights, state, topk_idx, layout, fp8,
-                                        expert_alignment=alignment, num_worst_tokens=worst, layout="expert_major")
-        return recv_x, res[2]  # the row weights
+        per_rank, per_expert, in_rank = layout
+        payload = per_token_cast_to_fp8(x) if fp8 else x.contiguous()
+        with state.timer.phase("dispatch"), actionable(state, "dispatch"):
+            recv, _, row_w, counts, handle, _ = state.buffer.dispatch(
+                payload, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                topk_idx=topk_idx, topk_weights=topk_weights.detach().float().contiguous(),
+                expert_alignment=alignment, num_worst_tokens=worst, config=state.dispatch_config,
+                layout="expert_major")
+        recv_x = per_token_cast_back(recv[0], recv[1], x.dtype) if fp8 else recv
+        state.handle, state.counts = handle, counts
+        ctx.state, ctx.x_dtype = state, x.dtype
+        return recv_x, row_w
 
     @staticmethod
     def backward(ctx, grad_recv_x, grad_row_w):
