@@ -109,6 +109,15 @@ def raise_if_bad_topk(fn: str, bad: int, num_experts: int) -> None:
                          f"[0, num_experts) and -1 marks an unused slot")
 
 
+def raise_if_bad_routing(fn: str, bad_topk: int, bad_layout: int, num_experts: int) -> None:
+    """The dispatch's host checks of what its kernels counted: expert ids outside ``[-1, num_experts)``, then a
+    ``num_tokens_per_rank`` that disagrees with ``is_token_in_rank``."""
+    raise_if_bad_topk(fn, bad_topk, num_experts)
+    if bad_layout:
+        raise ValueError(f"{fn}: num_tokens_per_rank does not match is_token_in_rank; pass both from the same "
+                         f"get_dispatch_layout call")
+
+
 def check_expert_stats(fn: str, stats, num_local_experts: int, device: torch.device) -> None:
     """A cumulative per-local-expert counter: a contiguous ``[num_local_experts]`` int32 tensor on ``device``."""
     if (not isinstance(stats, torch.Tensor) or stats.dtype != torch.int32 or stats.shape != (num_local_experts,)

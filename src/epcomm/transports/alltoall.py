@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from ..core.handles import DispatchHandle, LowLatencyHandle
 from ..core.layout import align_up, low_latency_pair_capacity
-from ..core.validate import check_precast, raise_if_bad_topk
+from ..core.validate import check_precast, raise_if_bad_routing
 from ..errors import EpcommError
 from ..fp8 import FP8_DTYPE, pack_ue8m0, per_token_cast_to_fp8
 from ..kernels import triton_available
@@ -223,10 +223,7 @@ class AllToAllTransport(Transport):
             for kind, message in self._describe_errors(list(error_words)):
                 self.errors.record(kind, message)
             raise self.errors.error("Buffer.dispatch")
-        raise_if_bad_topk("Buffer.dispatch", bad_topk, num_experts)
-        if bad_layout:
-            raise ValueError("Buffer.dispatch: num_tokens_per_rank does not match is_token_in_rank; pass both from "
-                             "the same get_dispatch_layout call")
+        raise_if_bad_routing("Buffer.dispatch", bad_topk, bad_layout, num_experts)
 
     def checks_topk(self, x: torch.Tensor, num_worst_tokens: int) -> bool:
         # the GPU path's plan kernel counts invalid ids and the host raises at the one synchronisation

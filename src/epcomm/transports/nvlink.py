@@ -45,7 +45,7 @@ from .. import env
 from ..core.config import NARROW_RANKS, model_num_sms
 from ..core.handles import DispatchHandle
 from ..core.layout import align_up
-from ..core.validate import raise_if_bad_topk
+from ..core.validate import raise_if_bad_routing
 from ..kernels.launch import launch, next_pow2
 from ..errors import BufferTooSmallError, EpcommError
 from .device_errors import LOW_LATENCY, NORMAL, DeviceErrors
@@ -475,10 +475,7 @@ class NVLinkTransport(Transport):
             if msg:
                 self.errors.record(NORMAL, msg)
                 raise self.errors.error(fn)
-            raise_if_bad_topk(fn, bad_topk, req.num_experts)
-            if bad_layout:
-                raise ValueError(f"{fn}: num_tokens_per_rank does not match is_token_in_rank; pass both from the "
-                                 f"same get_dispatch_layout call")
+            raise_if_bad_routing(fn, bad_topk, bad_layout, req.num_experts)
             per_expert_list = ([align_up(c, req.expert_alignment) for c in host[SUMMARY_HEAD + 3 * num_ranks:
                                                                                  SUMMARY_HEAD + 3 * num_ranks + e_local]]
                                if req.num_tokens_per_expert is not None else [])
@@ -690,10 +687,7 @@ class NVLinkTransport(Transport):
         else:
             host = host_list(summary, fn, f"rank {self.rank}: the expert-major placement", backstop_s())
             num_recv, bad_topk, bad_layout, lost = host[:4]
-            raise_if_bad_topk(fn, bad_topk, e)
-            if bad_layout:
-                raise ValueError(f"{fn}: num_tokens_per_rank does not match is_token_in_rank; pass both from the "
-                                 f"same get_dispatch_layout call")
+            raise_if_bad_routing(fn, bad_topk, bad_layout, e)
             if lost:
                 raise ValueError(f"{fn}: num_tokens_per_expert does not match topk_idx ({lost} pairs found no row); "
                                  f"pass both from the same get_dispatch_layout call")
