@@ -680,7 +680,7 @@ class NVLinkTransport(Transport):
         launch_local_pairs(req.topk_idx, req.num_tokens_per_expert, req.topk_weights, req.is_token_in_rank,
                            req.num_tokens_per_rank, offs, pair_row, pair_row_t, row_src, row_w, recv_src, summary,
                            self.deferred if worst else None, rows, align)
-        recv_x, recv_scales = self._local_permute(x, scales, pair_row_t, rows, req.num_tokens_per_expert, align)
+        recv_x, recv_scales = _permuted(x, scales, pair_row_t, rows, req.num_tokens_per_expert, align)
         counts = summary[LOCAL_HEAD:]
         if worst:
             num_recv, per_expert_list, sent = worst, [], None
@@ -693,9 +693,9 @@ class NVLinkTransport(Transport):
                                  f"pass both from the same get_dispatch_layout call")
             per_expert_list = [align_up(c, align) for c in host[LOCAL_HEAD:]]
             rows = sum(per_expert_list)
-            recv_x, row_src, pair_row, recv_src = recv_x[:rows], row_src[:rows], pair_row[:num_recv], recv_src[:num_recv]
+            recv_x, row_src, row_w = recv_x[:rows], row_src[:rows], row_w[:rows] if row_w is not None else None
+            pair_row, recv_src = pair_row[:num_recv], recv_src[:num_recv]
             recv_scales = recv_scales[:rows] if recv_scales is not None else None
-            row_w = row_w[:rows] if row_w is not None else None
             sent = (num_recv,)
         handle = DispatchHandle(
             buffer_id=self.buffer_id, transport=self.name, num_ranks=1, num_experts=e, num_tokens=n, hidden=x.size(1),
@@ -706,24 +706,10 @@ class NVLinkTransport(Transport):
             recv_pair_row=pair_row, recv_row_src=row_src, recv_row_weights=row_w)
         return DispatchResult(recv_x, recv_scales, offs, row_w, per_expert_list, handle)
 
-    def _local_permute(self, x, scales, pair_row_t, rows: int, counts, align: int) -> tuple:
-        """``(recv_x [rows, H], recv_scales or None)``: the rows of ``x`` (and scales) at ``pair_row_t``, padding
-        rows of the segments of ``counts`` zeroed."""
-        from ..kernels.expert_major import launch_permute
-
-        recv_x = torch.empty(rows, x.size(1), dtype=x.dtype, device=self.device)
-        recv_scales = (torch.empty(rows, scales.size(1), dtype=scales.dtype, device=self.device)
-                       if scales is not None else None)
-        if x.size(0) and rows:
-            launch_permute(x.contiguous(), pair_row_t, recv_x, counts, align)
-            if scales is not None:
-                launch_permute(scales.contiguous(), pair_row_t, recv_scales, counts, align)
-        return recv_x, recv_scales
-
     def _local_cached_dispatch(self, req: DispatchRequest) -> DispatchResult:
         h: DispatchHandle = req.handle
-        recv_x, recv_scales = self._local_permute(req.x, req.x_scales, h.state.pair_row_t, h.num_recv_rows,
-                                                  h.num_recv_tokens_per_expert, h.expert_alignment)
+        recv_x, recv_scales = _permuted(req.x, req.x_scales, h.state.pair_row_t, h.num_recv_rows,
+                                        h.num_recv_tokens_per_expert, h.expert_alignment)
         return DispatchResult(recv_x, recv_scales, None, None, None, h)
 
     def combine_expert_major(self, req: CombineRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -846,6 +832,15 @@ class P2PTransport(NVLinkTransport):
     name = "p2p"
     link_gbps = 25.0  # PCIe 4/5 x16 in practice
     description = "one-sided Triton kernels with single-writer flags, for P2P without NVLink or atomics"
+
+
+def _permuted(x, scales, pair_row_t, rows: int, counts, align: int) -> tuple:
+    """``(recv_x [rows, H], recv_scales or None)`` of a one-rank expert-major dispatch: the rows of ``x`` (and its
+    scales) at ``pair_row_t [N, K]``, padding rows of the segments of ``counts`` zeroed (``expert_major.permute``)."""
+    from .expert_major import permute
+
+    return (permute(x, pair_row_t, rows, counts, align),
+            permute(scales, pair_row_t, rows, counts, align) if scales is not None else None)
 
 
 def _known_summary(known, num_ranks: int, e_local: int, has_experts: bool) -> list:
