@@ -483,8 +483,8 @@ def launch_local_pairs(ids: torch.Tensor, counts: torch.Tensor, weights: Optiona
     launch(local_pairs_kernel, (e,), ids, counts, weights if has_w else counts, itr.view(torch.int8), per_rank, offs,
            pair_row, pair_row_t, row_src, row_w if has_w else counts, recv_src, summary,
            deferred if deferred is not None else summary, n, rows, pair_row.size(0), e, align, K=k,
-           BLOCK_K=max(2, next_pow2(k)), BLOCK_T=max(16, 4096 // next_pow2(k)), BLOCK_E=max(16, next_pow2(e)), HAS_W=has_w,
-           DEFER=deferred is not None, num_warps=8)
+           BLOCK_K=max(2, next_pow2(k)), BLOCK_T=max(16, 4096 // next_pow2(k)), BLOCK_E=max(16, next_pow2(e)),
+           HAS_W=has_w, DEFER=deferred is not None, num_warps=8)
 
 
 def launch_permute(src: torch.Tensor, pair_row: torch.Tensor, out: torch.Tensor, counts: torch.Tensor,
