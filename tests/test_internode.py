@@ -186,6 +186,63 @@ def test_both_legs_counts_in_one_exchange(chunks):
         assert calls.get("all_gather_single") == 1, calls  # the domain's sums
 
 
+def _packed_ahead(ctx, chunks):
+    """Exact-mode dispatches with the inter-domain leg on its kernel path (the Triton interpreter here), checked
+    against the reference while the order of the leg's local work and the count read is recorded: ``(failures,
+    events)``, events ``"prepared"`` (what ``Transport.prepare`` made of a chunk), ``"read"`` (the count read) and
+    ``"planned"`` (a plan kernel of the leg)."""
+    from epcomm.buffer import Buffer
+    from epcomm.testing.checks import NormalCase, check_normal
+    from epcomm.transports import alltoall, faults
+    from epcomm.transports.hierarchical import HierarchicalTransport
+
+    HierarchicalTransport.pipeline_chunks = chunks
+    buf = Buffer(ctx.group, transport="alltoall", ranks_per_node=2)
+    case = NormalCase(num_tokens=(11, 0, 17, 6), hidden=128, num_experts=8, topk=3, dtype="fp8", routing="dropped",
+                      bias=1, seed=13)
+    failures = check_normal(ctx, buf, case).failures  # first call of its kind
+    rail, events = buf.runtime.rail, []  # (the domain leg is a portable transport too: its calls are not recorded)
+    saved = (alltoall.AllToAllTransport.prepare, alltoall.AllToAllTransport._plan_gpu, faults.host_list)
+
+    def prepare(self, req):
+        out = saved[0](self, req)
+        if self is rail:
+            events.append("prepared" if out is not None else "nothing prepared")
+        return out
+
+    def plan_gpu(self, req, ctl):
+        if self is rail:
+            events.append("planned")
+        return saved[1](self, req, ctl)
+
+    def host_list(*args, **kwargs):
+        events.append("read")
+        return saved[2](*args, **kwargs)
+
+    alltoall.AllToAllTransport.prepare, faults.host_list = prepare, host_list
+    alltoall.AllToAllTransport._plan_gpu = plan_gpu
+    try:
+        failures += check_normal(ctx, buf, case).failures
+    finally:
+        alltoall.AllToAllTransport.prepare, alltoall.AllToAllTransport._plan_gpu, faults.host_list = saved
+    buf.destroy()
+    return failures, events
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_rail_rows_packed_while_the_counts_travel(chunks, monkeypatch):
+    """The inter-domain leg's plan and pack kernels (local work) of every chunk are enqueued before the count read,
+    and the leg's dispatch uses them (no second plan): once the counts are read only the rows' collective is left
+    before the rows cross. Bit-exact against the reference, FP8 with dropped slots and an empty rank."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for failures, events in spawn(_packed_ahead, 4, chunks, device="cpu", timeout_s=600):
+        assert failures == [], failures
+        # the check's dispatch: one prepared chunk each (with a plan), then its one count read; nothing planned after
+        dispatch = events[:2 * chunks + 1]
+        assert dispatch == ["planned", "prepared"] * chunks + ["read"], events
+        assert "planned" not in events[2 * chunks + 1:], events
+
+
 def _fused_rows(ctx):
     """The portable transport with and without ``fuse_rows`` (rows with their records or weights in one all_to_all):
     each checked against the reference, and its all_to_all calls counted."""
@@ -560,7 +617,7 @@ def test_bench_internode_and_its_model(tmp_path):
         assert {(routing, i) for i in ("hierarchical", "flat alltoall", "nccl-baseline", "raw link",
                                        "hierarchical, 1 chunk", "hierarchical, 2 chunks", "hierarchical, 4 chunks")
                 } <= impls
-    phases = [r for r in rows if r["impl"] == "hierarchical, 1 chunk, by phase"]
+    phases = [r for r in rows if r["impl"] in ("hierarchical, 1 chunk, by phase", "hierarchical, 2 chunks, by phase")]
     assert {r["op"] for r in phases} >= {"dispatch BF16: tokens to their domains",
                                          "dispatch BF16: forwarding the tokens"}, phases
     assert all(float(r["time_us"]) > 0 for r in phases)
@@ -582,10 +639,19 @@ def test_bench_internode_and_its_model(tmp_path):
     assert hidden.pipelined_us == e.pipelined_us + 100.0
     bound = internode_estimate(64, 8, 4096, 7168, 8, 256, "fp8", 50.0, 322.0, chunks=4, host_us=e.network_us)
     assert bound.pipelined_us == 4 * e.network_us + e.forward_us / 4 + e.reorder_us
-    costs = internode.HostCosts.measured(rows)  # this run's, from the rows by phase
-    assert costs.fixed > 0 and costs.dispatch_host >= 0 and costs.combine_host > 0, costs
-    assert {"dispatch BF16: counts of both legs", "dispatch BF16: the call (host)",
-            "combine BF16: the call (host)"} <= {r["op"] for r in phases}
+    # the host's time before the first rows is exposed; each further chunk adds its own host time, not a whole call's
+    lead = internode_estimate(64, 8, 4096, 7168, 8, 256, "fp8", 50.0, 322.0, chunks=4, host_us=300.0, lead_us=200.0,
+                              host_chunk_us=100.0)
+    assert lead.host_us == 600.0 and lead.pipelined_us == e.pipelined_us + 200.0
+    costs = internode.HostCosts.measured(rows)  # this run's, from the rows by phase (1 and 2 chunks)
+    assert costs.fixed > 0 and costs.dispatch_host > 0 and costs.combine_host > 0, costs
+    assert 0 < costs.dispatch_lead <= costs.dispatch_host, costs
+    assert costs.dispatch_chunk is not None and costs.combine_chunk is not None, costs
+    assert {"dispatch BF16: counts of both legs", "dispatch BF16: the call (host)", "combine BF16: the call (host)",
+            "dispatch BF16: host after the count read", "dispatch BF16: host up to the count read",
+            "dispatch BF16: host from the count read to the first rows"} <= {r["op"] for r in phases}
+    assert {r["op"] for r in rows if r["impl"] == "hierarchical, 2 chunks, by phase"} >= {
+        "dispatch BF16: host after the count read", "combine BF16: the call (host)"}
 
 
 def _layer_and_demo(ctx):

@@ -33,7 +33,7 @@ measured rate), beside DeepEP's published internode figures."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -143,37 +143,13 @@ def bench_worker(ctx, opts: InternodeBenchOptions) -> list:
             add(routing, name, "combine BF16", t(lambda: buf.combine(recv_x, handle)), cross, "bf16", opts.tokens,
                 chunks)
             del recv_x, handle
-        if routing not in phased:  # where a one-chunk BF16 dispatch's time goes (the first round only)
+        if routing not in phased:  # where a BF16 dispatch's time goes, in 1 and 2 chunks (the first round only)
             phased.add(routing)
-            HierarchicalTransport.pipeline_chunks = 1
-            layout = layout_of(hier, idx, w)
-            recv_x, _, _, _, handle, _ = hier.dispatch(x, **layout)
-            durations: dict = {}
-            for _ in range(max(3, opts.iters)):  # each phase's parts summed per call, on the device and the host
-                dist.barrier(group=ctx.group)
-                hier.runtime.phase_log = []
-                began = time.perf_counter()
-                hier.dispatch(x, **layout)
-                durations.setdefault("the call (host)", []).append((time.perf_counter() - began) * 1e6)
-                for host in (False, True):
-                    for phase, parts in phase_durations_us(hier.runtime.phase_log, host).items():
-                        durations.setdefault(phase + " (host)" * host, []).append(sum(parts))
-                if ctx.device.type == "cuda":
-                    torch.cuda.synchronize()
-                dist.barrier(group=ctx.group)
-                began = time.perf_counter()
-                hier.combine(recv_x, handle)
-                durations.setdefault("combine: the call (host)", []).append((time.perf_counter() - began) * 1e6)
-            hier.runtime.phase_log = None
-            del recv_x, handle
-            for phase, us in durations.items():
-                slowest = torch.tensor([float(sorted(us)[len(us) // 2])], dtype=torch.float64, device=ctx.device)
-                dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=ctx.group)
-                op = phase.replace("combine: ", "combine BF16: ") if phase.startswith("combine") else \
-                    f"dispatch BF16: {phase}"
-                rows.append({**base, "routing": routing, "impl": "hierarchical, 1 chunk, by phase",
-                             "op": op, "chunks": 1, "time_us": round(float(slowest), 1),
-                             "crossing rows/token": "", "crossing MB/rank": "", "link GB/s": ""})
+            for chunks in PHASED_CHUNKS:
+                HierarchicalTransport.pipeline_chunks = chunks
+                rows.extend({**base, "routing": routing, "impl": phased_impl(chunks), "op": op, "chunks": chunks,
+                             "time_us": us, "crossing rows/token": "", "crossing MB/rank": "", "link GB/s": ""}
+                            for op, us in _by_phase(ctx, hier, x, layout_of(hier, idx, w), opts.iters).items())
         HierarchicalTransport.pipeline_chunks = None
         add(routing, "nccl-baseline", "dispatch FP8",
             t(lambda: baseline_dispatch(x8[0], x8[1], idx, w, opts.experts, ctx.group)), flat_cross, "fp8",
@@ -228,6 +204,63 @@ def bench_worker(ctx, opts: InternodeBenchOptions) -> list:
     return _median_of_rounds(rows) if opts.rounds > 1 else rows
 
 
+# chunk counts whose BF16 dispatch is broken down by phase: the host's time per call and what a further chunk adds
+PHASED_CHUNKS = (1, 2)
+
+
+def phased_impl(chunks: int) -> str:
+    return f"hierarchical, {chunks} chunk{'s' * (chunks > 1)}, by phase"
+
+
+def _by_phase(ctx, hier, x, layout: dict, iters: int) -> dict:
+    """Where a BF16 dispatch's time goes (``HierarchicalTransport.phase_log``), and its combine's host time:
+    ``{op: us}``, the median over calls of the slowest rank. Each phase's parts are summed per call, as the device
+    ran them and (``(host)``) as the host spent them; the host's milestones (``host_milestones``) split the call's
+    host time at the count read: before it, and after it (of which ``from the count read to the first rows``)."""
+    import torch.distributed as dist
+
+    from ..transports.hierarchical import host_milestones
+
+    recv_x, _, _, _, handle, _ = hier.dispatch(x, **layout)
+    durations: dict = {}
+    for _ in range(max(3, iters)):
+        dist.barrier(group=ctx.group)
+        hier.runtime.phase_log = []
+        began = time.perf_counter()
+        hier.dispatch(x, **layout)
+        ended = time.perf_counter()
+        durations.setdefault("the call (host)", []).append((ended - began) * 1e6)
+        marks = host_milestones(hier.runtime.phase_log)
+        if "counts read" in marks:
+            read = marks["counts read"]
+            durations.setdefault(HOST_BEFORE_READ, []).append((read - began) * 1e6)
+            durations.setdefault(HOST_AFTER_READ, []).append((ended - read) * 1e6)
+            if "rows issued" in marks:
+                durations.setdefault(HOST_LEAD, []).append((marks["rows issued"] - read) * 1e6)
+        for host in (False, True):
+            for phase, parts in phase_durations_us(hier.runtime.phase_log, host).items():
+                durations.setdefault(phase + " (host)" * host, []).append(sum(parts))
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier(group=ctx.group)
+        began = time.perf_counter()
+        hier.combine(recv_x, handle)
+        durations.setdefault("combine: the call (host)", []).append((time.perf_counter() - began) * 1e6)
+    hier.runtime.phase_log = None
+    out = {}
+    for phase, us in durations.items():
+        slowest = torch.tensor([float(sorted(us)[len(us) // 2])], dtype=torch.float64, device=ctx.device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=ctx.group)
+        op = phase.replace("combine: ", "combine BF16: ") if phase.startswith("combine") else f"dispatch BF16: {phase}"
+        out[op] = round(float(slowest), 1)
+    return out
+
+
+HOST_BEFORE_READ = "host up to the count read"
+HOST_AFTER_READ = "host after the count read"
+HOST_LEAD = "host from the count read to the first rows"
+
+
 def _median_of_rounds(rows: list) -> list:
     """One row per measurement (routing, implementation, operation, chunk count) from its rounds: the median
     time (and the link rate at it), and the range over the rounds."""
@@ -255,30 +288,59 @@ def _same_domain_ranks(idx: torch.Tensor, num_experts: int, world: int, local: i
 @dataclass(frozen=True)
 class HostCosts:
     """The model's costs besides bytes (``internode_estimate``), in us: a dispatch's count exchange before its rows
-    cross (``fixed``), and the host's issue time per chunk of a dispatch and of a combine (which has no count
-    exchange)."""
+    cross (``fixed``); the host's time after the count read in a one-chunk dispatch (``dispatch_host``), of which
+    ``dispatch_lead`` passes before the first rows' collective, and what each further chunk adds
+    (``dispatch_chunk``; None: as much as a whole call); a combine's host time in one chunk and per further chunk
+    (it has no count exchange)."""
 
     fixed: float = 0.0
     dispatch_host: float = 0.0
     combine_host: float = 0.0
+    dispatch_lead: float = 0.0
+    dispatch_chunk: Optional[float] = None
+    combine_chunk: Optional[float] = None
 
     def describe(self) -> str:
-        return (f"{self.fixed:.0f} us of count exchange per dispatch before its rows cross, {self.dispatch_host:.0f} "
-                f"/ {self.combine_host:.0f} us of host issue per chunk of a dispatch / combine")
+        def per_chunk(v):
+            return "as much" if v is None else f"{v:.0f} us"
+
+        return (f"{self.fixed:.0f} us of count exchange per dispatch before its rows cross; a dispatch's host time "
+                f"after the count read {self.dispatch_host:.0f} us in one chunk ({self.dispatch_lead:.0f} us of it "
+                f"before its first rows' collective), {per_chunk(self.dispatch_chunk)} more per further chunk; a "
+                f"combine's host time {self.combine_host:.0f} us in one chunk, {per_chunk(self.combine_chunk)} more "
+                f"per further chunk")
+
+    def model_args(self, op: str, fixed: Optional[float] = None) -> dict:
+        """``internode_estimate``'s cost arguments for ``op`` (a dispatch, else a combine); ``fixed`` replaces the
+        count exchange."""
+        if "dispatch" in op:
+            return dict(fixed_us=self.fixed if fixed is None else fixed, host_us=self.dispatch_host,
+                        lead_us=self.dispatch_lead, host_chunk_us=self.dispatch_chunk)
+        return dict(host_us=self.combine_host, host_chunk_us=self.combine_chunk)
 
     @classmethod
     def measured(cls, rows: list) -> "HostCosts":
-        """From a run's ``hierarchical, 1 chunk, by phase`` rows (uniform routing, else the first): the count
-        exchange as the device saw it (its host read included), and each call's host time less its wait for the
-        counts."""
-        phased = [r for r in rows if r["impl"] == "hierarchical, 1 chunk, by phase"]
-        uniform = [r for r in phased if r["routing"] == "uniform"] or phased
-        got = {r["op"]: float(r["time_us"]) for r in uniform}
+        """From a run's rows by phase (uniform routing, else the first): the count exchange as the device saw it in
+        one chunk (its host read included), the dispatch's host time after the count read and up to its first rows,
+        the combine's host time, and the differences between 2 chunks and 1."""
+        got = {}
+        for chunks in PHASED_CHUNKS:
+            phased = [r for r in rows if r["impl"] == phased_impl(chunks)]
+            uniform = [r for r in phased if r["routing"] == "uniform"] or phased
+            got[chunks] = {r["op"]: float(r["time_us"]) for r in uniform}
+        one, two = got[1], got.get(2, {})
         counts = f"dispatch BF16: {COUNTS_PHASE}"
-        if counts not in got:
+        if counts not in one:
             return cls()
-        return cls(got[counts], max(0.0, got.get("dispatch BF16: the call (host)", 0.0) - got[counts]),
-                   got.get("combine BF16: the call (host)", 0.0))
+        after, combine = f"dispatch BF16: {HOST_AFTER_READ}", "combine BF16: the call (host)"
+        # (without the host's milestones: the call's host time less its wait for the counts, per chunk)
+        host = one.get(after, max(0.0, one.get("dispatch BF16: the call (host)", 0.0) - one[counts]))
+
+        def more(key, base):
+            return max(0.0, two[key] - base) if key in two and key in one else None
+
+        return cls(one[counts], host, one.get(combine, 0.0), one.get(f"dispatch BF16: {HOST_LEAD}", 0.0),
+                   more(after, host), more(combine, one.get(combine, 0.0)))
 
 
 def model_rows(opts, nic_gbps: float, nvlink_gbps: float, costs: HostCosts, gpus_per_node: int = 8) -> list:
@@ -288,10 +350,9 @@ def model_rows(opts, nic_gbps: float, nvlink_gbps: float, costs: HostCosts, gpus
     for ranks in (16, 32, 64):
         for routing, groups in (("uniform", 0), ("group_limited", opts.max_groups)):
             for op, kind in (("dispatch FP8", "fp8"), ("combine BF16", "bf16")):
-                fixed, host = (costs.fixed, costs.dispatch_host) if "dispatch" in op else (0.0, costs.combine_host)
                 # the chunk count the transport would measure as fastest: the model's best candidate
                 e = min((internode_estimate(ranks, gpus_per_node, opts.tokens, opts.hidden, opts.topk, opts.experts,
-                                            kind, nic_gbps, nvlink_gbps, groups, c, fixed_us=fixed, host_us=host)
+                                            kind, nic_gbps, nvlink_gbps, groups, c, **costs.model_args(op))
                          for c in HierarchicalTransport.CHUNK_CANDIDATES), key=lambda e: e.pipelined_us)
                 pub = DEEPEP_PUBLISHED_NORMAL.get(ranks)
                 rows.append({"EP": ranks, "routing": routing, "op": op,
@@ -311,11 +372,12 @@ def fixed_for_share(opts, nic_gbps: float, nvlink_gbps: float, costs: HostCosts,
     that allows it, or the share reached without one."""
     def best(fixed: float) -> float:
         return max(internode_estimate(ranks, 8, opts.tokens, opts.hidden, opts.topk, opts.experts, "fp8", nic_gbps,
-                                      nvlink_gbps, 0, c, fixed_us=fixed, host_us=costs.dispatch_host
+                                      nvlink_gbps, 0, c, **costs.model_args("dispatch", fixed)
                                       ).nic_share(nic_gbps) for c in HierarchicalTransport.CHUNK_CANDIDATES)
 
     if best(0.0) < share:
-        return f"stays at {best(0.0):.0%} of the NIC even without a count exchange (the host's issue bounds it)"
+        return (f"stays at {best(0.0):.0%} of the NIC even without a count exchange (the host's time after the count "
+                f"read bounds it)")
     fixed = 0.0
     while best(fixed + 10.0) >= share and fixed < 1e6:
         fixed += 10.0
@@ -353,7 +415,8 @@ def main(argv: list[str] | None = None) -> int:
                                  tuple(args.routings.split(",")), args.max_groups, args.domain_transport, args.iters,
                                  max(1, args.rounds))
     if args.model_only:
-        costs = HostCosts(args.fixed_us or 0.0, args.host_us or 0.0, args.host_us or 0.0)
+        costs = HostCosts(args.fixed_us or 0.0, args.host_us or 0.0, args.host_us or 0.0, 0.0, args.host_us or 0.0,
+                          args.host_us or 0.0)
         model = model_rows(opts, args.nic_gbps, args.nvlink_gbps or 322.0, costs)
         notes = (f"Traffic model only (epcomm.bench.traffic.internode_estimate): NIC {args.nic_gbps:g} GB/s per GPU, "
                  f"intranode {args.nvlink_gbps or 322.0:g} GB/s, 8 GPUs per node, {costs.describe()}; DeepEP's "
@@ -366,10 +429,11 @@ def main(argv: list[str] | None = None) -> int:
     name = args.name or f"bench_internode_{rows[0]['ranks']}ranks"
     nvlink = args.nvlink_gbps or 322.0
     costs = HostCosts.measured(rows)
-    if args.fixed_us is not None or args.host_us is not None:
-        host = args.host_us
-        costs = HostCosts(costs.fixed if args.fixed_us is None else args.fixed_us,
-                          costs.dispatch_host if host is None else host, costs.combine_host if host is None else host)
+    if args.fixed_us is not None:
+        costs = replace(costs, fixed=args.fixed_us)
+    if args.host_us is not None:  # every chunk's host time, none of it before the first rows
+        h = args.host_us
+        costs = replace(costs, dispatch_host=h, combine_host=h, dispatch_lead=0.0, dispatch_chunk=h, combine_chunk=h)
     model = model_rows(opts, args.nic_gbps, nvlink, costs)
     need = fixed_for_share(opts, args.nic_gbps, nvlink, costs, 64, 0.9)
     notes = ("Isolated calls (a barrier before each), the median over iterations of the slowest rank"
@@ -381,7 +445,8 @@ def main(argv: list[str] | None = None) -> int:
              "Link GB/s: those bytes (BF16 2H, FP8 H + 4H/128 per row) per rank over the time. The raw link row moves "
              "exactly the hierarchical path's crossing bytes in one all_to_all over the rail group.\n\n"
              f"Traffic model (NIC {args.nic_gbps:g} GB/s per GPU, intranode {nvlink:g} GB/s, 8 GPUs per node, "
-             f"{costs.describe()} (this run's, from the 'by phase' rows, unless given); "
+             f"{costs.describe()} (this run's, from the 'by phase' rows, unless given; the host's time before the "
+             "count read is not counted: in a model's step the host runs ahead of its GPU there); "
              "DeepEP's published internode figures: H800 + ConnectX-7 400 Gb/s, group-limited routing). "
              f"With this run's host issue times, the FP8 dispatch at EP64 (uniform routing) {need}:\n\n"
              + format_table(model, list(model[0].keys())) +

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -86,7 +86,8 @@ class InternodeEstimate:
     forward_us: float
     reorder_us: float  # the gather that puts the received rows in source order
     fixed_us: float  # before the first row crosses: the call's one count exchange and host read
-    host_us: float  # the host's time to issue all chunks' launches (hidden while the rows cross, if shorter)
+    lead_us: float  # the host's time from the count read to the first rows' collective (nothing crosses meanwhile)
+    host_us: float  # the host's time after the count read, all chunks (hidden while the rows cross, if shorter)
     sequential_us: float  # the network leg, then the forwarding (one chunk)
     pipelined_us: float  # chunk c + 1 on the network while chunk c is forwarded (what epcomm does)
 
@@ -98,7 +99,8 @@ class InternodeEstimate:
 
 def internode_estimate(ranks: int, gpus_per_node: int, num_tokens: int, hidden: int, topk: int, num_experts: int,
                        kind: str, nic_gbps: float, nvlink_gbps: float, max_groups: int = 0, chunks: int = 4,
-                       hbm_gbps: float = 4000.0, fixed_us: float = 0.0, host_us: float = 0.0) -> InternodeEstimate:
+                       hbm_gbps: float = 4000.0, fixed_us: float = 0.0, host_us: float = 0.0, lead_us: float = 0.0,
+                       host_chunk_us: Optional[float] = None) -> InternodeEstimate:
     """Model of one dispatch (``kind`` fp8 or bf16; a combine moves the BF16 bytes the other way) of the
     hierarchical path: every token crosses once to each remote domain holding one of its experts (at
     ``nic_gbps`` per GPU), then each forwarding rank copies the rows it received to the ranks of its domain
@@ -106,9 +108,13 @@ def internode_estimate(ranks: int, gpus_per_node: int, num_tokens: int, hidden: 
     received bytes per rank over time). With ``chunks`` pipelined chunks only the last chunk's forwarding is not
     hidden behind the network; the received rows are then gathered into source order once (read and write at
     ``hbm_gbps``). ``fixed_us``: what the call costs before its first row crosses (its one count exchange over the
-    network and within the domain, and the host read; the benchmark measures it), paid once per call. ``host_us``:
-    the host's time to issue one chunk's launches (measured likewise); every chunk is issued while the rows cross,
-    so it costs nothing while ``chunks * host_us`` stays below the network's time, and bounds the call above it."""
+    network and within the domain, and the host read; the benchmark measures it), paid once per call. Host time
+    (measured likewise): ``host_us`` the host's time from the count read to the end of a one-chunk call, of which
+    ``lead_us`` passes before the first rows' collective is issued (exposed: nothing crosses meanwhile);
+    ``host_chunk_us`` what each further chunk adds (None: ``host_us``, every chunk as costly as a whole call). The
+    rest is issued while the rows cross: it costs nothing while it stays below the network's time, and bounds the
+    call above it. The host's work before the count read is not counted: in a model's step the host runs ahead of
+    its GPU (no synchronisation since the previous layer's dispatch), so that work overlaps the GPU's earlier work."""
     domains = ranks // gpus_per_node
     rows = expected_domains(num_experts, domains, topk, max_groups)
     crossing = num_tokens * rows * (domains - 1) / domains * row_bytes(hidden, kind)
@@ -120,12 +126,13 @@ def internode_estimate(ranks: int, gpus_per_node: int, num_tokens: int, hidden: 
     network_us = crossing / (nic_gbps * 1e9) * 1e6
     forward_us = forwarded / (nvlink_gbps * 1e9) * 1e6
     reorder_us = 2 * forwarded / (hbm_gbps * 1e9) * 1e6
-    issue_us = host_us * chunks
+    issue_us = host_us + (chunks - 1) * (host_us if host_chunk_us is None else host_chunk_us)
+    behind = max(0.0, issue_us - lead_us)  # issued once the first rows cross
     return InternodeEstimate(ranks, domains, chunks, rows * (domains - 1) / domains, crossing, network_us, forward_us,
-                             reorder_us, fixed_us, issue_us,
-                             fixed_us + max(network_us, host_us) + forward_us,
-                             fixed_us + max(network_us, forward_us, issue_us) + min(network_us, forward_us) / chunks
-                             + reorder_us)
+                             reorder_us, fixed_us, lead_us, issue_us,
+                             fixed_us + lead_us + max(network_us, host_us - lead_us) + forward_us,
+                             fixed_us + lead_us + max(network_us, forward_us, behind)
+                             + min(network_us, forward_us) / chunks + reorder_us)
 
 
 # DeepEP's published internode figures (its README; H800, ConnectX-7 400 Gb/s InfiniBand, ~50 GB/s per GPU), for

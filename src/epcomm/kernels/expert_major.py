@@ -51,6 +51,28 @@ def _segment(counts_ptr, e, num_experts, align, BLOCK_E: tl.constexpr):
 
 
 @triton.jit
+def _open_segment(counts_ptr, offs_ptr, e, num_experts, align, rows, BLOCK_E: tl.constexpr,
+                  AT_ZERO: tl.constexpr = False):
+    """Expert ``e``'s segment (``_segment``) with its end, capped at ``rows``, stored in ``offs[e]``: ``(start,
+    count, end)``. ``AT_ZERO``: the segment starts at row 0 (a sender's pair indices)."""
+    start, count, acount = _segment(counts_ptr, e, num_experts, align, BLOCK_E)
+    if AT_ZERO:
+        start = start * 0
+    end = start + acount
+    tl.store(offs_ptr + e, tl.minimum(end, rows).to(tl.int32))
+    return start, count, end
+
+
+@triton.jit
+def _close_segment(row_src_ptr, row_w_ptr, e, num_experts, start, count, end, placed, rows, HAS_W: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    """Padding meta (``_fill_meta``) after the ``placed`` pairs of expert ``e``'s segment, up to its end (for the
+    last expert, up to ``rows``)."""
+    hi = tl.where(e == num_experts - 1, rows, tl.minimum(end, rows))
+    _fill_meta(row_src_ptr, row_w_ptr, tl.minimum(start + tl.minimum(placed, count), rows), hi, HAS_W, BLOCK)
+
+
+@triton.jit
 def _fill_meta(row_src_ptr, row_w_ptr, lo, hi, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
     """``row_src = -1`` and ``row_w = 0`` on rows ``[lo, hi)``."""
     rb = tl.arange(0, BLOCK)
@@ -77,11 +99,7 @@ def pair_rows_kernel(ids_ptr, counts_ptr, w_ptr, offs_ptr, pair_row_ptr, row_src
     past it) get ``row_src = -1`` and ``row_w = 0``. ``LOCAL_INDEX``: ``pair_row`` gets the index ``j`` itself
     (the sender's pair index of the one-sided expert-major dispatch)."""
     e = tl.program_id(0)
-    start, count, acount = _segment(counts_ptr, e, num_experts, align, BLOCK_E)
-    if LOCAL_INDEX:
-        start = start * 0
-    end = start + acount
-    tl.store(offs_ptr + e, tl.minimum(end, rows).to(tl.int32))
+    start, count, end = _open_segment(counts_ptr, offs_ptr, e, num_experts, align, rows, BLOCK_E, LOCAL_INDEX)
     jb = tl.arange(0, BLOCK)
     carry = tl.zeros([], tl.int32)
     over = tl.zeros([], tl.int32)
@@ -108,8 +126,7 @@ def pair_rows_kernel(ids_ptr, counts_ptr, w_ptr, offs_ptr, pair_row_ptr, row_src
     if bad > 0:
         tl.atomic_add(err_ptr, bad)
     if WRITE_ROWS:
-        hi = tl.where(e == num_experts - 1, rows, tl.minimum(end, rows))
-        _fill_meta(row_src_ptr, row_w_ptr, tl.minimum(start + tl.minimum(carry, count), rows), hi, HAS_W, BLOCK)
+        _close_segment(row_src_ptr, row_w_ptr, e, num_experts, start, count, end, carry, rows, HAS_W, BLOCK)
 
 
 LOCAL_HEAD = 8  # summary words of local_pairs_kernel before the per-expert counts
@@ -133,9 +150,7 @@ def local_pairs_kernel(ids_ptr, counts_ptr, w_ptr, itr_ptr, per_rank_ptr, offs_p
     ``rows``), ``[4]`` received tokens beyond ``cap``; ``[LOCAL_HEAD + e]`` the pairs expert ``e`` found.
     ``DEFER``: the error words are also added to ``deferred[0]`` (calls without a host read)."""
     e = tl.program_id(0)
-    start, count, acount = _segment(counts_ptr, e, num_experts, align, BLOCK_E)
-    end = start + acount
-    tl.store(offs_ptr + e, tl.minimum(end, rows).to(tl.int32))
+    start, count, end = _open_segment(counts_ptr, offs_ptr, e, num_experts, align, rows, BLOCK_E)
     tb = tl.arange(0, BLOCK_T)
     kc = tl.arange(0, BLOCK_K)
     km = kc < K
@@ -199,8 +214,7 @@ def local_pairs_kernel(ids_ptr, counts_ptr, w_ptr, itr_ptr, per_rank_ptr, offs_p
         tl.store(summary_ptr + 4, beyond)
         if DEFER:
             tl.atomic_add(deferred_ptr, bad_ids + bad_layout + beyond)
-    hi = tl.where(e == num_experts - 1, rows, tl.minimum(end, rows))
-    _fill_meta(row_src_ptr, row_w_ptr, tl.minimum(start + tl.minimum(carry, count), rows), hi, HAS_W, 256)
+    _close_segment(row_src_ptr, row_w_ptr, e, num_experts, start, count, end, carry, rows, HAS_W, 256)
 
 
 @triton.jit

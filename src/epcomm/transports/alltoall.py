@@ -353,16 +353,24 @@ class AllToAllTransport(Transport):
     def _dispatch_gpu(self, req: DispatchRequest) -> DispatchResult:
         """Exact-mode dispatch on GPUs: a plan kernel (positions, checks, count table), the count all_to_all,
         a pack kernel, one host synchronisation, then the rows and records all_to_alls."""
-        plan = self._plan_gpu(req, None)
         if req.known is not None:  # no count exchange, no host read (the plan kernel's checks are not read)
-            return self._exchange_known(req, *self._pack_plan(req, plan),
-                                        self._gpu_state(plan, req.known.num_tokens_per_rank))
+            plan, packed = req.prepared or self.prepare(req)
+            return self._exchange_known(req, *packed, self._gpu_state(plan, req.known.num_tokens_per_rank))
+        plan = self._plan_gpu(req, None)
         self._a2a(plan.recv_table, plan.table)
         read = self._read_later(plan.ctl)  # the host waits for the counts only, not for the pack kernel below
         packed = self._pack_plan(req, plan)
         host = read()
         self._check_plan(req, host)
         return self._finish_gpu(req, plan, packed, host)
+
+    def prepare(self, req: DispatchRequest):
+        """``Transport.prepare``: on the GPU path, ``(plan, (rows, records))`` of the plan and pack kernels, which
+        read this rank's routing only."""
+        if req.handle is not None or req.num_worst_tokens or req.peer_capacity or not self._gpu_path(req.x):
+            return None
+        plan = self._plan_gpu(req, None)
+        return plan, self._pack_plan(req, plan)
 
     def dispatch_many(self, reqs: list):
         """``dispatch`` of each request in turn (a generator that yields each result once its collectives are

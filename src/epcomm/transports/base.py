@@ -86,6 +86,8 @@ class DispatchRequest:
     layout: str = "rank_major"  # "expert_major": Transport.dispatch_expert_major
     # exact mode: the counts, known beforehand (used by a transport with accepts_known_counts, else ignored)
     known: Optional[KnownCounts] = None
+    # what ``Transport.prepare`` made of this request ahead of its counts (transport-specific; None: nothing)
+    prepared: Any = None
 
 
 @dataclass(frozen=True)
@@ -200,6 +202,14 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def dispatch(self, req: DispatchRequest) -> DispatchResult: ...
+
+    def prepare(self, req: DispatchRequest) -> Any:
+        """The local work of an exact-mode dispatch whose counts the caller will pass as ``req.known``: what this
+        rank can do with its own routing alone (the portable transport's plan and packing of the rows), enqueued
+        while the caller still waits for the counts, so that only the data's collectives and what follows them
+        remain once they are known. Pass the result as ``DispatchRequest.prepared`` with the same inputs and the
+        counts. None: nothing to do ahead (the default)."""
+        return None
 
     def dispatch_many(self, reqs: list):
         """``dispatch`` of each of ``reqs`` (a generator). A transport may start every request's data moving

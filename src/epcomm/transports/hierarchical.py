@@ -114,6 +114,8 @@ from .low_latency import _Once, call_shape
 # device-initiated leg (NCCL's GPU-initiated networking, NVSHMEM) would be one more entry.
 INTER_DOMAIN_LEGS = {"nccl": AllToAllTransport}
 COUNTS_PHASE = "counts of both legs"  # an exact-mode dispatch's one count exchange (faults name it; benchmarks time it)
+PACK_PHASE = "packing the tokens"  # the inter-domain leg's local work, issued while the counts travel
+ROWS_PHASE = "tokens to their domains"  # the inter-domain leg's rows (benchmarks time the host's path up to it)
 
 _subgroups: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 # per rail group: {"message": why its groups were aborted}, shared by every transport that uses them
@@ -265,15 +267,16 @@ class HierarchicalTransport(Transport):
         """Run a part of a call; a wait of it that expired (``faults.WaitExpired``) or a failure of
         torch.distributed in it (gloo's timeout, a peer that closed its connection) ends this transport
         (``_fail``). ``within``: the domain leg (its one-sided kernels report their own timeouts). With
-        ``phase_log`` a list (a benchmark's breakdown), each part appends ``(phase, start, end, host seconds)``: CUDA
-        events on the stream it ran on (or host times (s) on CPUs), and the seconds the host spent in it."""
+        ``phase_log`` a list (a benchmark's breakdown), each part appends ``(phase, start, end, host seconds, host
+        start)``: CUDA events on the stream it ran on (or host times (s) on CPUs), the seconds the host spent in it and
+        when it began (``time.perf_counter``)."""
         log = self.phase_log
         start = _mark(self.device) if log is not None else None
         began = time.perf_counter() if log is not None else 0.0
         try:
             yield
             if log is not None:
-                log.append((phase, start, _mark(self.device), time.perf_counter() - began))
+                log.append((phase, start, _mark(self.device), time.perf_counter() - began, began))
         except faults.WaitExpired as exc:
             raise self._fail(fn, phase, within, exc) from exc
         except EpcommError:
@@ -457,16 +460,18 @@ class HierarchicalTransport(Transport):
         of its experts (E / D), the chunk's first token]``; a rank's sums over its sources are what it forwards, and
         the domain's gathered sums give every forwarding rank's sends: so neither leg exchanges counts or reads them
         on its own (``KnownCounts``), and the domain leg's launches are enqueued while the rows still cross between
-        domains. Returns ``([(rail KnownCounts, domain KnownCounts, (in_domain [n_c, D] bool, tokens per domain [D]
-        int32))] per chunk, [D, chunks] int64 first token of each chunk of every rail peer, or None for one chunk)``;
-        raises on bad expert ids (``req.bad_topk``)."""
+        domains. While the counts travel, the inter-domain leg's local work for every chunk is enqueued
+        (``Transport.prepare``: the portable transport packs the rows), so that once they are read only the rows'
+        collectives are left before the rows cross. Returns ``([(the inter-domain leg's request, its counts known and
+        its local work prepared; domain KnownCounts)] per chunk, [D, chunks] int64 first token of each chunk of every
+        rail peer, or None for one chunk)``; raises on bad expert ids (``req.bad_topk``)."""
         D, L, C, dev = self.num_domains, self.local_size, len(subs), req.x.device
         e_dom = req.num_experts // D
-        tables, routes = [], []
+        tables, legs = [], []
         for sub in subs:
             in_domain = sub.is_token_in_rank.view(-1, D, L).any(2)
             per_domain = in_domain.sum(0, dtype=torch.int32)
-            routes.append((in_domain, per_domain))
+            legs.append(self._rail_request(sub, per_domain, in_domain, 0))
             tables.append(torch.cat([per_domain.view(D, 1), sub.num_tokens_per_rank.view(D, L),
                                      sub.num_tokens_per_expert.view(D, e_dom)], 1))
         first = counts_to_device([a for a, _ in bounds], dev).view(1, C, 1).expand(D, C, 1)
@@ -478,6 +483,8 @@ class HierarchicalTransport(Transport):
         every = torch.empty(L * C, mine.size(1), dtype=torch.int32, device=dev)  # [L, C, V - 1], as gloo takes it
         with self._leg(fn, COUNTS_PHASE, within=True):
             _all_gather_single(every, mine, group=self.domain_group)
+        with self._leg(fn, PACK_PHASE):  # the inter-domain leg's local work, while the counts travel
+            legs = [replace(leg, prepared=self.rail.prepare(leg)) for leg in legs]
         bad = req.bad_topk if req.bad_topk is not None else torch.zeros((), dtype=torch.int32, device=dev)
         with self._leg(fn, COUNTS_PHASE):
             host = faults.host_list(torch.cat([every.view(-1), send[:, :, 0].reshape(-1), recv[:, :, 0].reshape(-1),
@@ -485,7 +492,7 @@ class HierarchicalTransport(Transport):
                                     f"rank {self.rank}: the counts of both legs")
         raise_if_bad_topk(fn, host[-1], req.num_experts)
         known = _known_counts(host, C, L, D, e_dom, self.local_index)
-        return [(rail, domain, route) for (rail, domain), route in zip(known, routes)], (
+        return [(replace(leg, known=rail), domain) for (rail, domain), leg in zip(known, legs)], (
             recv[:, :, -1].long() if C > 1 else None)
 
     def _rail_chunks(self, fn: str, subs: list, cap: int, counts_known: Optional[list]):
@@ -497,31 +504,36 @@ class HierarchicalTransport(Transport):
         D, L = self.num_domains, self.local_size
 
         def request(c: int, req: DispatchRequest) -> DispatchRequest:
-            if counts_known is None:
-                in_domain = req.is_token_in_rank.view(req.x.size(0), D, L).any(2)
-                known, per_domain = None, in_domain.sum(0, dtype=torch.int32)
-            else:
-                known, _, (in_domain, per_domain) = counts_known[c]
-            return DispatchRequest(req.x, req.x_scales, req.topk_idx, req.topk_weights, per_domain, in_domain,
-                                   req.num_tokens_per_expert, req.num_experts, 1, D * cap, None, req.config,
-                                   req.bad_topk, req.overlapped, peer_capacity=cap, known=known)
+            if counts_known is not None:
+                return counts_known[c][0]
+            in_domain = req.is_token_in_rank.view(req.x.size(0), D, L).any(2)
+            return self._rail_request(req, in_domain.sum(0, dtype=torch.int32), in_domain, cap)
 
         if self.device.type != "cuda" or len(subs) == 1:
             for c, req in enumerate(subs):
-                with self._leg(fn, "tokens to their domains"):
+                with self._leg(fn, ROWS_PHASE):
                     r1 = self.rail.dispatch(request(c, req))
                 yield r1
             return
         main, net = self._streams()
         net.wait_stream(main)
         outs = []
-        with torch.cuda.stream(net), self._leg(fn, "tokens to their domains"):
+        with torch.cuda.stream(net), self._leg(fn, ROWS_PHASE):
             for r1 in self.rail.dispatch_many([request(c, r) for c, r in enumerate(subs)]):
                 done = torch.cuda.Event()
                 done.record(net)
                 outs.append((r1, done))
         for r1, done in outs:
             yield _handed_over(r1, done, main)
+
+    def _rail_request(self, req: DispatchRequest, per_domain: torch.Tensor, in_domain: torch.Tensor,
+                      cap: int) -> DispatchRequest:
+        """The inter-domain leg's request for (a chunk of) ``req``: each domain's experts count as its rail peer's
+        (``per_domain [D]`` int32 tokens, ``in_domain [n, D]`` bool); ``cap``: fixed slots per domain
+        (``num_worst_tokens``), 0 in exact mode."""
+        return DispatchRequest(req.x, req.x_scales, req.topk_idx, req.topk_weights, per_domain, in_domain,
+                               req.num_tokens_per_expert, req.num_experts, 1, self.num_domains * cap, None, req.config,
+                               req.bad_topk, req.overlapped, peer_capacity=cap)
 
     def _forward(self, fn: str, req: DispatchRequest, r1: DispatchResult, h1: DispatchHandle,
                  starts: Optional[torch.Tensor], known: Optional[KnownCounts]) -> tuple:
@@ -871,12 +883,27 @@ def phase_durations_us(log: list, host: bool = False) -> dict:
     if not host and any(isinstance(entry[1], torch.cuda.Event) for entry in log):
         torch.cuda.synchronize()
     out: dict = {}
-    for phase, start, end, on_host in log:
+    for phase, start, end, on_host, _ in log:
         if host:
             us = on_host * 1e6
         else:
             us = start.elapsed_time(end) * 1e3 if isinstance(start, torch.cuda.Event) else (end - start) * 1e6
         out.setdefault(phase, []).append(us)
+    return out
+
+
+def host_milestones(log: list) -> dict:
+    """When the host reached the points of an exact-mode dispatch that bound its exposed time, from its ``phase_log``
+    (``time.perf_counter`` seconds): ``"counts read"``, the count read's return (the last part of ``COUNTS_PHASE``),
+    and ``"rows issued"``, the first part of the inter-domain rows (``ROWS_PHASE``) beginning. Missing ones are
+    absent."""
+    out = {}
+    counts = [began + on_host for phase, _, _, on_host, began in log if phase == COUNTS_PHASE]
+    rows = [began for phase, _, _, _, began in log if phase == ROWS_PHASE]
+    if counts:
+        out["counts read"] = max(counts)
+    if rows:
+        out["rows issued"] = min(rows)
     return out
 
 
@@ -999,4 +1026,4 @@ def _tensors(out) -> list:
     return [t for t in found if isinstance(t, torch.Tensor)]
 
 
-__all__ = ["HierarchicalTransport", "INTER_DOMAIN_LEGS", "subgroups"]
+__all__ = ["HierarchicalTransport", "INTER_DOMAIN_LEGS", "host_milestones", "subgroups"]
