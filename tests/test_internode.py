@@ -297,6 +297,25 @@ def test_known_counts_from_the_exchange():
     assert domain.num_recv_tokens == 5
     (_, domain1), = _known_counts(host, 1, 2, 2, 4, 1)  # the same gather read by the rank of local index 1
     assert domain1 == KnownCounts((2, 5), (4, 5), (3 + 7, 4 + 8), num_tokens_max=6, max_pair=5)
+    # several chunks, domains and forwarders: every count from its definition
+    import random
+
+    rng = random.Random(5)
+    C, L, D, e_dom = 3, 3, 4, 6
+    V = 1 + L + e_dom
+    host = [rng.randrange(40) for _ in range(L * C * V + 2 * D * C)]
+    at = lambda f, c, i: host[(f * C + c) * V + i]  # noqa: E731 - forwarder f's sums of chunk c
+    sends, recvs = host[L * C * V:L * C * V + D * C], host[L * C * V + D * C:]
+    for l in range(L):
+        for c, (rail, domain) in enumerate(_known_counts(host, C, L, D, e_dom, l)):
+            assert rail == KnownCounts(tuple(sends[d * C + c] for d in range(D)),
+                                       tuple(recvs[d * C + c] for d in range(D)),
+                                       tuple(at(l, c, 1 + L + e) for e in range(e_dom)))
+            assert domain == KnownCounts(
+                tuple(at(l, c, 1 + j) for j in range(L)), tuple(at(f, c, 1 + l) for f in range(L)),
+                tuple(sum(at(f, c, 1 + L + l * (e_dom // L) + e) for f in range(L)) for e in range(e_dom // L)),
+                num_tokens_max=max(at(f, c, 0) for f in range(L)),
+                max_pair=max(at(f, c, 1 + j) for f in range(L) for j in range(L)))
     with pytest.raises(ValueError, match=r"^KnownCounts: one non-negative count per rank"):
         KnownCounts((1, 2), (3,), ())
     with pytest.raises(ValueError, match=r"^KnownCounts: "):

@@ -418,13 +418,13 @@ class HierarchicalTransport(Transport):
             h1 = r1.handle
             r2, src_rank, src_idx = self._forward(fn, subs[c], r1, h1, None if starts is None else starts[:, c],
                                                   None if counts_known is None else counts_known[c][1])
-            parts.append((r2, src_rank, src_idx.to(torch.int32), h1))
+            parts.append((r2, src_rank, src_idx, h1))
         self._join()
         r2s = [p[0] for p in parts]
         handles = [r.handle for r in r2s]
         # the rows in the order of the intranode path: by source rank, then source token (padding rows last)
         src_rank, src_idx = _cat([p[1] for p in parts]), _cat([p[2] for p in parts])
-        order, back = _canonical_order(src_rank, src_idx)
+        order, back = _canonical_order(src_rank, self.num_ranks)
         per_expert = handles[0].num_recv_tokens_per_expert
         for h in handles[1:]:
             per_expert = per_expert + h.num_recv_tokens_per_expert
@@ -463,7 +463,7 @@ class HierarchicalTransport(Transport):
         domains. While the counts travel, the inter-domain leg's local work for every chunk is enqueued
         (``Transport.prepare``: the portable transport packs the rows), so that once they are read only the rows'
         collectives are left before the rows cross. Returns ``([(the inter-domain leg's request, its counts known and
-        its local work prepared; domain KnownCounts)] per chunk, [D, chunks] int64 first token of each chunk of every
+        its local work prepared; domain KnownCounts)] per chunk, [D, chunks] int32 first token of each chunk of every
         rail peer, or None for one chunk)``; raises on bad expert ids (``req.bad_topk``)."""
         D, L, C, dev = self.num_domains, self.local_size, len(subs), req.x.device
         e_dom = req.num_experts // D
@@ -493,7 +493,7 @@ class HierarchicalTransport(Transport):
         raise_if_bad_topk(fn, host[-1], req.num_experts)
         known = _known_counts(host, C, L, D, e_dom, self.local_index)
         return [(replace(leg, known=rail), domain) for (rail, domain), leg in zip(known, legs)], (
-            recv[:, :, -1].long() if C > 1 else None)
+            recv[:, :, -1] if C > 1 else None)
 
     def _rail_chunks(self, fn: str, subs: list, cap: int, counts_known: Optional[list]):
         """The inter-domain leg of each chunk of a dispatch (a generator of its results, in order). With several
@@ -538,16 +538,15 @@ class HierarchicalTransport(Transport):
     def _forward(self, fn: str, req: DispatchRequest, r1: DispatchResult, h1: DispatchHandle,
                  starts: Optional[torch.Tensor], known: Optional[KnownCounts]) -> tuple:
         """The domain leg of (a chunk of) a dispatch: ``(result, recv_src_rank, recv_src_idx)``, the source token
-        index within the source's x (``starts``: ``[D]`` int64, this chunk's first token on each rail peer; None
+        index within the source's x (``starts``: ``[D]`` int32, this chunk's first token on each rail peer; None
         for a single chunk). ``known``: its counts (``_exchange_counts``), None with ``num_worst_tokens``."""
         e_dom, L, W = req.num_experts // self.num_domains, self.local_size, req.num_worst_tokens
         per_rank, per_expert, itr = self.domain.get_dispatch_layout(r1.recv_topk_idx, e_dom)
         # every row's source, (domain, token) as the forwarding rank received it, rides along as two more scale
         # columns (4-byte words, which every transport moves as they are): no second dispatch within the domain
-        src = torch.empty(h1.num_recv_tokens, 2, dtype=torch.int32, device=req.x.device)
-        src[:, 0] = h1.recv_src_rank
-        src[:, 1] = (h1.recv_src_idx if starts is None
-                     else h1.recv_src_idx + starts[h1.recv_src_rank.clamp(min=0).long()])
+        # (starts: a chunk of an exact-mode call, whose rows all have a source)
+        src = torch.stack([h1.recv_src_rank, h1.recv_src_idx if starts is None
+                           else h1.recv_src_idx + starts[h1.recv_src_rank]], 1)
         ns = 0 if r1.recv_scales is None else r1.recv_scales.size(1)
         carried = src.view(torch.float32) if not ns else torch.cat([r1.recv_scales, src.view(torch.float32)], 1)
         with self._leg(fn, "forwarding the tokens", within=True):
@@ -557,9 +556,10 @@ class HierarchicalTransport(Transport):
         got = r2.recv_scales[:, ns:].view(torch.int32)
         r2 = replace(r2, recv_scales=r2.recv_scales[:, :ns] if ns else None)
         fwd = r2.handle.recv_src_rank
+        if not W:  # exact sizes: every row has a source
+            return r2, got[:, 0] * L + fwd, got[:, 1]
         real = fwd >= 0
-        return (r2, torch.where(real, got[:, 0] * L + fwd, -1).to(torch.int32),
-                torch.where(real, got[:, 1], -1).to(torch.int32))
+        return r2, torch.where(real, got[:, 0] * L + fwd, -1), torch.where(real, got[:, 1], -1)
 
     def _pipelined(self, legs: list):
         """Yield ``legs[c]()`` (inter-domain legs) in order. On GPUs each is issued on the network stream one step
@@ -966,15 +966,15 @@ def _known_counts(host: list, C: int, L: int, D: int, e_dom: int, l: int) -> lis
     every = [[host[(f * C + c) * V:(f * C + c + 1) * V] for c in range(C)] for f in range(L)]
     base = L * C * V
     sends, recvs = host[base:base + D * C], host[base + D * C:base + 2 * D * C]
+    mine = slice(1 + L + l * e_local, 1 + L + (l + 1) * e_local)  # this rank's experts in a forwarder's sums
     out = []
-    for c in range(C):
-        rail = KnownCounts(tuple(sends[d * C + c] for d in range(D)), tuple(recvs[d * C + c] for d in range(D)),
-                           tuple(every[l][c][1 + L:]))
+    for c in range(C):  # (slices and zips: this runs between the count read and the first rows crossing)
+        rows = [every[f][c] for f in range(L)]
+        rail = KnownCounts(tuple(sends[c::C]), tuple(recvs[c::C]), tuple(rows[l][1 + L:]))
         domain = KnownCounts(
-            tuple(every[l][c][1:1 + L]), tuple(every[f][c][1 + l] for f in range(L)),
-            tuple(sum(every[f][c][1 + L + l * e_local + e] for f in range(L)) for e in range(e_local)),
-            num_tokens_max=max(every[f][c][0] for f in range(L)),
-            max_pair=max(max(every[f][c][1:1 + L]) for f in range(L)))
+            tuple(rows[l][1:1 + L]), tuple(r[1 + l] for r in rows),
+            tuple(map(sum, zip(*(r[mine] for r in rows)))),
+            num_tokens_max=max(r[0] for r in rows), max_pair=max(max(r[1:1 + L]) for r in rows))
         out.append((rail, domain))
     return out
 
@@ -986,13 +986,13 @@ def _cat(parts: list) -> Optional[torch.Tensor]:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _canonical_order(src_rank: torch.Tensor, src_idx: torch.Tensor) -> tuple:
+def _canonical_order(src_rank: torch.Tensor, num_ranks: int) -> tuple:
     """``(order, back)``: the permutation that sorts rows by (source rank, source token), rows without a source
-    (-1: padding) last, and its inverse."""
-    key = torch.where(src_rank >= 0, src_rank.long() * (1 << 32) + src_idx.long(), torch.iinfo(torch.int64).max)
-    order = torch.sort(key, stable=True).indices
-    back = torch.empty_like(order)
-    back[order] = torch.arange(order.numel(), device=order.device)
+    (-1: padding) last, and its inverse. The legs' rows of any one source already come in token order (each leg
+    orders its output by source, then source token; the forwarded rows are in (source domain, token) order and a
+    chunk's tokens precede the next chunk's), so a stable sort by source rank alone puts them in that order."""
+    order = torch.sort(torch.remainder(src_rank, num_ranks + 1), stable=True).indices  # -1 -> num_ranks: last
+    back = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     return order, back
 
 
