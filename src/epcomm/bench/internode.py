@@ -143,13 +143,12 @@ def bench_worker(ctx, opts: InternodeBenchOptions) -> list:
             add(routing, name, "combine BF16", t(lambda: buf.combine(recv_x, handle)), cross, "bf16", opts.tokens,
                 chunks)
             del recv_x, handle
-        if routing not in phased:  # where a BF16 dispatch's time goes, in 1 and 2 chunks (the first round only)
+        if routing not in phased:  # where a BF16 dispatch's time goes, in 1 and 4 chunks (the first round only)
             phased.add(routing)
-            for chunks in PHASED_CHUNKS:
-                HierarchicalTransport.pipeline_chunks = chunks
+            for chunks, ops in _by_phase(ctx, hier, x, layout_of(hier, idx, w), opts.iters).items():
                 rows.extend({**base, "routing": routing, "impl": phased_impl(chunks), "op": op, "chunks": chunks,
                              "time_us": us, "crossing rows/token": "", "crossing MB/rank": "", "link GB/s": ""}
-                            for op, us in _by_phase(ctx, hier, x, layout_of(hier, idx, w), opts.iters).items())
+                            for op, us in ops.items())
         HierarchicalTransport.pipeline_chunks = None
         add(routing, "nccl-baseline", "dispatch FP8",
             t(lambda: baseline_dispatch(x8[0], x8[1], idx, w, opts.experts, ctx.group)), flat_cross, "fp8",
@@ -204,8 +203,9 @@ def bench_worker(ctx, opts: InternodeBenchOptions) -> list:
     return _median_of_rounds(rows) if opts.rounds > 1 else rows
 
 
-# chunk counts whose BF16 dispatch is broken down by phase: the host's time per call and what a further chunk adds
-PHASED_CHUNKS = (1, 2)
+# chunk counts whose BF16 dispatch is broken down by phase, their calls taking turns: the host's time per call, and
+# per further chunk from the difference (over 3 chunks: a single chunk's share of a drift is a third)
+PHASED_CHUNKS = (1, 4)
 
 
 def phased_impl(chunks: int) -> str:
@@ -213,46 +213,59 @@ def phased_impl(chunks: int) -> str:
 
 
 def _by_phase(ctx, hier, x, layout: dict, iters: int) -> dict:
-    """Where a BF16 dispatch's time goes (``HierarchicalTransport.phase_log``), and its combine's host time:
-    ``{op: us}``, the median over calls of the slowest rank. Each phase's parts are summed per call, as the device
+    """Where a BF16 dispatch's time goes in each of ``PHASED_CHUNKS`` (``HierarchicalTransport.phase_log``), and its
+    combine's host time: ``{chunks: {op: us}}``, the median over calls of the slowest rank; the counts take turns call
+    by call (a drift of the host's speed weighs on each alike). Each phase's parts are summed per call, as the device
     ran them and (``(host)``) as the host spent them; the host's milestones (``host_milestones``) split the call's
-    host time at the count read: before it, and after it (of which ``from the count read to the first rows``)."""
+    host time at the count read: up to it, and after it (of which ``from the count read to the first rows``)."""
     import torch.distributed as dist
 
     from ..transports.hierarchical import host_milestones
 
-    recv_x, _, _, _, handle, _ = hier.dispatch(x, **layout)
-    durations: dict = {}
+    handles = {}
+    for chunks in PHASED_CHUNKS:
+        HierarchicalTransport.pipeline_chunks = chunks
+        recv_x, _, _, _, handle, _ = hier.dispatch(x, **layout)
+        handles[chunks] = (recv_x, handle)
+    durations: dict = {c: {} for c in PHASED_CHUNKS}
     for _ in range(max(3, iters)):
-        dist.barrier(group=ctx.group)
-        hier.runtime.phase_log = []
-        began = time.perf_counter()
-        hier.dispatch(x, **layout)
-        ended = time.perf_counter()
-        durations.setdefault("the call (host)", []).append((ended - began) * 1e6)
-        marks = host_milestones(hier.runtime.phase_log)
-        if "counts read" in marks:
-            read = marks["counts read"]
-            durations.setdefault(HOST_BEFORE_READ, []).append((read - began) * 1e6)
-            durations.setdefault(HOST_AFTER_READ, []).append((ended - read) * 1e6)
-            if "rows issued" in marks:
-                durations.setdefault(HOST_LEAD, []).append((marks["rows issued"] - read) * 1e6)
-        for host in (False, True):
-            for phase, parts in phase_durations_us(hier.runtime.phase_log, host).items():
-                durations.setdefault(phase + " (host)" * host, []).append(sum(parts))
-        if ctx.device.type == "cuda":
-            torch.cuda.synchronize()
-        dist.barrier(group=ctx.group)
-        began = time.perf_counter()
-        hier.combine(recv_x, handle)
-        durations.setdefault("combine: the call (host)", []).append((time.perf_counter() - began) * 1e6)
-    hier.runtime.phase_log = None
-    out = {}
-    for phase, us in durations.items():
-        slowest = torch.tensor([float(sorted(us)[len(us) // 2])], dtype=torch.float64, device=ctx.device)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=ctx.group)
-        op = phase.replace("combine: ", "combine BF16: ") if phase.startswith("combine") else f"dispatch BF16: {phase}"
-        out[op] = round(float(slowest), 1)
+        for chunks in PHASED_CHUNKS:
+            HierarchicalTransport.pipeline_chunks = chunks
+            got = durations[chunks]
+            dist.barrier(group=ctx.group)
+            hier.runtime.phase_log = []
+            began = time.perf_counter()
+            hier.dispatch(x, **layout)
+            ended = time.perf_counter()
+            got.setdefault("the call (host)", []).append((ended - began) * 1e6)
+            marks = host_milestones(hier.runtime.phase_log)
+            if "counts read" in marks:
+                read = marks["counts read"]
+                got.setdefault(HOST_BEFORE_READ, []).append((read - began) * 1e6)
+                got.setdefault(HOST_AFTER_READ, []).append((ended - read) * 1e6)
+                if "rows issued" in marks:
+                    got.setdefault(HOST_LEAD, []).append((marks["rows issued"] - read) * 1e6)
+            for host in (False, True):
+                for phase, parts in phase_durations_us(hier.runtime.phase_log, host).items():
+                    got.setdefault(phase + " (host)" * host, []).append(sum(parts))
+            hier.runtime.phase_log = None
+            if ctx.device.type == "cuda":
+                torch.cuda.synchronize()
+            dist.barrier(group=ctx.group)
+            recv_x, handle = handles[chunks]
+            began = time.perf_counter()
+            hier.combine(recv_x, handle)
+            got.setdefault("combine: the call (host)", []).append((time.perf_counter() - began) * 1e6)
+    HierarchicalTransport.pipeline_chunks = None
+    out: dict = {}
+    for chunks, got in durations.items():
+        out[chunks] = {}
+        for phase, us in got.items():
+            slowest = torch.tensor([float(sorted(us)[len(us) // 2])], dtype=torch.float64, device=ctx.device)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=ctx.group)
+            op = (phase.replace("combine: ", "combine BF16: ") if phase.startswith("combine")
+                  else f"dispatch BF16: {phase}")
+            out[chunks][op] = round(float(slowest), 1)
     return out
 
 
@@ -322,13 +335,15 @@ class HostCosts:
     def measured(cls, rows: list) -> "HostCosts":
         """From a run's rows by phase (uniform routing, else the first): the count exchange as the device saw it in
         one chunk (its host read included), the dispatch's host time after the count read and up to its first rows,
-        the combine's host time, and the differences between 2 chunks and 1."""
+        the combine's host time, and what each further chunk adds (from the difference between the counts of
+        ``PHASED_CHUNKS``)."""
         got = {}
         for chunks in PHASED_CHUNKS:
             phased = [r for r in rows if r["impl"] == phased_impl(chunks)]
             uniform = [r for r in phased if r["routing"] == "uniform"] or phased
             got[chunks] = {r["op"]: float(r["time_us"]) for r in uniform}
-        one, two = got[1], got.get(2, {})
+        c1, cn = PHASED_CHUNKS[0], PHASED_CHUNKS[-1]
+        one, last = got[c1], got[cn]
         counts = f"dispatch BF16: {COUNTS_PHASE}"
         if counts not in one:
             return cls()
@@ -336,8 +351,8 @@ class HostCosts:
         # (without the host's milestones: the call's host time less its wait for the counts, per chunk)
         host = one.get(after, max(0.0, one.get("dispatch BF16: the call (host)", 0.0) - one[counts]))
 
-        def more(key, base):
-            return max(0.0, two[key] - base) if key in two and key in one else None
+        def more(key, base):  # per further chunk
+            return max(0.0, last[key] - base) / (cn - c1) if key in last and key in one else None
 
         return cls(one[counts], host, one.get(combine, 0.0), one.get(f"dispatch BF16: {HOST_LEAD}", 0.0),
                    more(after, host), more(combine, one.get(combine, 0.0)))
