@@ -26,22 +26,23 @@ def internode_cases(world_size: int) -> list:
         ExpertMajorCase(num_tokens=17, hidden=40, num_experts=24, topk=5, dtype="fp32", worst=True, seed=42)]
 
 
-def _cases_in_chunks(ctx, cases, local, chunks):
+def _cases_in_chunks(ctx, cases, local, chunks, ratio=None):
     from epcomm.transports.hierarchical import HierarchicalTransport
 
-    HierarchicalTransport.pipeline_chunks = chunks
+    HierarchicalTransport.pipeline_chunks, HierarchicalTransport.chunk_ratio = chunks, ratio
     failed = run_cases(ctx, cases, "alltoall", {"ranks_per_node": local})
     wrong = _ll_true_sources(ctx, local)
     return failed + ([("low-latency handle's true sources", wrong)] if wrong else [])
 
 
-@pytest.mark.parametrize("domains,local,chunks", [(2, 2, 4), (3, 2, None), (2, 3, 3), (4, 1, 4), (2, 2, 1)])
-def test_hierarchical_matches_reference(domains, local, chunks):
-    """Every case at several splits, and with the normal-mode calls moved in 1, 3 or 4 pipelined chunks, or in the
-    counts the transport tries while it measures which is fastest (None); then the low-latency handle's true
-    sources (``_ll_true_sources``)."""
+@pytest.mark.parametrize("domains,local,chunks,ratio", [(2, 2, 4, None), (3, 2, None, None), (2, 3, 3, 0.5),
+                                                         (4, 1, 4, 0.5), (2, 2, 1, None)])
+def test_hierarchical_matches_reference(domains, local, chunks, ratio):
+    """Every case at several splits, and with the normal-mode calls moved in 1, 3 or 4 pipelined chunks (even, or
+    each half the previous one's tokens), or in the counts the transport tries while it measures which is fastest
+    (None); then the low-latency handle's true sources (``_ll_true_sources``)."""
     world = domains * local
-    _assert_clean(spawn(_cases_in_chunks, world, internode_cases(world), local, chunks, device="cpu",
+    _assert_clean(spawn(_cases_in_chunks, world, internode_cases(world), local, chunks, ratio, device="cpu",
                         timeout_s=600))
 
 
@@ -347,10 +348,37 @@ def test_chunk_count_candidates_take_turns():
         timing = tuner.start(chunks)
         timed.append(timing is not None)
         if timing is not None:
+            if chunks == 1:  # a one-chunk call's legs: rows 0 -> 4, forwarding 4 -> 5 (0.25 of the rows' time)
+                timing[2].extend([0.0, 4.0, 5.0])
             tuner.stop(timing)
     assert order == [1, 2, 4] * 3 and timed == [False] * 3 + [True] * 6
-    assert {c: len(t) for c, t in tuner.times.items()} == {1: 2, 2: 2, 4: 2}
-    assert tuner.next(lambda mine: [30.0, 10.0, 20.0], "test") == 2 and tuner.start(2) is None
+    assert {c: len(t) for c, t in tuner.times.items()} == {1: 2, 2: 2, 4: 2} and tuner.ratios == [0.25, 0.25]
+    agreed = []  # what the ranks agree on: each count's median time and the forwarding / rows ratio, the largest
+    assert tuner.next(lambda mine: agreed.append(mine.tolist()) or [30.0, 10.0, 20.0, 0.7], "test") == 2
+    assert len(agreed[0]) == 4 and agreed[0][3] == 0.25 and tuner.ratio == 0.7 and tuner.start(2) is None
+    assert "each 0.70 times the previous one's tokens" in tuner.describe()
+
+
+def test_chunks_shrink_by_the_measured_ratio():
+    """Where the forwarding is faster than the rows' transfer, chunks shrink by that ratio (at least
+    CHUNK_RATIO_FLOOR): each chunk's forwarding hides behind the next one's transfer; otherwise they are even. The
+    bounds cover the tokens in order, whatever the ratio."""
+    from epcomm.core.layout import chunk_bounds, chunk_shares
+    from epcomm.transports.hierarchical import CHUNK_RATIO_FLOOR, chunk_ratio
+
+    assert CHUNK_RATIO_FLOOR == 0.5
+    assert chunk_ratio(0.26) == 0.5 and chunk_ratio(0.8) == 0.8 and chunk_ratio(1.3) == 1.0
+    assert chunk_ratio(float("inf")) == 1.0
+    assert chunk_shares(4, 0.5) == [8 / 15, 4 / 15, 2 / 15, 1 / 15]
+    assert chunk_bounds(4096, 4) == [(0, 1024), (1024, 2048), (2048, 3072), (3072, 4096)]
+    assert chunk_bounds(4096, 4, 0.5) == [(0, 2185), (2185, 3277), (3277, 3823), (3823, 4096)]
+    for n in (0, 1, 2, 5, 17, 4096):
+        for chunks in (1, 2, 3, 4):
+            for ratio in (1.0, 0.8, 0.5):
+                bounds = chunk_bounds(n, chunks, ratio)
+                assert len(bounds) == chunks and bounds[0][0] == 0 and bounds[-1][1] == n, (n, chunks, ratio)
+                assert all(a <= b for a, b in bounds) and all(bounds[c][1] == bounds[c + 1][0]
+                                                              for c in range(chunks - 1)), bounds
 
 
 def test_chunk_count_pick_needs_a_clear_gain():
@@ -649,19 +677,26 @@ def test_bench_internode_and_its_model(tmp_path):
     assert "DeepEP published" in open(tmp_path / "bench_internode_4ranks.md").read()
     # the model: 2 domains, top-8 of 256: nearly every token needs both domains; 4 of 8 domains when limited
     assert 1.99 < expected_domains(256, 2, 8) <= 2.0 and expected_domains(256, 8, 8, 4) < 4.0
-    e = internode_estimate(64, 8, 4096, 7168, 8, 256, "fp8", 50.0, 322.0, chunks=4)
+    e = internode_estimate(64, 8, 4096, 7168, 8, 256, "fp8", 50.0, 322.0, chunks=4, ratio=1.0)  # even chunks
     assert e.sequential_us == e.network_us + e.forward_us and e.nic_share(50.0) > e.nic_share(50.0, False)
     assert e.pipelined_us == e.network_us + e.forward_us / 4 + e.reorder_us
     # the count exchange is paid once per call; the host's issue is hidden while it is shorter than the network's time
     hidden = internode_estimate(64, 8, 4096, 7168, 8, 256, "fp8", 50.0, 322.0, chunks=4, fixed_us=100.0,
-                                host_us=e.network_us / 8)
+                                host_us=e.network_us / 8, ratio=1.0)
     assert hidden.pipelined_us == e.pipelined_us + 100.0
-    bound = internode_estimate(64, 8, 4096, 7168, 8, 256, "fp8", 50.0, 322.0, chunks=4, host_us=e.network_us)
+    bound = internode_estimate(64, 8, 4096, 7168, 8, 256, "fp8", 50.0, 322.0, chunks=4, host_us=e.network_us,
+                               ratio=1.0)
     assert bound.pipelined_us == 4 * e.network_us + e.forward_us / 4 + e.reorder_us
     # the host's time before the first rows is exposed; each further chunk adds its own host time, not a whole call's
     lead = internode_estimate(64, 8, 4096, 7168, 8, 256, "fp8", 50.0, 322.0, chunks=4, host_us=300.0, lead_us=200.0,
-                              host_chunk_us=100.0)
+                              host_chunk_us=100.0, ratio=1.0)
     assert lead.host_us == 600.0 and lead.pipelined_us == e.pipelined_us + 200.0
+    # what the transport does: the forwarding (~0.26 of the network's time at EP64) sets the chunks to halve, so only
+    # the last chunk's 1/15 of the forwarding is exposed; at EP16 the two legs take about as long: even chunks
+    g = internode_estimate(64, 8, 4096, 7168, 8, 256, "fp8", 50.0, 322.0, chunks=4)
+    assert g.ratio == 0.5 and abs(g.pipelined_us - (g.network_us + g.forward_us / 15 + g.reorder_us)) < 1e-6
+    assert g.nic_share(50.0) > 0.94 and 0.9 < e.nic_share(50.0) < 0.91  # even chunks: the ceiling is ~90%
+    assert internode_estimate(16, 8, 4096, 7168, 8, 256, "fp8", 50.0, 322.0, chunks=4).ratio == 1.0
     costs = internode.HostCosts.measured(rows)  # this run's, from the rows by phase (1 and 4 chunks)
     assert costs.fixed > 0 and costs.dispatch_host > 0 and costs.combine_host > 0, costs
     assert 0 < costs.dispatch_lead <= costs.dispatch_host, costs

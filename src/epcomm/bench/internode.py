@@ -375,7 +375,8 @@ def model_rows(opts, nic_gbps: float, nvlink_gbps: float, costs: HostCosts, gpus
                              "network us": round(e.network_us), "forward us": round(e.forward_us),
                              "legs in sequence us": round(e.sequential_us),
                              "NIC share (sequence)": round(e.nic_share(nic_gbps, False), 3),
-                             "chunks": e.chunks, "epcomm us (pipelined)": round(e.pipelined_us),
+                             "chunks": e.chunks, "chunk ratio": round(e.ratio, 2),
+                             "epcomm us (pipelined)": round(e.pipelined_us),
                              "NIC share": round(e.nic_share(nic_gbps), 3),
                              "DeepEP published RDMA GB/s": (pub[0] if "dispatch" in op else pub[1]) if pub else ""})
     return rows
@@ -462,7 +463,9 @@ def main(argv: list[str] | None = None) -> int:
              f"Traffic model (NIC {args.nic_gbps:g} GB/s per GPU, intranode {nvlink:g} GB/s, 8 GPUs per node, "
              f"{costs.describe()} (this run's, from the 'by phase' rows, unless given; the host's time before the "
              "count read is not counted: in a model's step the host runs ahead of its GPU there); "
-             "DeepEP's published internode figures: H800 + ConnectX-7 400 Gb/s, group-limited routing). "
+             "DeepEP's published internode figures: H800 + ConnectX-7 400 Gb/s, group-limited routing; chunk ratio: "
+             "each chunk's tokens over the previous one's, as the transport sets it from the forwarding's time over the "
+             "network's). "
              f"With this run's host issue times, the FP8 dispatch at EP64 (uniform routing) {need}:\n\n"
              + format_table(model, list(model[0].keys())) +
              "\n\nDeepEP published low latency (128 tokens, us, dispatch / combine): "

@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..core.layout import chunk_shares
 from ..reference import dispatch_layout
 
 
@@ -90,6 +91,7 @@ class InternodeEstimate:
     host_us: float  # the host's time after the count read, all chunks (hidden while the rows cross, if shorter)
     sequential_us: float  # the network leg, then the forwarding (one chunk)
     pipelined_us: float  # chunk c + 1 on the network while chunk c is forwarded (what epcomm does)
+    ratio: float = 1.0  # each chunk's share of the tokens over the previous one's (1: even)
 
     def nic_share(self, nic_gbps: float, pipelined: bool = True) -> float:
         """Crossing bytes over the call's time, as a fraction of the NIC's rate."""
@@ -100,7 +102,7 @@ class InternodeEstimate:
 def internode_estimate(ranks: int, gpus_per_node: int, num_tokens: int, hidden: int, topk: int, num_experts: int,
                        kind: str, nic_gbps: float, nvlink_gbps: float, max_groups: int = 0, chunks: int = 4,
                        hbm_gbps: float = 4000.0, fixed_us: float = 0.0, host_us: float = 0.0, lead_us: float = 0.0,
-                       host_chunk_us: Optional[float] = None) -> InternodeEstimate:
+                       host_chunk_us: Optional[float] = None, ratio: Optional[float] = None) -> InternodeEstimate:
     """Model of one dispatch (``kind`` fp8 or bf16; a combine moves the BF16 bytes the other way) of the
     hierarchical path: every token crosses once to each remote domain holding one of its experts (at
     ``nic_gbps`` per GPU), then each forwarding rank copies the rows it received to the ranks of its domain
@@ -114,7 +116,11 @@ def internode_estimate(ranks: int, gpus_per_node: int, num_tokens: int, hidden: 
     ``host_chunk_us`` what each further chunk adds (None: ``host_us``, every chunk as costly as a whole call). The
     rest is issued while the rows cross: it costs nothing while it stays below the network's time, and bounds the
     call above it. The host's work before the count read is not counted: in a model's step the host runs ahead of
-    its GPU (no synchronisation since the previous layer's dispatch), so that work overlaps the GPU's earlier work."""
+    its GPU (no synchronisation since the previous layer's dispatch), so that work overlaps the GPU's earlier work.
+    Chunk sizes: ``ratio`` times the previous chunk's tokens (``chunk_shares``; None: what the transport measures and
+    uses, ``chunk_ratio`` of the forwarding's time over the network's); the two legs then run as a two-stage
+    pipeline, each a chunk at a time: the call's legs end at the largest, over chunks ``k``, of the network's time for
+    chunks ``0..k`` and the forwarding's for chunks ``k..``."""
     domains = ranks // gpus_per_node
     rows = expected_domains(num_experts, domains, topk, max_groups)
     crossing = num_tokens * rows * (domains - 1) / domains * row_bytes(hidden, kind)
@@ -128,11 +134,16 @@ def internode_estimate(ranks: int, gpus_per_node: int, num_tokens: int, hidden: 
     reorder_us = 2 * forwarded / (hbm_gbps * 1e9) * 1e6
     issue_us = host_us + (chunks - 1) * (host_us if host_chunk_us is None else host_chunk_us)
     behind = max(0.0, issue_us - lead_us)  # issued once the first rows cross
+    if ratio is None:
+        from ..transports.hierarchical import chunk_ratio
+
+        ratio = chunk_ratio(forward_us / network_us if network_us > 0 else float("inf"))
+    shares = chunk_shares(chunks, ratio)
+    legs = max(network_us * sum(shares[:k + 1]) + forward_us * sum(shares[k:]) for k in range(chunks))
     return InternodeEstimate(ranks, domains, chunks, rows * (domains - 1) / domains, crossing, network_us, forward_us,
                              reorder_us, fixed_us, lead_us, issue_us,
                              fixed_us + lead_us + max(network_us, host_us - lead_us) + forward_us,
-                             fixed_us + lead_us + max(network_us, forward_us, behind)
-                             + min(network_us, forward_us) / chunks + reorder_us)
+                             fixed_us + lead_us + max(legs, behind + forward_us * shares[-1]) + reorder_us, ratio)
 
 
 # DeepEP's published internode figures (its README; H800, ConnectX-7 400 Gb/s InfiniBand, ~50 GB/s per GPU), for

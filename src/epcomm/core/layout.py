@@ -38,11 +38,26 @@ def count_bad_topk(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
     return ((topk_idx < -1) | (topk_idx >= num_experts)).sum(dtype=torch.int32)
 
 
-def chunk_bounds(num_tokens: int, chunks: int) -> list:
-    """``chunks`` consecutive ``(first, end)`` token ranges of ``ceil(num_tokens / chunks)`` tokens (the last ones
-    shorter or empty): how a pipelined call splits a rank's tokens."""
-    per = -(-num_tokens // chunks) if chunks else 0
-    return [(min(c * per, num_tokens), min((c + 1) * per, num_tokens)) for c in range(chunks)]
+def chunk_shares(chunks: int, ratio: float = 1.0) -> list:
+    """Each chunk's share of a pipelined call's tokens: ``ratio`` times the previous chunk's (1: even; below 1: the
+    chunks shrink, so that each one's forwarding can hide behind the next one's transfer)."""
+    weights = [ratio ** c for c in range(chunks)]
+    return [w / sum(weights) for w in weights]
+
+
+def chunk_bounds(num_tokens: int, chunks: int, ratio: float = 1.0) -> list:
+    """``chunks`` consecutive ``(first, end)`` token ranges (some may be empty): how a pipelined call splits a rank's
+    tokens. ``ratio`` 1: ``ceil(num_tokens / chunks)`` tokens each, the last ones shorter; otherwise chunk ``c`` ends
+    at the rounded ``num_tokens`` times the first ``c + 1`` shares of ``chunk_shares``."""
+    if ratio == 1.0:
+        per = -(-num_tokens // chunks) if chunks else 0
+        return [(min(c * per, num_tokens), min((c + 1) * per, num_tokens)) for c in range(chunks)]
+    ends, total = [], 0.0
+    for share in chunk_shares(chunks, ratio):
+        total += share
+        ends.append(min(num_tokens, round(num_tokens * total)))
+    ends[-1] = num_tokens
+    return [(ends[c - 1] if c else 0, ends[c]) for c in range(chunks)]
 
 
 def align_up(value: int, alignment: int) -> int:

@@ -29,9 +29,13 @@ domain leg keeps its exchange on the device and checks it against them), so ever
 while its rows still cross between domains and the forwarding starts on the device as soon as they land, instead of
 after a host read and the host's launches.
 
-Pipelining: an exact-mode call moves its tokens in chunks (each rank's tokens split evenly, the same count on every
+Pipelining: an exact-mode call moves its tokens in chunks (each rank's tokens split in order, the same count on every
 rank); the inter-domain leg of chunk ``c + 1`` runs on a network stream while chunk ``c`` is forwarded within the
-domain, so the forwarding hides behind the network for all but the last chunk. Every chunk's rows are issued
+domain, so the forwarding hides behind the network for all but the last chunk. The chunks shrink where that helps:
+each holds ``ratio`` times the previous one's tokens (``core.layout.chunk_bounds``), the forwarding's time over the
+rows' time in the measured one-chunk calls (the slowest rank's, at least ``CHUNK_RATIO_FLOOR``; 1, even chunks, where
+the forwarding is the slower leg or until it is measured; ``chunk_ratio`` fixes it): each chunk's forwarding then
+fits behind the next one's rows and only the small last chunk's is left exposed. Every chunk's rows are issued
 before the first is forwarded, so the link never waits for the host between chunks; each chunk adds a few launches
 and collectives, so the best count depends on the link. The count is measured: the first exact-mode dispatches
 try ``CHUNK_CANDIDATES`` in turn (1 first: it sizes the domain's storage for whole calls), ``TUNE_CALLS`` rounds (the
@@ -198,6 +202,9 @@ class HierarchicalTransport(Transport):
     # None: measured (module docstring); EPCOMM_INTERNODE_CHUNKS takes precedence.
     pipeline_chunks: Optional[int] = None
     CHUNK_CANDIDATES = (1, 2, 4)
+    # each chunk's share of a call's tokens over the previous chunk's: None, measured with the count (see
+    # _ChunkTuner: the forwarding's time over the rows' time in one-chunk calls, at least CHUNK_RATIO_FLOOR); 1: even
+    chunk_ratio: Optional[float] = None
     TUNE_CALLS = 4  # rounds of one dispatch per candidate (the first round is not counted: it may compile or size)
 
     def __init__(self, group, device: torch.device, buffer_id: int, domains: Domains,
@@ -255,6 +262,11 @@ class HierarchicalTransport(Transport):
         if from_env:
             return from_env, "EPCOMM_INTERNODE_CHUNKS"
         return (self.pipeline_chunks, "pipeline_chunks") if self.pipeline_chunks else (None, "")
+
+    def _chunk_ratio(self) -> float:
+        """Each pipelined chunk's share of a call's tokens over the previous one's (``chunk_bounds``): ``chunk_ratio``
+        when set, else the one the chunk tuner measured (1, even chunks, until it has)."""
+        return self.chunk_ratio if self.chunk_ratio is not None else self._tuner.ratio
 
     def chunks_description(self) -> str:
         """How many pipelined chunks exact-mode calls use, and why."""
@@ -407,17 +419,21 @@ class HierarchicalTransport(Transport):
         with self._leg(fn, "chunk agreement"):
             chunks = 1 if W else forced or self._tuner.next(lambda times: self._slowest(fn, times), fn)
         timing = None if W or forced else self._tuner.start(chunks)
-        bounds = chunk_bounds(n, chunks)
+        bounds = chunk_bounds(n, chunks, self._chunk_ratio() if chunks > 1 else 1.0)
         if W:  # fixed slots, no counts to learn
             subs, counts_known, starts = [req], None, None
         else:  # every chunk's layout computed here (the counts below are made from it), both legs' counts learnt
             subs = [self._chunk(req, a, b, c == 0) for c, (a, b) in enumerate(bounds)]
             counts_known, starts = self._exchange_counts(fn, req, subs, bounds)
         parts = []
+        marks = timing[2] if timing is not None and chunks == 1 else None  # a one-chunk call's legs, timed
+        _mark_into(marks, self.device)
         for c, r1 in enumerate(self._rail_chunks(fn, subs, cap, counts_known)):
             h1 = r1.handle
+            _mark_into(marks, self.device)
             r2, src_rank, src_idx = self._forward(fn, subs[c], r1, h1, None if starts is None else starts[:, c],
                                                   None if counts_known is None else counts_known[c][1])
+            _mark_into(marks, self.device)
             parts.append((r2, src_rank, src_idx, h1))
         self._join()
         r2s = [p[0] for p in parts]
@@ -796,9 +812,11 @@ class _ChunkTuner:
         self.candidates, self.calls, self.device = tuple(candidates), int(calls), device
         self.times: dict = {c: [] for c in self.candidates}
         self.seen = 0  # exact-mode dispatches so far
-        self.pending: list = []  # (chunks, start event, end event) not yet read
+        self.pending: list = []  # (chunks, start event, end event, issued, marks) not yet read
         self.chosen: Optional[int] = None
         self.medians: dict = {}
+        self.ratios: list = []  # one-chunk calls: the forwarding's time over the rows' (their legs' marks)
+        self.ratio = 1.0  # each chunk's share over the previous one's, once chosen (even until then)
 
     def next(self, slowest_of: Callable[[torch.Tensor], list], fn: str) -> int:
         """The chunk count of this dispatch (collective when the schedule ends here: the agreement;
@@ -809,10 +827,12 @@ class _ChunkTuner:
         if self.seen < self.calls * len(self.candidates):
             return self.candidates[self.seen % len(self.candidates)]
         self._read(fn)
-        mine = torch.tensor([_median(self.times[c]) for c in self.candidates], dtype=torch.float64)
-        slowest = slowest_of(mine)
+        mine = torch.tensor([_median(self.times[c]) for c in self.candidates] + [_median(self.ratios)],
+                            dtype=torch.float64)
+        slowest = slowest_of(mine)  # (the largest ratio of any rank: the evenest split)
         self.medians = dict(zip(self.candidates, slowest))
-        self.chosen = pick_chunks(self.candidates, slowest)
+        self.chosen = pick_chunks(self.candidates, slowest[:len(self.candidates)])
+        self.ratio = chunk_ratio(slowest[-1])
         log.info("%s: %s", fn, self.describe())
         return self.chosen
 
@@ -824,38 +844,57 @@ class _ChunkTuner:
         self.seen += 1
         if not counted:
             return None
-        if self.device.type == "cuda":
-            begin = torch.cuda.Event(enable_timing=True)
-            begin.record()
-            return chunks, begin
-        return chunks, time.perf_counter()
+        # (the call fills the list with 3 marks when it runs in one chunk: its rows start, rows end, forwarding end)
+        return chunks, _mark(self.device), []
 
     def stop(self, timing) -> None:
-        chunks, begin = timing
+        chunks, begin, marks = timing
         if self.device.type == "cuda":
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self.pending.append((chunks, begin, end, time.monotonic()))
+            self.pending.append((chunks, begin, _mark(self.device), time.monotonic(), marks))
         else:
             self.times[chunks].append((time.perf_counter() - begin) * 1e6)
+            self._add_ratio(marks, lambda a, b: b - a)
+
+    def _add_ratio(self, marks: list, elapsed: Callable) -> None:
+        if len(marks) == 3:
+            rows, forwarding = elapsed(marks[0], marks[1]), elapsed(marks[1], marks[2])
+            if rows > 0:
+                self.ratios.append(forwarding / rows)
 
     def _read(self, fn: str) -> None:
-        for chunks, begin, end, issued in self.pending:
+        for chunks, begin, end, issued, marks in self.pending:
             faults.host_wait(end, fn, "a timed dispatch", issued)
             self.times[chunks].append(begin.elapsed_time(end) * 1e3)
+            self._add_ratio(marks, lambda a, b: a.elapsed_time(b))
         self.pending = []
 
     def describe(self) -> str:
         if self.chosen is None:
             return f"measuring {self.candidates} ({self.seen} of {self.calls * len(self.candidates)} dispatches made)"
         times = ", ".join(f"{c}: {t:.0f} us" for c, t in self.medians.items())
-        return f"{self.chosen}, measured fastest (slowest rank's median per count: {times})"
+        split = "even" if self.ratio == 1.0 else f"each {self.ratio:.2f} times the previous one's tokens"
+        return f"{self.chosen}, measured fastest (slowest rank's median per count: {times}); chunks {split}"
 
 
 # More chunks add fixed costs (a count exchange, a host read, launches per chunk) and more variance: a count is
 # taken over a smaller one only when its measured time is lower by more than this share (a gain within the
 # measurement's noise is none; seen over NCCL's sockets, where the link drifts by ~20% between repeats).
 CHUNK_GAIN = 0.05
+
+
+# The shrinking chunks' smallest ratio: below it the last chunks would be too small to be worth their fixed costs
+CHUNK_RATIO_FLOOR = 0.5
+
+
+def chunk_ratio(forwarding_over_rows: float) -> float:
+    """Each pipelined chunk's share of a call's tokens over the previous chunk's, from the forwarding's time over the
+    rows' time in a one-chunk call (inf: not measured). Where the forwarding is faster than the rows' transfer, chunks
+    that shrink by that ratio hide each chunk's forwarding behind the next one's transfer, so only the small last
+    chunk's forwarding is left exposed (even chunks leave a 1 / chunks share of it); the ratio is kept within
+    ``[CHUNK_RATIO_FLOOR, 1]`` (1: even chunks, also where the forwarding is the slower leg)."""
+    if not forwarding_over_rows < 1.0:
+        return 1.0
+    return max(CHUNK_RATIO_FLOOR, float(forwarding_over_rows))
 
 
 def pick_chunks(candidates: tuple, times: list, gain: float = CHUNK_GAIN) -> int:
@@ -866,6 +905,12 @@ def pick_chunks(candidates: tuple, times: list, gain: float = CHUNK_GAIN) -> int
         if times[i] < times[kept] * (1.0 - gain):
             kept = i
     return candidates[kept]
+
+
+def _mark_into(marks: Optional[list], device: torch.device) -> None:
+    """Append a point in time (``_mark``) to ``marks`` (nothing when None)."""
+    if marks is not None:
+        marks.append(_mark(device))
 
 
 def _mark(device: torch.device):
