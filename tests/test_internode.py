@@ -113,7 +113,7 @@ def _chunk_count(ctx, per_chunk_s: float):
     rt.rail.dispatch = slow_rail
     case = NormalCase(num_tokens=(40, 33, 0, 17), hidden=64, num_experts=8, topk=3, dtype="bf16", seed=5)
     failures, calls = [], 0
-    while rt._tuner.chosen is None and calls < 30 and not rt.chunks_description().endswith("(EPCOMM_INTERNODE_CHUNKS)"):
+    while rt._tuner.chosen is None and calls < 30 and "(EPCOMM_INTERNODE_CHUNKS)" not in rt.chunks_description():
         failures += check_normal(ctx, buf, case).failures
         calls += 1
     failures += check_normal(ctx, buf, case).failures  # in the chosen count
@@ -364,9 +364,9 @@ def test_chunks_shrink_by_the_measured_ratio():
     CHUNK_RATIO_FLOOR): each chunk's forwarding hides behind the next one's transfer; otherwise they are even. The
     bounds cover the tokens in order, whatever the ratio."""
     from epcomm.core.layout import chunk_bounds, chunk_shares
-    from epcomm.transports.hierarchical import CHUNK_RATIO_FLOOR, chunk_ratio
+    from epcomm.transports.hierarchical import CHUNK_RATIO_FLOOR, chunk_ratio, split_description
 
-    assert CHUNK_RATIO_FLOOR == 0.5
+    assert CHUNK_RATIO_FLOOR == 0.5 and split_description(0.5) == "each 0.50 times the previous one's tokens"
     assert chunk_ratio(0.26) == 0.5 and chunk_ratio(0.8) == 0.8 and chunk_ratio(1.3) == 1.0
     assert chunk_ratio(float("inf")) == 1.0
     assert chunk_shares(4, 0.5) == [8 / 15, 4 / 15, 2 / 15, 1 / 15]
@@ -398,7 +398,7 @@ def test_chunk_count_pick_needs_a_clear_gain():
 def test_chunk_count_from_the_environment(monkeypatch):
     monkeypatch.setenv("EPCOMM_INTERNODE_CHUNKS", "3")
     for failures, chosen, seen, text, _ in spawn(_chunk_count, 4, 0.0, device="cpu", timeout_s=600):
-        assert failures == [] and chosen is None and seen == 0 and text == "3 (EPCOMM_INTERNODE_CHUNKS)"
+        assert failures == [] and chosen is None and seen == 0 and text == "3 (EPCOMM_INTERNODE_CHUNKS); chunks even"
     monkeypatch.setenv("EPCOMM_INTERNODE_CHUNKS", "0")
     with pytest.raises(Exception, match="EPCOMM_INTERNODE_CHUNKS='0' must be a whole number from 1 to 16"):
         spawn(_chunk_count, 4, 0.0, device="cpu", timeout_s=600)

@@ -271,7 +271,10 @@ class HierarchicalTransport(Transport):
     def chunks_description(self) -> str:
         """How many pipelined chunks exact-mode calls use, and why."""
         fixed, source = self._fixed_chunks()
-        return f"{fixed} ({source})" if fixed else self._tuner.describe()
+        if not fixed:
+            return self._tuner.describe()
+        how = " (chunk_ratio)" if self.chunk_ratio is not None else ""
+        return f"{fixed} ({source}); chunks {split_description(self._chunk_ratio())}{how}"
 
     # ------------------------------------------------------------------ helpers
     @contextlib.contextmanager
@@ -872,8 +875,8 @@ class _ChunkTuner:
         if self.chosen is None:
             return f"measuring {self.candidates} ({self.seen} of {self.calls * len(self.candidates)} dispatches made)"
         times = ", ".join(f"{c}: {t:.0f} us" for c, t in self.medians.items())
-        split = "even" if self.ratio == 1.0 else f"each {self.ratio:.2f} times the previous one's tokens"
-        return f"{self.chosen}, measured fastest (slowest rank's median per count: {times}); chunks {split}"
+        return (f"{self.chosen}, measured fastest (slowest rank's median per count: {times}); chunks "
+                f"{split_description(self.ratio)}")
 
 
 # More chunks add fixed costs (a count exchange, a host read, launches per chunk) and more variance: a count is
@@ -884,6 +887,10 @@ CHUNK_GAIN = 0.05
 
 # The shrinking chunks' smallest ratio: below it the last chunks would be too small to be worth their fixed costs
 CHUNK_RATIO_FLOOR = 0.5
+
+
+def split_description(ratio: float) -> str:
+    return "even" if ratio == 1.0 else f"each {ratio:.2f} times the previous one's tokens"
 
 
 def chunk_ratio(forwarding_over_rows: float) -> float:
