@@ -15,11 +15,14 @@ routing), at DeepSeek's shape (4096 tokens per rank, hidden 7168, top-8, 256 exp
 * ``nccl-baseline``: the plain NCCL pipeline a framework writes (``epcomm.bench.baseline``);
 * ``raw link``: one all_to_all_single over the rail group (the ranks with this rank's local index) of exactly
   the bytes the hierarchical path sends across domains: the inter-domain link's rate on that traffic;
-* ``hierarchical, 1 chunk, by phase`` (first round): where a one-chunk BF16 dispatch's time goes, each part of
-  the call that the transport runs as a leg (``HierarchicalTransport.phase_log``: the inter-domain leg with the
-  count exchange and its host read, the forwarding within the domain with the domain's gather of the counts, the
-  chunk agreement; each phase's parts summed per call, as the device ran them), the median of the slowest rank; what
-  the parts leave out (the rows' reordering, host gaps) is the rest of the call's time.
+* ``hierarchical, 1 chunk, by phase`` and ``..., 4 chunks, by phase`` (first round, their calls taking turns): where
+  a BF16 dispatch's time goes, each part of the call that the transport runs as a leg
+  (``HierarchicalTransport.phase_log``: the inter-domain leg with the count exchange and its host read, the packing
+  of its rows while the counts travel, the forwarding within the domain with the domain's gather of the counts, the
+  chunk agreement; each phase's parts summed per call, as the device ran them and as the host spent them), and the
+  host's time split at the count read (up to it; after it; from it to the first rows' collective), the median of the
+  slowest rank; what the parts leave out (the rows' reordering, host gaps) is the rest of the call's time. The
+  model's host terms come from these rows (``HostCosts.measured``).
 
 Every call is timed isolated (a barrier before each; the median over iterations of the slowest rank); with
 ``--rounds N`` the whole measurement runs N times, the implementations interleaved, and each row gives the median
