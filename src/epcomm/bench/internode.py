@@ -361,6 +361,15 @@ class HostCosts:
                    more(after, host), more(combine, one.get(combine, 0.0)))
 
 
+def best_estimate(opts, ranks: int, gpus_per_node: int, kind: str, nic_gbps: float, nvlink_gbps: float, groups: int,
+                  cost_args: dict):
+    """The model's estimate (``internode_estimate`` with ``cost_args``) in the chunk count the transport would
+    measure as fastest: the fastest of ``HierarchicalTransport.CHUNK_CANDIDATES``."""
+    return min((internode_estimate(ranks, gpus_per_node, opts.tokens, opts.hidden, opts.topk, opts.experts, kind,
+                                   nic_gbps, nvlink_gbps, groups, c, **cost_args)
+                for c in HierarchicalTransport.CHUNK_CANDIDATES), key=lambda e: e.pipelined_us)
+
+
 def model_rows(opts, nic_gbps: float, nvlink_gbps: float, costs: HostCosts, gpus_per_node: int = 8) -> list:
     """The traffic model at EP16/32/64 (normal mode, FP8 dispatch and BF16 combine, uniform and group-limited
     routing) beside DeepEP's published figures."""
@@ -368,10 +377,7 @@ def model_rows(opts, nic_gbps: float, nvlink_gbps: float, costs: HostCosts, gpus
     for ranks in (16, 32, 64):
         for routing, groups in (("uniform", 0), ("group_limited", opts.max_groups)):
             for op, kind in (("dispatch FP8", "fp8"), ("combine BF16", "bf16")):
-                # the chunk count the transport would measure as fastest: the model's best candidate
-                e = min((internode_estimate(ranks, gpus_per_node, opts.tokens, opts.hidden, opts.topk, opts.experts,
-                                            kind, nic_gbps, nvlink_gbps, groups, c, **costs.model_args(op))
-                         for c in HierarchicalTransport.CHUNK_CANDIDATES), key=lambda e: e.pipelined_us)
+                e = best_estimate(opts, ranks, gpus_per_node, kind, nic_gbps, nvlink_gbps, groups, costs.model_args(op))
                 pub = DEEPEP_PUBLISHED_NORMAL.get(ranks)
                 rows.append({"EP": ranks, "routing": routing, "op": op,
                              "crossing rows/token": round(e.crossing_rows_per_token, 2),
@@ -390,9 +396,8 @@ def fixed_for_share(opts, nic_gbps: float, nvlink_gbps: float, costs: HostCosts,
     NIC with the host issue times of ``costs``: a sentence naming the largest count exchange (us, in steps of 10)
     that allows it, or the share reached without one."""
     def best(fixed: float) -> float:
-        return max(internode_estimate(ranks, 8, opts.tokens, opts.hidden, opts.topk, opts.experts, "fp8", nic_gbps,
-                                      nvlink_gbps, 0, c, **costs.model_args("dispatch", fixed)
-                                      ).nic_share(nic_gbps) for c in HierarchicalTransport.CHUNK_CANDIDATES)
+        return best_estimate(opts, ranks, 8, "fp8", nic_gbps, nvlink_gbps, 0,
+                             costs.model_args("dispatch", fixed)).nic_share(nic_gbps)
 
     if best(0.0) < share:
         return (f"stays at {best(0.0):.0%} of the NIC even without a count exchange (the host's time after the count "
@@ -467,8 +472,8 @@ def main(argv: list[str] | None = None) -> int:
              f"{costs.describe()} (this run's, from the 'by phase' rows, unless given; the host's time before the "
              "count read is not counted: in a model's step the host runs ahead of its GPU there); "
              "DeepEP's published internode figures: H800 + ConnectX-7 400 Gb/s, group-limited routing; chunk ratio: "
-             "each chunk's tokens over the previous one's, as the transport sets it from the forwarding's time over the "
-             "network's). "
+             "each chunk's tokens over the previous one's, as the transport sets it from the forwarding's time over "
+             "the network's). "
              f"With this run's host issue times, the FP8 dispatch at EP64 (uniform routing) {need}:\n\n"
              + format_table(model, list(model[0].keys())) +
              "\n\nDeepEP published low latency (128 tokens, us, dispatch / combine): "

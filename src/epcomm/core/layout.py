@@ -42,7 +42,8 @@ def chunk_shares(chunks: int, ratio: float = 1.0) -> list:
     """Each chunk's share of a pipelined call's tokens: ``ratio`` times the previous chunk's (1: even; below 1: the
     chunks shrink, so that each one's forwarding can hide behind the next one's transfer)."""
     weights = [ratio ** c for c in range(chunks)]
-    return [w / sum(weights) for w in weights]
+    total = sum(weights)
+    return [w / total for w in weights]
 
 
 def chunk_bounds(num_tokens: int, chunks: int, ratio: float = 1.0) -> list:
