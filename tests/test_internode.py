@@ -366,15 +366,16 @@ def test_chunks_shrink_by_the_measured_ratio():
     from epcomm.core.layout import chunk_bounds, chunk_shares
     from epcomm.transports.hierarchical import CHUNK_RATIO_FLOOR, chunk_ratio, split_description
 
-    assert CHUNK_RATIO_FLOOR == 0.5 and split_description(0.5) == "each 0.50 times the previous one's tokens"
-    assert chunk_ratio(0.26) == 0.5 and chunk_ratio(0.8) == 0.8 and chunk_ratio(1.3) == 1.0
+    assert CHUNK_RATIO_FLOOR == 0.25 and split_description(0.5) == "each 0.50 times the previous one's tokens"
+    assert chunk_ratio(0.1) == 0.25 and chunk_ratio(0.26) == 0.26 and chunk_ratio(0.8) == 0.8
+    assert chunk_ratio(1.3) == 1.0
     assert chunk_ratio(float("inf")) == 1.0
     assert chunk_shares(4, 0.5) == [8 / 15, 4 / 15, 2 / 15, 1 / 15]
     assert chunk_bounds(4096, 4) == [(0, 1024), (1024, 2048), (2048, 3072), (3072, 4096)]
     assert chunk_bounds(4096, 4, 0.5) == [(0, 2185), (2185, 3277), (3277, 3823), (3823, 4096)]
     for n in (0, 1, 2, 5, 17, 4096):
         for chunks in (1, 2, 3, 4):
-            for ratio in (1.0, 0.8, 0.5):
+            for ratio in (1.0, 0.8, 0.5, 0.25):
                 bounds = chunk_bounds(n, chunks, ratio)
                 assert len(bounds) == chunks and bounds[0][0] == 0 and bounds[-1][1] == n, (n, chunks, ratio)
                 assert all(a <= b for a, b in bounds) and all(bounds[c][1] == bounds[c + 1][0]
@@ -691,16 +692,27 @@ def test_bench_internode_and_its_model(tmp_path):
     lead = internode_estimate(64, 8, 4096, 7168, 8, 256, "fp8", 50.0, 322.0, chunks=4, host_us=300.0, lead_us=200.0,
                               host_chunk_us=100.0, ratio=1.0)
     assert lead.host_us == 600.0 and lead.pipelined_us == e.pipelined_us + 200.0
-    # what the transport does: the forwarding (~0.26 of the network's time at EP64) sets the chunks to halve, so only
-    # the last chunk's 1/15 of the forwarding is exposed; at EP16 the two legs take about as long: even chunks
+    # what the transport does: the forwarding (~0.26 of the network's time at EP64) sets each chunk to ~0.26 of the
+    # previous one, so only the last chunk's forwarding is exposed (less than with halving chunks, 1/15 of it); at
+    # EP16 the two legs take about as long: even chunks
     g = internode_estimate(64, 8, 4096, 7168, 8, 256, "fp8", 50.0, 322.0, chunks=4)
-    assert g.ratio == 0.5 and abs(g.pipelined_us - (g.network_us + g.forward_us / 15 + g.reorder_us)) < 1e-6
-    assert g.nic_share(50.0) > 0.94 and 0.9 < e.nic_share(50.0) < 0.91  # even chunks: the ceiling is ~90%
+    half = internode_estimate(64, 8, 4096, 7168, 8, 256, "fp8", 50.0, 322.0, chunks=4, ratio=0.5)
+    assert abs(g.ratio - g.forward_us / g.network_us) < 1e-9 and 0.25 < g.ratio < 0.3
+    assert abs(half.pipelined_us - (g.network_us + g.forward_us / 15 + g.reorder_us)) < 1e-6
+    assert g.pipelined_us < half.pipelined_us and g.nic_share(50.0) > 0.95
+    assert half.nic_share(50.0) > 0.94 and 0.9 < e.nic_share(50.0) < 0.91  # even chunks: the ceiling is ~90%
     assert internode_estimate(16, 8, 4096, 7168, 8, 256, "fp8", 50.0, 322.0, chunks=4).ratio == 1.0
     costs = internode.HostCosts.measured(rows)  # this run's, from the rows by phase (1 and 4 chunks)
     assert costs.fixed > 0 and costs.dispatch_host > 0 and costs.combine_host > 0, costs
     assert 0 < costs.dispatch_lead <= costs.dispatch_host, costs
     assert costs.dispatch_chunk is not None and costs.combine_chunk is not None, costs
+    # the dispatch with a cached handle (what DeepEP's figures time): timed beside the others, its host time measured
+    # and modelled without a count exchange
+    assert {r["impl"] for r in rows if r["op"] == internode.CACHED_FP8} >= {"hierarchical", "flat alltoall"}
+    assert costs.cached_host > 0 and costs.cached_chunk is not None, costs
+    assert internode.HostCosts(fixed=500.0).model_args(internode.CACHED_FP8).get("fixed_us", 0.0) == 0.0
+    model = open(tmp_path / "bench_internode_4ranks.md").read()
+    assert internode.CACHED_FP8 in model and "with a cached handle" in model
     assert {"dispatch BF16: counts of both legs", "dispatch BF16: the call (host)", "combine BF16: the call (host)",
             "dispatch BF16: host after the count read", "dispatch BF16: host up to the count read",
             "dispatch BF16: host from the count read to the first rows"} <= {r["op"] for r in phases}

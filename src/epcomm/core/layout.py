@@ -66,6 +66,14 @@ def align_up(value: int, alignment: int) -> int:
     return (value + alignment - 1) // alignment * alignment
 
 
+def align_all(values, alignment: int) -> list:
+    """``[align_up(v, alignment) for v in values]`` (per-expert counts on the host's path between a count read and
+    the rows: no loop in Python for the common alignment 1)."""
+    if alignment == 1:
+        return list(values)
+    return [(v + alignment - 1) // alignment * alignment for v in values]
+
+
 def low_latency_pair_capacity(num_max_dispatch_tokens_per_rank: int, num_topk: int, num_local_experts: int) -> int:
     """Most rows one rank can send to one other rank in a low-latency dispatch: each of its T tokens sends
     one row per distinct selected expert of that rank, at most ``min(K, E_local)``."""

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..core.handles import DispatchHandle, LowLatencyHandle
-from ..core.layout import align_up, low_latency_pair_capacity
+from ..core.layout import align_all, low_latency_pair_capacity
 from ..core.validate import check_precast, raise_if_bad_routing
 from ..errors import EpcommError
 from ..fp8 import FP8_DTYPE, pack_ue8m0, per_token_cast_to_fp8
@@ -296,7 +296,9 @@ class AllToAllTransport(Transport):
         per_expert = list(known.num_recv_tokens_per_expert)
         return self._exchange_rows(req, rows[:num_send], records[:num_send], list(known.num_tokens_per_rank),
                                    list(known.num_recv_tokens_per_rank),
-                                   lambda: (per_expert, counts_to_device(per_expert, self.device)), state)
+                                   lambda: (per_expert, counts_to_device(per_expert, self.device)
+                                            if known.recv_per_expert_tensor is None else known.recv_per_expert_tensor),
+                                   state)
 
     def _exchange_rows(self, req: DispatchRequest, rows: torch.Tensor, records: torch.Tensor, send_counts: list,
                        recv_counts: list, expert_counts, state: "_NormalState") -> DispatchResult:
@@ -320,7 +322,7 @@ class AllToAllTransport(Transport):
             num_tokens_per_rank=tuple(send_counts), num_recv_tokens=num_recv,
             num_recv_tokens_per_rank=tuple(recv_counts), num_recv_tokens_per_expert=recv_per_expert,
             recv_src_rank=recv_src_rank, recv_src_idx=recv_src_idx, state=state)
-        per_expert_list = ([align_up(c, req.expert_alignment) for c in per_expert]
+        per_expert_list = (align_all(per_expert, req.expert_alignment)
                            if req.num_tokens_per_expert is not None else [])
         return DispatchResult(recv_x, recv_scales, recv_idx, recv_w, per_expert_list, handle)
 

@@ -43,11 +43,12 @@ class KnownCounts:
     num_recv_tokens_per_expert: tuple  # [E_local] (token, local expert) pairs received, not aligned
     num_tokens_max: Optional[int] = None  # the largest token count of any rank of the group (None: not known)
     max_pair: Optional[int] = None  # the most rows any rank sends any rank, itself included (None: not known)
+    # num_recv_tokens_per_expert already on the device ([E_local] int32), where the caller has it: no copy to make
+    recv_per_expert_tensor: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
         lists = (self.num_tokens_per_rank, self.num_recv_tokens_per_rank, self.num_recv_tokens_per_expert)
-        if len(self.num_tokens_per_rank) != len(self.num_recv_tokens_per_rank) or any(
-                v < 0 for t in lists for v in t):
+        if len(self.num_tokens_per_rank) != len(self.num_recv_tokens_per_rank) or any(t and min(t) < 0 for t in lists):
             raise ValueError(f"KnownCounts: one non-negative count per rank for sends and receives, non-negative "
                              f"per-expert counts; got {lists}")
 

@@ -101,7 +101,7 @@ import torch.distributed as dist
 from .. import env
 from ..core.config import Config
 from ..core.handles import DispatchHandle, LowLatencyHandle
-from ..core.layout import align_up, chunk_bounds
+from ..core.layout import align_all, chunk_bounds
 from ..core.validate import raise_if_bad_topk
 from ..errors import EpcommError, EpcommTimeoutError
 from ..fp8 import FP8_DTYPE, per_token_cast_to_fp8
@@ -230,9 +230,12 @@ class HierarchicalTransport(Transport):
         self.leg_name = leg
         self.rail = INTER_DOMAIN_LEGS[leg](self.rail_group, device, buffer_id)
         self.rail.fuse_rows = True  # rows with their records (weights) in one all_to_all: a round trip fewer
+        if isinstance(self.domain, AllToAllTransport):  # (the same within a domain that runs the portable transport)
+            self.domain.fuse_rows = True
         self.errors = CombinedErrors((self.domain.errors, self.rail.errors), device)
         self._agreed: set = set()
         self.phase_log: Optional[list] = None  # see _leg
+        self.phase_events = True  # phase_log entries with CUDA events (False: the host's times alone, no events)
         self._net: Optional[torch.cuda.Stream] = None  # the inter-domain leg's stream while a dispatch pipelines
         self._tuner = _ChunkTuner(self.CHUNK_CANDIDATES, self.TUNE_CALLS, device)
         self._fault = _faults.setdefault(self.rail_group, {})  # shared with every Buffer on these groups
@@ -283,15 +286,17 @@ class HierarchicalTransport(Transport):
         torch.distributed in it (gloo's timeout, a peer that closed its connection) ends this transport
         (``_fail``). ``within``: the domain leg (its one-sided kernels report their own timeouts). With
         ``phase_log`` a list (a benchmark's breakdown), each part appends ``(phase, start, end, host seconds, host
-        start)``: CUDA events on the stream it ran on (or host times (s) on CPUs), the seconds the host spent in it and
-        when it began (``time.perf_counter``)."""
+        start)``: CUDA events on the stream it ran on (or host times (s) on CPUs; None with ``phase_events`` False: the
+        host's times alone, which cost the host nothing measurable), the seconds the host spent in it and when it began
+        (``time.perf_counter``)."""
         log = self.phase_log
-        start = _mark(self.device) if log is not None else None
+        events = log is not None and self.phase_events
+        start = _mark(self.device) if events else None
         began = time.perf_counter() if log is not None else 0.0
         try:
             yield
             if log is not None:
-                log.append((phase, start, _mark(self.device), time.perf_counter() - began, began))
+                log.append((phase, start, _mark(self.device) if events else None, time.perf_counter() - began, began))
         except faults.WaitExpired as exc:
             raise self._fail(fn, phase, within, exc) from exc
         except EpcommError:
@@ -450,7 +455,7 @@ class HierarchicalTransport(Transport):
         counts = []
         if not W and req.num_tokens_per_expert is not None:  # the domain leg counted without alignment
             totals = [sum(cs) for cs in zip(*(r.num_recv_tokens_per_expert_list for r in r2s))]
-            counts = [align_up(v, req.expert_alignment) for v in totals]
+            counts = align_all(totals, req.expert_alignment)
         if timing is not None:
             self._tuner.stop(timing)
         handle = DispatchHandle(
@@ -511,8 +516,9 @@ class HierarchicalTransport(Transport):
                                     f"rank {self.rank}: the counts of both legs")
         raise_if_bad_topk(fn, host[-1], req.num_experts)
         known = _known_counts(host, C, L, D, e_dom, self.local_index)
-        return [(replace(leg, known=rail), domain) for (rail, domain), leg in zip(known, legs)], (
-            recv[:, :, -1] if C > 1 else None)
+        # (the inter-domain leg's received per-expert counts are this rank's sums, already on the device)
+        return [(replace(leg, known=replace(rail, recv_per_expert_tensor=mine[c, 1 + L:])), domain)
+                for c, ((rail, domain), leg) in enumerate(zip(known, legs))], (recv[:, :, -1] if C > 1 else None)
 
     def _rail_chunks(self, fn: str, subs: list, cap: int, counts_known: Optional[list]):
         """The inter-domain leg of each chunk of a dispatch (a generator of its results, in order). With several
@@ -581,31 +587,30 @@ class HierarchicalTransport(Transport):
         return r2, torch.where(real, got[:, 0] * L + fwd, -1), torch.where(real, got[:, 1], -1)
 
     def _pipelined(self, legs: list):
-        """Yield ``legs[c]()`` (inter-domain legs) in order. On GPUs each is issued on the network stream one step
-        ahead of the caller's use of the previous one: leg ``c + 1`` moves over the network while the caller
-        forwards leg ``c``'s rows within the domain. Tensors cross the two streams with events and
+        """Yield ``legs[c]()`` (inter-domain legs) in order. On GPUs every leg is issued on the network stream before
+        the first is yielded, so the link moves leg after leg while the caller forwards the earlier ones within the
+        domain and never waits for the host between them. Tensors cross the two streams with events and
         ``record_stream`` (``_handed_over``); ``_join`` makes the caller's stream wait for the network stream at the
         end."""
         if self.device.type != "cuda" or len(legs) == 1:
             for leg in legs:
                 yield leg()
             return
-        main, net = self._streams()
-
-        def issue(leg):
-            net.wait_stream(main)
-            with torch.cuda.stream(net):
-                out = leg()
-                done = torch.cuda.Event()
-                done.record(net)
-            return out, done
-
-        ahead = issue(legs[0])
-        for c in range(len(legs)):
-            out, done = ahead
-            if c + 1 < len(legs):
-                ahead = issue(legs[c + 1])
+        main = self._streams()[0]
+        issued = [self._on_network(leg) for leg in legs]
+        for out, done in issued:
             yield _handed_over(out, done, main)
+
+    def _on_network(self, leg: Callable):
+        """``(leg(), its end event)``: ``leg`` issued on the network stream once the caller's stream has reached this
+        point (its work so far is what the leg reads)."""
+        main, net = self._streams()
+        net.wait_stream(main)
+        with torch.cuda.stream(net):
+            out = leg()
+            done = torch.cuda.Event()
+            done.record(net)
+        return out, done
 
     def _streams(self) -> tuple:
         """``(the caller's stream, the network stream)`` of a pipelined call."""
@@ -642,8 +647,8 @@ class HierarchicalTransport(Transport):
                 dist.all_to_all_single(recv, via_rail.transpose(0, 1).contiguous(), group=self.domain_group)
                 per_expert = recv.sum((0, 1), dtype=torch.int32)
                 if not req.num_worst_tokens:
-                    counts = [align_up(c, req.expert_alignment)
-                              for c in faults.host_list(per_expert, "Buffer.dispatch", "the per-expert counts")]
+                    counts = align_all(faults.host_list(per_expert, "Buffer.dispatch", "the per-expert counts"),
+                                       req.expert_alignment)
         handle = replace(res.handle, num_experts=req.num_experts, num_recv_tokens_per_expert=per_expert)
         return DispatchResult(res.recv_x, res.recv_scales, None, None, counts, handle)
 
@@ -667,26 +672,34 @@ class HierarchicalTransport(Transport):
 
     @_guarded("Buffer.combine")
     def combine(self, req: CombineRequest) -> tuple:
+        """Each chunk's sums within the domain, then its partials back over the network; on GPUs the partials of a
+        chunk cross while the next chunk is summed (the network stream waits for each chunk's sums only), the chunks
+        taken smallest first (the dispatch's chunks shrink), so that only the first, small chunk's sums are exposed
+        before the link is busy."""
+        fn = "Buffer.combine"
         st: _HandleState = req.handle.state
         x, w = _take([req.x], st.back), _take([req.topk_weights], st.back)  # back to the legs' order
-        partials, row = [], 0
-        for c in range(len(st.rail)):  # each chunk's sums within the domain, then its partials over the network
-            rows = slice(row, row + st.rows[c])
-            row += st.rows[c]
-            with self._leg("Buffer.combine", "sums within the domain", within=True):
-                partials.append(self.domain.combine(CombineRequest(
-                    x[rows], st.domain[c], None if w is None else w[rows], (), req.config, req.overlapped)))
-
-        def leg(c):
+        starts = [sum(st.rows[:c]) for c in range(len(st.rail))]
+        pipelined = self.device.type == "cuda" and len(st.rail) > 1
+        outs: list = [None] * len(st.rail)
+        for c in reversed(range(len(st.rail))):
+            rows = slice(starts[c], starts[c] + st.rows[c])
+            with self._leg(fn, "sums within the domain", within=True):
+                part, part_w = self.domain.combine(CombineRequest(
+                    x[rows], st.domain[c], None if w is None else w[rows], (), req.config, req.overlapped))
             a, b = st.bounds[c]
-            bias = tuple(t[a:b] for t in req.bias)
-            with self._leg("Buffer.combine", "partial sums back to their sources"):
-                return self.rail.combine(CombineRequest(partials[c][0], st.rail[c], partials[c][1], bias, req.config,
-                                                        req.overlapped))
 
-        outs = list(self._pipelined([lambda c=c: leg(c) for c in range(len(st.rail))]))
-        self._join()
-        return _cat([o[0] for o in outs]), _cat([o[1] for o in outs])
+            def leg(part=part, part_w=part_w, c=c, a=a, b=b):
+                with self._leg(fn, "partial sums back to their sources"):
+                    return self.rail.combine(CombineRequest(part, st.rail[c], part_w, tuple(t[a:b] for t in req.bias),
+                                                            req.config, req.overlapped))
+
+            outs[c] = self._on_network(leg) if pipelined else (leg(), None)
+        if pipelined:
+            main = self._streams()[0]
+            outs = [(_handed_over(out, done, main), None) for out, done in outs]
+            self._join()
+        return _cat([o[0][0] for o in outs]), _cat([o[0][1] for o in outs])
 
     # ------------------------------------------------------------------ low-latency mode
     @_guarded("Buffer.low_latency_dispatch")
@@ -885,8 +898,11 @@ class _ChunkTuner:
 CHUNK_GAIN = 0.05
 
 
-# The shrinking chunks' smallest ratio: below it the last chunks would be too small to be worth their fixed costs
-CHUNK_RATIO_FLOOR = 0.5
+# The shrinking chunks' smallest ratio (a chunk count's last chunk holds at least ratio**(chunks - 1) of the first
+# one's tokens). Each chunk costs the host the same whatever its size; the chunk count that pays is measured (few
+# chunks on a host that issues slowly), so the ratio follows the legs' own: 0.26 at EP64 (row 82 of the journal:
+# 2 chunks split 79 / 21 hide all but 21% of the forwarding, against 33% with 0.5)
+CHUNK_RATIO_FLOOR = 0.25
 
 
 def split_description(ratio: float) -> str:
@@ -932,6 +948,8 @@ def _mark(device: torch.device):
 def phase_durations_us(log: list, host: bool = False) -> dict:
     """``{phase: [microseconds, ...]}`` of a ``phase_log``: as the device ran them (synchronises with the device to
     read its events), or with ``host`` the time the host spent in them."""
+    if not host and any(entry[1] is None for entry in log):
+        raise ValueError("phase_durations_us: this log has the host's times alone (phase_events was False)")
     if not host and any(isinstance(entry[1], torch.cuda.Event) for entry in log):
         torch.cuda.synchronize()
     out: dict = {}

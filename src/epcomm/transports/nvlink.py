@@ -44,7 +44,7 @@ import torch
 from .. import env
 from ..core.config import NARROW_RANKS, model_num_sms
 from ..core.handles import DispatchHandle
-from ..core.layout import align_up
+from ..core.layout import align_all, align_up
 from ..core.validate import raise_if_bad_routing
 from ..kernels.launch import launch, next_pow2
 from ..errors import BufferTooSmallError, EpcommError
@@ -458,7 +458,7 @@ class NVLinkTransport(Transport):
             differs = summary[:width].ne(expected)
             differs[3:SUMMARY_HEAD] = False
             self.deferred += differs.sum(dtype=torch.int32) + summary[3] + summary[4]
-            per_expert_list = ([align_up(c, req.expert_alignment) for c in known.num_recv_tokens_per_expert]
+            per_expert_list = (align_all(known.num_recv_tokens_per_expert, req.expert_alignment)
                                if has_experts else [])
         elif worst:
             num_recv, per_expert_list, n_max, max_pair = worst, [], None, None
@@ -476,8 +476,8 @@ class NVLinkTransport(Transport):
                 self.errors.record(NORMAL, msg)
                 raise self.errors.error(fn)
             raise_if_bad_routing(fn, bad_topk, bad_layout, req.num_experts)
-            per_expert_list = ([align_up(c, req.expert_alignment) for c in host[SUMMARY_HEAD + 3 * num_ranks:
-                                                                                 SUMMARY_HEAD + 3 * num_ranks + e_local]]
+            first = SUMMARY_HEAD + 3 * num_ranks
+            per_expert_list = (align_all(host[first:first + e_local], req.expert_alignment)
                                if req.num_tokens_per_expert is not None else [])
         return itr, pos, summary, num_recv, per_expert_list, n_max, max_pair, host, worst
 
@@ -691,7 +691,7 @@ class NVLinkTransport(Transport):
             if lost:
                 raise ValueError(f"{fn}: num_tokens_per_expert does not match topk_idx ({lost} pairs found no row); "
                                  f"pass both from the same get_dispatch_layout call")
-            per_expert_list = [align_up(c, align) for c in host[LOCAL_HEAD:]]
+            per_expert_list = align_all(host[LOCAL_HEAD:], align)
             rows = sum(per_expert_list)
             recv_x, row_src, row_w = recv_x[:rows], row_src[:rows], row_w[:rows] if row_w is not None else None
             pair_row, recv_src = pair_row[:num_recv], recv_src[:num_recv]
