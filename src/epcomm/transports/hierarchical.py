@@ -682,11 +682,13 @@ class HierarchicalTransport(Transport):
         starts = [sum(st.rows[:c]) for c in range(len(st.rail))]
         pipelined = self.device.type == "cuda" and len(st.rail) > 1
         outs: list = [None] * len(st.rail)
+        partials = []  # alive until the caller's stream has waited for the network stream (made on the caller's)
         for c in reversed(range(len(st.rail))):
             rows = slice(starts[c], starts[c] + st.rows[c])
             with self._leg(fn, "sums within the domain", within=True):
                 part, part_w = self.domain.combine(CombineRequest(
                     x[rows], st.domain[c], None if w is None else w[rows], (), req.config, req.overlapped))
+            partials.append((part, part_w))
             a, b = st.bounds[c]
 
             def leg(part=part, part_w=part_w, c=c, a=a, b=b):
