@@ -36,11 +36,14 @@ each holds ``ratio`` times the previous one's tokens (``core.layout.chunk_bounds
 rows' time in the measured one-chunk calls (the slowest rank's, at least ``CHUNK_RATIO_FLOOR``; 1, even chunks, where
 the forwarding is the slower leg or until it is measured; ``chunk_ratio`` fixes it): each chunk's forwarding then
 fits behind the next one's rows and only the small last chunk's is left exposed. Every chunk's rows are issued
-before the first is forwarded, so the link never waits for the host between chunks; each chunk adds a few launches
-and collectives, so the best count depends on the link. The count is measured: the first exact-mode dispatches
-try ``CHUNK_CANDIDATES`` in turn (1 first: it sizes the domain's storage for whole calls), ``TUNE_CALLS`` rounds (the
-first not counted; in turn, so that a link whose rate drifts weighs on every count alike), then the ranks agree (one all_reduce of their times, the slowest rank's counting) on the fastest and keep it (a
-larger count only when it is faster by more than ``CHUNK_GAIN``, 5%: the per-chunk costs and the noise favour fewer);
+before the first is forwarded (cached dispatches too), so the link never waits for the host between chunks; a
+combine takes the chunks the other way round, smallest first, each chunk's partials crossing while the next chunk
+is summed within the domain; each chunk adds a few launches and collectives, so the best count depends on the link.
+The count is measured: the first exact-mode dispatches try ``CHUNK_CANDIDATES`` in turn (1 first: it sizes the
+domain's storage for whole calls), ``TUNE_CALLS`` rounds (the first not counted; in turn, so that a link whose rate
+drifts weighs on every count alike), then the ranks agree (one all_reduce of their times, the slowest rank's
+counting) on the fastest and keep it (a larger count only when it is faster by more than ``CHUNK_GAIN``, 5%: the
+per-chunk costs and the noise favour fewer);
 ``EPCOMM_INTERNODE_CHUNKS`` or ``pipeline_chunks`` fixes it instead. Results do not depend on the count. Received rows
 are then put in the intranode path's order (by source rank, then source token; one gather of the outputs, and one
 of the combine's input back), so the order does not depend on the chunks or the domains, and
@@ -77,8 +80,9 @@ the rank writes where it is stuck into the default store and reads, for a moment
 a rank that wrote nothing never joined (it is named as such); then it aborts the inter-domain and domain groups
 (``torch.distributed``'s abort marks them aborted first: NCCL's watchdog, whose own timeout on these groups is
 longer, ``2 * EPCOMM_TIMEOUT_S + 40`` s, leaves the process alone, and the stuck kernels exit) and raises
-``EpcommTimeoutError`` (the Buffer keeps it as its sticky error and raises that). Every later call of any Buffer on these groups
-raises at once with the same message; such a Buffer cannot be used again (make a new one once the ranks are back).
+``EpcommTimeoutError`` (the Buffer keeps it as its sticky error and raises that). Every later call of any Buffer on
+these groups raises at once with the same message; such a Buffer cannot be used again (make a new one once the ranks
+are back).
 The domain leg's one-sided kernels keep their own device timeouts (their count read has a longer backstop). Bad
 input that differs between ranks (hidden size, top-k, experts, ``num_max_dispatch_tokens_per_rank``, dtypes) is
 caught at the first call of each kind, before any data moves: the ranks compare the call's shape.
