@@ -282,6 +282,51 @@ def test_rows_and_records_in_one_collective():
         assert (plain_calls, fused_calls) == (7, 4), (plain_calls, fused_calls)
 
 
+def _rail_per_expert(ctx):
+    """An exact-mode dispatch in 2 chunks: each chunk's inter-domain handle's received per-expert counts (taken from
+    the count exchange's sums on the device, no host copy) against the pairs its rail peers' routing sends to each
+    of this domain's experts in that chunk, computed here; and the domain's portable leg fusing rows and records."""
+    from epcomm.buffer import Buffer
+    from epcomm.core.layout import chunk_bounds
+    from epcomm.testing.routing import make_inputs
+    from epcomm.transports.hierarchical import HierarchicalTransport
+
+    HierarchicalTransport.pipeline_chunks, HierarchicalTransport.chunk_ratio = 2, 1.0
+    local, num_experts, n = 2, 16, 9
+    buf = Buffer(ctx.group, transport="alltoall", ranks_per_node=local)
+    rt = buf.runtime
+    D, e_dom = rt.num_domains, num_experts // rt.num_domains
+    problems = []
+    for routing in ("skewed", "dropped"):  # (dropped: -1 slots)
+        inputs = make_inputs(31, ctx.world_size, n, 64, num_experts, 3, routing)
+        mine = inputs[ctx.rank]
+        lay = buf.get_dispatch_layout(mine.topk_idx, num_experts)
+        handle = buf.dispatch(mine.x, num_tokens_per_rank=lay[0], is_token_in_rank=lay[3],
+                              num_tokens_per_expert=lay[2], topk_idx=mine.topk_idx, topk_weights=mine.topk_weights)[4]
+        for c, (a, b) in enumerate(chunk_bounds(n, 2)):
+            want = [0] * e_dom
+            for s in rt.rail_ranks:  # this rank's rail peers (itself included), every one with n tokens
+                ids = inputs[s].topk_idx[a:b]
+                for e in range(e_dom):
+                    want[e] += int((ids == rt.domain_index * e_dom + e).sum())
+            got = handle.state.rail[c].num_recv_tokens_per_expert.tolist()
+            if got != want:
+                problems.append(f"{routing}, chunk {c}: per-expert {got}, want {want}")
+    if not rt.domain.fuse_rows:
+        problems.append("the domain's portable leg moves rows and records in separate collectives")
+    buf.destroy()
+    HierarchicalTransport.pipeline_chunks, HierarchicalTransport.chunk_ratio = None, None
+    return problems
+
+
+def test_rail_per_expert_counts_from_the_exchange():
+    """The inter-domain leg's received per-expert counts come from the count exchange's device sums: right in every
+    chunk (skewed routing; dropped routing, with -1 slots), and the domain's portable leg fuses its rows and
+    records."""
+    for problems in spawn(_rail_per_expert, 4, device="cpu", timeout_s=300):
+        assert problems == [], problems
+
+
 def test_known_counts_from_the_exchange():
     """How a rank reads both legs' counts from the one exchange's host list (``_known_counts``): 2 domains of 2
     ranks, 1 chunk, 4 experts per domain; and ``KnownCounts`` refuses counts that cannot be."""

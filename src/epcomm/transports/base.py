@@ -6,7 +6,7 @@ Requests carry already-validated, normalised arguments."""
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Optional
 
 import torch
@@ -44,7 +44,8 @@ class KnownCounts:
     num_tokens_max: Optional[int] = None  # the largest token count of any rank of the group (None: not known)
     max_pair: Optional[int] = None  # the most rows any rank sends any rank, itself included (None: not known)
     # num_recv_tokens_per_expert already on the device ([E_local] int32), where the caller has it: no copy to make
-    recv_per_expert_tensor: Optional[torch.Tensor] = None
+    # (the same counts: not compared, not printed)
+    recv_per_expert_tensor: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         lists = (self.num_tokens_per_rank, self.num_recv_tokens_per_rank, self.num_recv_tokens_per_expert)

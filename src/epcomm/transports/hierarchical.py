@@ -685,7 +685,7 @@ class HierarchicalTransport(Transport):
         x, w = _take([req.x], st.back), _take([req.topk_weights], st.back)  # back to the legs' order
         starts = [sum(st.rows[:c]) for c in range(len(st.rail))]
         pipelined = self.device.type == "cuda" and len(st.rail) > 1
-        outs: list = [None] * len(st.rail)
+        issued: list = [None] * len(st.rail)  # (each chunk's result, its end event on the network stream or None)
         partials = []  # alive until the caller's stream has waited for the network stream (made on the caller's)
         for c in reversed(range(len(st.rail))):
             rows = slice(starts[c], starts[c] + st.rows[c])
@@ -700,12 +700,14 @@ class HierarchicalTransport(Transport):
                     return self.rail.combine(CombineRequest(part, st.rail[c], part_w, tuple(t[a:b] for t in req.bias),
                                                             req.config, req.overlapped))
 
-            outs[c] = self._on_network(leg) if pipelined else (leg(), None)
+            issued[c] = self._on_network(leg) if pipelined else (leg(), None)
         if pipelined:
             main = self._streams()[0]
-            outs = [(_handed_over(out, done, main), None) for out, done in outs]
+            outs = [_handed_over(out, done, main) for out, done in issued]
             self._join()
-        return _cat([o[0][0] for o in outs]), _cat([o[0][1] for o in outs])
+        else:
+            outs = [out for out, _ in issued]
+        return _cat([o[0] for o in outs]), _cat([o[1] for o in outs])
 
     # ------------------------------------------------------------------ low-latency mode
     @_guarded("Buffer.low_latency_dispatch")
@@ -906,7 +908,7 @@ CHUNK_GAIN = 0.05
 
 # The shrinking chunks' smallest ratio (a chunk count's last chunk holds at least ratio**(chunks - 1) of the first
 # one's tokens). Each chunk costs the host the same whatever its size; the chunk count that pays is measured (few
-# chunks on a host that issues slowly), so the ratio follows the legs' own: 0.26 at EP64 (row 82 of the journal:
+# chunks on a host that issues slowly), so the ratio follows the legs' own: 0.26 at EP64 (row 86 of the journal:
 # 2 chunks split 79 / 21 hide all but 21% of the forwarding, against 33% with 0.5)
 CHUNK_RATIO_FLOOR = 0.25
 
