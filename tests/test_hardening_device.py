@@ -454,6 +454,25 @@ def _mirror(ctx, dtype):
     return dst.tolist()
 
 
+def _mirror_pair(ctx):
+    import os
+
+    os.environ["TRITON_INTERPRET"] = "1"
+    from epcomm.kernels import shmem
+
+    src, src2 = torch.arange(1, 4, dtype=torch.int32), torch.arange(1, 6, dtype=torch.int64) * -3
+    dst, dst2 = torch.full((5,), -1, dtype=torch.int32), torch.full((8,), -1, dtype=torch.int64)
+    shmem.mirror2_kernel[(1,)](src, dst.data_ptr(), 3, src2, dst2.data_ptr(), 5, DTYPE=shmem.tl.int32, BLOCK=16,
+                               DTYPE2=shmem.tl.int64, BLOCK2=16)
+    return dst.tolist(), dst2.tolist()
+
+
+def test_error_words_of_two_legs_mirrored_in_one_kernel():
+    """``mirror2_kernel`` (a hierarchical Buffer's two legs' words, one launch per call): each array to its own host
+    address, with its own dtype, nothing past either."""
+    assert spawn(_mirror_pair, 1, device="cpu")[0] == ([1, 2, 3, -1, -1], [-3, -6, -9, -12, -15, -1, -1, -1])
+
+
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 def test_error_words_mirror_kernel(dtype):
     """The kernel that refreshes the host copy of the error words (``DeviceErrors.refresh`` on GPUs) stores every
@@ -553,7 +572,7 @@ PER_CALL_INTS = {"n", "n_tokens", "num_tokens", "num_pairs", "rows", "rows_out",
                  "num_src", "num_row_progs", "num_push", "t_begin", "t_end", "cap", "slot", "info_slot", "value",
                  "timeout", "self_rank", "nbytes", "sig_value"}
 # integers of these names that stay the same for a Buffer's life (the error words' count of the mirror kernel)
-FIXED_PER_BUFFER = {"mirror_kernel": {"n"}}
+FIXED_PER_BUFFER = {"mirror_kernel": {"n"}, "mirror2_kernel": {"n", "n2"}}
 
 
 def test_launched_kernels_do_not_specialise_per_call_integers():

@@ -282,6 +282,43 @@ def test_rows_and_records_in_one_collective():
         assert (plain_calls, fused_calls) == (7, 4), (plain_calls, fused_calls)
 
 
+def _one_rank(ctx):
+    """The portable transport over a group of one rank (a domain of one GPU): every mode against the reference while
+    its all_to_all calls are counted."""
+    import torch.distributed as dist
+
+    from epcomm.testing.checks import NormalCase, run_cases
+
+    cases = [NormalCase(num_tokens=9, hidden=128, num_experts=4, topk=2, dtype="fp8", routing="dropped", bias=1,
+                        seed=22),
+             NormalCase(num_tokens=5, hidden=64, num_experts=4, topk=3, dtype="bf16", worst=True, seed=23)]
+    a2a, calls = dist.all_to_all_single, [0]
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return a2a(*args, **kwargs)
+
+    dist.all_to_all_single = counted
+    try:
+        failed = run_cases(ctx, cases, "alltoall", {})
+    finally:
+        dist.all_to_all_single = a2a
+    return failed, calls[0]
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+def test_one_rank_group_moves_nothing(kernels, monkeypatch):
+    """A group of one rank (the domain leg where a node has one GPU, as in the 2-1 split): the portable transport's
+    rows are its received rows, with no collective and no copy around one, on the torch path and on the kernel path
+    (the Triton interpreter here); dispatch, cached dispatch and combine (FP8, -1 slots, bias, num_worst_tokens)
+    against the reference."""
+    if kernels:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    failed, calls = spawn(_one_rank, 1, device="cpu", timeout_s=300)[0]
+    assert failed == [], failed
+    assert calls == 0, calls
+
+
 def _rail_per_expert(ctx):
     """An exact-mode dispatch in 2 chunks: each chunk's inter-domain handle's received per-expert counts (taken from
     the count exchange's sums on the device, no host copy) against the pairs its rail peers' routing sends to each

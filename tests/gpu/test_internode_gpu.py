@@ -89,3 +89,47 @@ def test_gpu_low_latency_handle_names_the_true_sources(world_size, local, transp
     for rank, problems in enumerate(spawn(_ll_true_sources, world_size, local, transport, device="cuda",
                                           timeout_s=600)):
         assert problems == [], (rank, problems)
+
+
+def _leg_errors(ctx, local, transport):
+    """A word of each leg's device errors set as a kernel records a failure (before a call): the call's refresh
+    mirrors both legs' words in one launch, and the next call raises, naming the failure."""
+    import torch
+
+    from epcomm.buffer import Buffer
+    from epcomm.errors import EpcommDeviceError
+    from epcomm.testing.routing import make_inputs
+
+    problems = []
+    for leg in ("rail", "domain"):
+        buf = Buffer(ctx.group, transport=transport, ranks_per_node=local)
+        mine = make_inputs(5, ctx.world_size, 64, 256, 4 * ctx.world_size, 2)[ctx.rank].to(ctx.device)
+        lay = buf.get_dispatch_layout(mine.topk_idx, 4 * ctx.world_size)
+        kw = dict(num_tokens_per_rank=lay[0], is_token_in_rank=lay[3], num_tokens_per_expert=lay[2],
+                  topk_idx=mine.topk_idx, topk_weights=mine.topk_weights)
+        handle = buf.dispatch(mine.x, **kw)[4]
+        getattr(buf.runtime, leg).errors.words[0] = 1  # the normal-mode span's first word
+        seen = None
+        for _ in range(2):  # (the first call may see it at its exit already)
+            try:
+                buf.combine(torch.zeros(handle.num_recv_tokens, 256, dtype=torch.bfloat16, device=ctx.device),
+                            handle)
+                torch.cuda.synchronize()
+            except EpcommDeviceError as exc:
+                seen = str(exc)
+                break
+        if seen is None or not seen.startswith("Buffer.combine"):
+            problems.append(f"{leg}: the failure was not raised by the calls after it ({seen})")
+        buf.destroy()
+    return problems
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transport,world_size,local", [("alltoall", 2, 1), ("nvlink", 4, 2)])
+def test_gpu_device_errors_of_either_leg_are_seen(transport, world_size, local):
+    """A failure either leg's kernels record on the device (a word of its error block) is seen by the host after the
+    next call's refresh (both legs' words mirrored by one kernel) and raised by the call after it."""
+    if gpu_ranks() < world_size:
+        pytest.skip(f"needs {world_size} GPU rank slots")
+    for rank, problems in enumerate(spawn(_leg_errors, world_size, local, transport, device="cuda", timeout_s=300)):
+        assert problems == [], (rank, problems)

@@ -31,6 +31,7 @@ recv_prefix (R), recv_from (R), sent (R), tokens per local expert (E_local)]``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -836,10 +837,7 @@ def launch_push(*, x, scales, topk_idx, topk_weights, itr, pos, first, rows, bas
     push_args = (x_words, scales.view(torch.int32) if ns else dummy, scales.stride(0) if ns else 0,
                  scales.stride(1) if ns else 0, topk_idx if k else dummy, topk_weights if has_w else dummy,
                  itr.view(torch.int8), pos, first)
-    meta = dict(XW=xw, W=record_words(ns, k, has_w), NS=ns, K=max(k, 1), E_LOCAL=max(1, num_experts // world), R=world,
-                R_POW2=max(2, next_pow2(world)), TOK=tokens_per_step, BLOCK=chunk_block(xw, tokens_per_step),
-                BLOCK_S=pow2_block(ns), BLOCK_K=pow2_block(k), HAS_SCALES=ns > 0, HAS_TOPK=k > 0, HAS_W=has_w,
-                SINGLE_ROUND=single_round, VEC=xw % 4 == 0, USE_PTX=use_ptx, num_warps=PUSH_WARPS)
+    meta = _push_meta(xw, ns, k, has_w, num_experts, world, tokens_per_step, single_round, use_ptx)
     if receive is None:
         launch(dispatch_push_kernel, (grid,), *push_args, rows, bases, area_off, meta_off, hdr_off, arrive_off, epoch,
                counter, t_begin, t_end, cap, rank, world, PUBLISH=publish, **meta)
@@ -854,6 +852,17 @@ def launch_push(*, x, scales, topk_idx, topk_weights, itr, pos, first, rows, bas
         rv.area_rows, rv.meta_rows, rv.prog, rv.err, rv.prefix, *out, rv.out_rows, rv.timeout,
         HAS_IDX=rv.out_idx is not None, USE_TIMER=use_ptx, PMAX=PROGRESS_SLOTS,
         SIG=max(1, SIGNAL_TOKENS // tokens_per_step), ROWS=4, **(_COOPERATIVE if use_ptx else {}), **meta)
+
+
+@functools.lru_cache(maxsize=256)
+def _push_meta(xw: int, ns: int, k: int, has_w: bool, num_experts: int, world: int, tokens_per_step: int,
+               single_round: bool, use_ptx: bool) -> dict:
+    """The push kernels' constexprs and options for a call's shape (the same dict for every call of it: launches
+    read it and never change it)."""
+    return dict(XW=xw, W=record_words(ns, k, has_w), NS=ns, K=max(k, 1), E_LOCAL=max(1, num_experts // world), R=world,
+                R_POW2=max(2, next_pow2(world)), TOK=tokens_per_step, BLOCK=chunk_block(xw, tokens_per_step),
+                BLOCK_S=pow2_block(ns), BLOCK_K=pow2_block(k), HAS_SCALES=ns > 0, HAS_TOPK=k > 0, HAS_W=has_w,
+                SINGLE_ROUND=single_round, VEC=xw % 4 == 0, USE_PTX=use_ptx, num_warps=PUSH_WARPS)
 
 
 # a streaming dispatch on GPUs: all programs resident at once, 2 per SM (uncapped, ptxas gives it 121-128 registers)

@@ -303,16 +303,16 @@ def _current_stream(device: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device)
 
 
-_LAUNCHERS: dict = {}
+_LAUNCHERS: dict = {}  # id(kernel) -> its Launcher
 
 
 def launch(kernel, grid: Grid, *args, **kwargs) -> None:
     """``kernel[grid](*args, **kwargs)`` through the kernel's ``Launcher`` (runtime arguments positional,
     constexprs and options by keyword). ``grid``: a tuple, or a function of the programs the GPU holds at once
     (module docstring, "Co-residency")."""
-    launcher = _LAUNCHERS.get(kernel)
-    if launcher is None:
-        launcher = _LAUNCHERS[kernel] = Launcher(kernel)
+    launcher = _LAUNCHERS.get(id(kernel))  # (by id: hashing a JITFunction costs microseconds per launch)
+    if launcher is None or launcher.kernel is not kernel:
+        launcher = _LAUNCHERS[id(kernel)] = Launcher(kernel)
     launcher(grid, args, kwargs)
 
 

@@ -482,22 +482,45 @@ def _signal_kernel(sig_addr, value, SIGNAL_OP: tl.constexpr, USE_PTX: tl.constex
 
 
 @triton.jit
-def mirror_kernel(src_ptr, dst_addr, n, DTYPE: tl.constexpr, BLOCK: tl.constexpr):
-    """Store the ``n`` words at ``src_ptr`` (device memory) to the pinned host memory at ``dst_addr`` (its address,
-    which the device reaches through unified addressing): a host copy refreshed in stream order by a kernel, which
-    costs the stream far less than a device-to-host copy (measured on 2xH200: 10-15 us per copy)."""
+def _mirror_words(src_ptr, dst_addr, n, DTYPE: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     live = offs < n
     tl.store(addr_to_ptr(dst_addr, DTYPE) + offs, tl.load(src_ptr + offs, mask=live, volatile=True), mask=live)
 
 
-def launch_mirror(src, dst) -> None:
-    """``mirror_kernel`` from the 1-D device tensor ``src`` into the pinned host tensor ``dst`` (same dtype)."""
+@triton.jit
+def mirror_kernel(src_ptr, dst_addr, n, DTYPE: tl.constexpr, BLOCK: tl.constexpr):
+    """Store the ``n`` words at ``src_ptr`` (device memory) to the pinned host memory at ``dst_addr`` (its address,
+    which the device reaches through unified addressing): a host copy refreshed in stream order by a kernel, which
+    costs the stream far less than a device-to-host copy (measured on 2xH200: 10-15 us per copy)."""
+    _mirror_words(src_ptr, dst_addr, n, DTYPE, BLOCK)
+
+
+@triton.jit
+def mirror2_kernel(src_ptr, dst_addr, n, src2_ptr, dst2_addr, n2, DTYPE: tl.constexpr, BLOCK: tl.constexpr,
+                   DTYPE2: tl.constexpr, BLOCK2: tl.constexpr):
+    """``mirror_kernel`` of two word arrays in one launch (the two legs of a hierarchical Buffer: one launch of host
+    time per call fewer)."""
+    _mirror_words(src_ptr, dst_addr, n, DTYPE, BLOCK)
+    _mirror_words(src2_ptr, dst2_addr, n2, DTYPE2, BLOCK2)
+
+
+def launch_mirror(src, dst, src2=None, dst2=None) -> None:
+    """``mirror_kernel`` from the 1-D device tensor ``src`` into the pinned host tensor ``dst`` (same dtype); with
+    ``src2``/``dst2``, ``mirror2_kernel`` of both pairs."""
     from triton.language import int32, int64
 
-    n = src.numel()
-    launch(mirror_kernel, (1,), src, dst.data_ptr(), n, DTYPE=int64 if src.element_size() == 8 else int32,
-           BLOCK=max(16, next_pow2(n)), num_warps=1)
+    def words(t):
+        n = t.numel()
+        return n, int64 if t.element_size() == 8 else int32, max(16, next_pow2(n))
+
+    n, dtype, block = words(src)
+    if src2 is None:
+        launch(mirror_kernel, (1,), src, dst.data_ptr(), n, DTYPE=dtype, BLOCK=block, num_warps=1)
+        return
+    n2, dtype2, block2 = words(src2)
+    launch(mirror2_kernel, (1,), src, dst.data_ptr(), n, src2, dst2.data_ptr(), n2, DTYPE=dtype, BLOCK=block,
+           DTYPE2=dtype2, BLOCK2=block2, num_warps=1)
 
 
 @triton.jit(do_not_specialize=["value", "timeout", "slot"])

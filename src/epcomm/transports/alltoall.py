@@ -43,6 +43,17 @@ from .base import (Capabilities, CombineRequest, DispatchRequest, DispatchResult
                    counts_to_device)
 
 
+class _Done:
+    """The finished work of a collective that needed none (a group of one rank)."""
+
+    @staticmethod
+    def wait() -> bool:
+        return True
+
+
+_DONE = _Done()
+
+
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A 2-D view of ``t``'s rows as uint8 (what travels; dtype-agnostic for NCCL and gloo)."""
     t = t if t.dim() == 2 else t.reshape(t.size(0), -1)
@@ -128,6 +139,9 @@ class AllToAllTransport(Transport):
 
     # ------------------------------------------------------------------ helpers
     def _a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits=None, in_splits=None, async_op=False):
+        if self.num_ranks == 1:  # a group of one rank (a domain of one GPU): the all_to_all is a copy
+            _as_bytes(out).copy_(_as_bytes(inp))
+            return _DONE if async_op else None
         if not self._capturable and torch.cuda.is_current_stream_capturing():
             raise EpcommError(
                 f"AllToAllTransport: rank {self.rank}'s group moves CUDA tensors with "
@@ -139,8 +153,11 @@ class AllToAllTransport(Transport):
     def _a2a_rows(self, parts: list, out_rows: int, out_splits: list, in_splits: list) -> list:
         """All-to-all of several tensors whose rows go to the same ranks (rows, their records or weights; split
         sizes in rows): one collective per tensor, or with ``fuse_rows`` one of their bytes side by side, then
-        split (fresh contiguous tensors of the parts' dtypes and widths)."""
+        split (fresh contiguous tensors of the parts' dtypes and widths). On a group of one rank the parts are the
+        received rows themselves (no collective and no copy: callers only read them)."""
         dev = parts[0].device
+        if self.num_ranks == 1:  # one rank sends its rows to itself: they are the received rows (no copy)
+            return [t.contiguous() for t in parts]  # (a copy only of a part that is a column slice)
         if not self.fuse_rows or len(parts) == 1:
             outs = []
             for t in parts:
@@ -148,7 +165,7 @@ class AllToAllTransport(Transport):
                 self._a2a(out, t.contiguous(), out_splits, in_splits)
                 outs.append(out)
             return outs
-        views = [_as_bytes(t.contiguous()) for t in parts]
+        views = [_as_bytes(t if t.stride(-1) == 1 else t.contiguous()) for t in parts]  # (cat reads strided rows)
         recv = torch.empty(out_rows, sum(v.size(1) for v in views), dtype=torch.uint8, device=dev)
         self._a2a(recv, torch.cat(views, 1), out_splits, in_splits)
         outs, col = [], 0
@@ -491,12 +508,12 @@ class AllToAllTransport(Transport):
             num_send = sum(st.send_counts)
             rows, recs = self._pack(req.x, req.x_scales, None, None, h.is_token_in_rank, st.pos, st.first,
                                     h.num_experts, num_send)
-            parts = [rows[:num_send]] + ([recs[:num_send]] if req.x_scales is not None else [])
+            # the scales alone of each record (its other words are the handle's already)
+            parts = [rows[:num_send]] + ([recs[:num_send, 2:2 + req.x_scales.size(1)]]
+                                         if req.x_scales is not None else [])
             got = self._a2a_rows(parts, h.num_recv_tokens, list(h.num_recv_tokens_per_rank), list(st.send_counts))
             recv_x = got[0].view(req.x.dtype).view(h.num_recv_tokens, req.x.size(1))
-            recv_scales = None
-            if req.x_scales is not None:
-                recv_scales = got[1][:, 2:2 + req.x_scales.size(1)].contiguous().view(req.x_scales.dtype)
+            recv_scales = got[1].view(req.x_scales.dtype) if req.x_scales is not None else None
             return DispatchResult(recv_x, recv_scales, None, None, None, h)
         present = [t for t in (req.x, req.x_scales) if t is not None]
         if st.capacity:

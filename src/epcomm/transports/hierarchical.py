@@ -110,7 +110,7 @@ from ..core.validate import raise_if_bad_topk
 from ..errors import EpcommError, EpcommTimeoutError
 from ..fp8 import FP8_DTYPE, per_token_cast_to_fp8
 from ..topology.domains import Domains
-from .alltoall import AllToAllTransport
+from .alltoall import AllToAllTransport, _as_bytes
 from .base import (Capabilities, CombineRequest, DispatchRequest, DispatchResult, KnownCounts,
                    LowLatencyCombineRequest, LowLatencyCombineResult, LowLatencyDispatchRequest,
                    LowLatencyDispatchResult, Transport, counts_to_device, meet)
@@ -657,22 +657,28 @@ class HierarchicalTransport(Transport):
         return DispatchResult(res.recv_x, res.recv_scales, None, None, counts, handle)
 
     def _cached_dispatch(self, req: DispatchRequest) -> DispatchResult:
+        """Each token's row, with its FP8 scales at its end (one row of bytes: no records, fewer copies and
+        launches per chunk), through both legs; the rows put in order and split once at the end."""
         fn = "Buffer.dispatch"
         st: _HandleState = req.handle.state
         x, scales = req.x, req.x_scales
+        rows = x if scales is None else torch.cat([_as_bytes(x), _as_bytes(scales.contiguous())], 1)
 
         def leg(c):
             a, b = st.bounds[c]
             with self._leg(fn, "cached tokens to their domains"):
-                return self.rail.dispatch(_cached(x[a:b], None if scales is None else scales[a:b], st.rail[c], req))
+                return self.rail.dispatch(_cached(rows[a:b], None, st.rail[c], req))
 
         outs = []
         for c, r1 in enumerate(self._pipelined([lambda c=c: leg(c) for c in range(len(st.rail))])):
             with self._leg(fn, "forwarding the cached tokens", within=True):
-                outs.append(self.domain.dispatch(_cached(r1.recv_x, r1.recv_scales, st.domain[c], req)))
+                outs.append(self.domain.dispatch(_cached(r1.recv_x, None, st.domain[c], req)).recv_x)
         self._join()
-        return DispatchResult(_take([r.recv_x for r in outs], st.order), _take([r.recv_scales for r in outs], st.order),
-                              None, None, None, req.handle)
+        if scales is None:
+            return DispatchResult(_take(outs, st.order), None, None, None, None, req.handle)
+        got, width = _cat(outs), x.size(1) * x.element_size()
+        return DispatchResult(got[:, :width].index_select(0, st.order).view(x.dtype),
+                              got[:, width:].index_select(0, st.order).view(scales.dtype), None, None, None, req.handle)
 
     @_guarded("Buffer.combine")
     def combine(self, req: CombineRequest) -> tuple:
