@@ -155,6 +155,10 @@ def bench_worker(ctx, opts: InternodeBenchOptions) -> list:
                 rows.extend({**base, "routing": routing, "impl": phased_impl(chunks), "op": op, "chunks": chunks,
                              "time_us": us, "crossing rows/token": "", "crossing MB/rank": "", "link GB/s": ""}
                             for op, us in ops.items())
+            if len(phased) == 1:  # (host times: one routing's)
+                rows.extend({**base, "routing": routing, "impl": NODE_LEG, "op": op, "chunks": 1, "time_us": us,
+                             "crossing rows/token": "", "crossing MB/rank": "", "link GB/s": ""}
+                            for op, us in _node_leg(ctx, opts, hier, x, idx, w).items())
         HierarchicalTransport.pipeline_chunks = None
         add(routing, "nccl-baseline", "dispatch FP8",
             t(lambda: baseline_dispatch(x8[0], x8[1], idx, w, opts.experts, ctx.group)), flat_cross, "fp8",
@@ -243,10 +247,17 @@ def _by_phase(ctx, hier, x, layout: dict, iters: int) -> dict:
     runtime = hier.runtime
 
     def host_time(label: str, got: dict, call) -> None:
+        """The host's time of ``call()`` and of each of its parts (``label: the call (host)``, ``label: <phase>
+        (host)``): a phase log of host times alone."""
         dist.barrier(group=ctx.group)
+        runtime.phase_log, runtime.phase_events = [], False
         began = time.perf_counter()
         call()
-        got.setdefault(label, []).append((time.perf_counter() - began) * 1e6)
+        ended = time.perf_counter()
+        log, runtime.phase_log, runtime.phase_events = runtime.phase_log, None, True
+        got.setdefault(f"{label}: the call (host)", []).append((ended - began) * 1e6)
+        for phase, parts in phase_durations_us(log, True).items():
+            got.setdefault(f"{label}: {phase} (host)", []).append(sum(parts))
         if ctx.device.type == "cuda":
             torch.cuda.synchronize()
 
@@ -278,8 +289,8 @@ def _by_phase(ctx, hier, x, layout: dict, iters: int) -> dict:
                 if ctx.device.type == "cuda":
                     torch.cuda.synchronize()
             recv_x, handle = handles[chunks]
-            host_time("combine: the call (host)", got, lambda: hier.combine(recv_x, handle))
-            host_time(f"{CACHED_FP8}: the call (host)", got, lambda: hier.dispatch(x8, handle=handle))
+            host_time("combine", got, lambda: hier.combine(recv_x, handle))
+            host_time(CACHED_FP8, got, lambda: hier.dispatch(x8, handle=handle))
     HierarchicalTransport.pipeline_chunks = None
     out: dict = {}
     for chunks, got in durations.items():
@@ -290,6 +301,74 @@ def _by_phase(ctx, hier, x, layout: dict, iters: int) -> dict:
             op = (phase.replace("combine: ", "combine BF16: ") if phase.startswith(("combine", CACHED_FP8))
                   else f"dispatch BF16: {phase}")
             out[chunks][op] = round(float(slowest), 1)
+    return out
+
+
+NODE_LEG = "node leg: one-sided transport, one domain of these GPUs"
+# the node leg's calls (the domain leg's, per chunk), as the one-sided transport makes them and as the path's own
+# domain leg made them in the rows by phase (its host time, one chunk)
+NODE_LEG_CALLS = (("dispatch", "known-count dispatch (host)", "dispatch BF16: forwarding the tokens (host)"),
+                  ("cached", "cached dispatch (host)", f"{CACHED_FP8}: forwarding the cached tokens (host)"),
+                  ("combine", "combine (host)", "combine BF16: sums within the domain (host)"))
+
+
+def _node_leg(ctx, opts, hier, x, idx, w) -> dict:
+    """Where each simulated node is one GPU (a one-rank domain leg, which forwards nothing: a copy), the host time of
+    the calls an 8-GPU node's leg makes per chunk, as the one-sided NVLink transport issues them over this machine's
+    GPUs as one domain: a dispatch with its counts known (what the forwarding calls), a cached dispatch of FP8 rows
+    with their scales at their ends, and a combine. ``{op: us}`` (the median of the slowest rank), or nothing where
+    the path's domain leg is the one-sided transport already, or the GPUs cannot form such a domain (CPUs, ranks
+    sharing a GPU, no P2P)."""
+    import torch.distributed as dist
+
+    from ..buffer import Buffer
+    from ..core.config import Config
+    from ..fp8 import per_token_cast_to_fp8
+    from ..transports.base import CombineRequest, DispatchRequest, KnownCounts
+
+    world, dev = ctx.world_size, ctx.device
+    if (hier.local_size > 1 or dev.type != "cuda" or torch.cuda.device_count() < world
+            or not all(torch.cuda.can_device_access_peer(a, b) for a in range(world) for b in range(world) if a != b)):
+        return {}
+    buf = Buffer(ctx.group, transport="nvlink", ranks_per_node=world)
+    rt = buf.runtime
+    per_rank, _, per_expert, itr, _ = buf.get_dispatch_layout(idx, opts.experts)
+    recv, _, _, per_expert_list, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=itr,
+                                                          num_tokens_per_expert=per_expert, topk_idx=idx,
+                                                          topk_weights=w)
+    sends = torch.tensor(list(handle.num_tokens_per_rank), device=dev)
+    every = [torch.empty_like(sends) for _ in range(world)]
+    dist.all_gather(every, sends, group=ctx.group)
+    known = KnownCounts(tuple(handle.num_tokens_per_rank), tuple(handle.num_recv_tokens_per_rank),
+                        tuple(per_expert_list), num_tokens_max=x.size(0), max_pair=int(torch.stack(every).max()))
+    carried = torch.zeros(x.size(0), 2, dtype=torch.float32, device=dev)  # the forwarded rows' sources ride along
+    known_req = DispatchRequest(x, carried, idx, w, per_rank, itr, per_expert, opts.experts, 1, 0, None, Config(),
+                                None, known=known)
+    x8, s8 = per_token_cast_to_fp8(x)
+    rows8 = torch.cat([x8.view(torch.uint8), s8.view(torch.uint8)], 1)  # FP8 rows with their scales at their ends
+    cached_req = DispatchRequest(rows8, None, None, None, None, None, None, opts.experts, 1, 0, handle, Config(), None)
+    combine_req = CombineRequest(recv, handle, None, (), Config())
+    calls = {"known-count dispatch (host)": lambda: rt.dispatch(known_req),
+             "cached dispatch (host)": lambda: rt.dispatch(cached_req),
+             "combine (host)": lambda: rt.combine(combine_req)}
+    for call in calls.values():  # (the first calls of a kind compile)
+        call()
+        call()
+    times: dict = {op: [] for op in calls}
+    for _ in range(max(3, opts.iters)):
+        for op, call in calls.items():
+            dist.barrier(group=ctx.group)
+            torch.cuda.synchronize()
+            began = time.perf_counter()
+            call()
+            times[op].append((time.perf_counter() - began) * 1e6)
+            torch.cuda.synchronize()
+    out = {}
+    for op, us in times.items():
+        slowest = torch.tensor([float(sorted(us)[len(us) // 2])], dtype=torch.float64, device=dev)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=ctx.group)
+        out[op] = round(float(slowest), 1)
+    buf.destroy()
     return out
 
 
@@ -338,17 +417,24 @@ class HostCosts:
     combine_chunk: Optional[float] = None
     cached_host: float = 0.0
     cached_chunk: Optional[float] = None
+    # (call, the one-sided node leg's host us, the path's own domain leg's) per node-leg call, where measured
+    # (``_node_leg``): every chunk of that call is charged the larger
+    node_leg: tuple = ()
 
     def describe(self) -> str:
         def per_chunk(v):
             return "as much" if v is None else f"{v:.0f} us"
 
+        leg = ("; each chunk's node leg charged as the one-sided transport issues it on these GPUs as one domain "
+               "where that is slower than the simulated node's one-GPU leg (" + ", ".join(
+                   f"{call} {node:.0f} us against {own:.0f}" for call, node, own in self.node_leg) + ")"
+               if self.node_leg else "")
         return (f"{self.fixed:.0f} us of count exchange per dispatch before its rows cross; a dispatch's host time "
                 f"after the count read {self.dispatch_host:.0f} us in one chunk ({self.dispatch_lead:.0f} us of it "
                 f"before its first rows' collective), {per_chunk(self.dispatch_chunk)} more per further chunk; a "
                 f"combine's host time {self.combine_host:.0f} us in one chunk, {per_chunk(self.combine_chunk)} more "
                 f"per further chunk; a cached dispatch's {self.cached_host:.0f} us in one chunk, "
-                f"{per_chunk(self.cached_chunk)} more per further chunk")
+                f"{per_chunk(self.cached_chunk)} more per further chunk{leg}")
 
     def model_args(self, op: str, fixed: Optional[float] = None) -> dict:
         """``internode_estimate``'s cost arguments for ``op`` (a dispatch, a dispatch with a cached handle, else a
@@ -385,9 +471,31 @@ class HostCosts:
         def more(key, base):  # per further chunk
             return max(0.0, last[key] - base) / (cn - c1) if key in last and key in one else None
 
-        return cls(one[counts], host, one.get(combine, 0.0), one.get(f"dispatch BF16: {HOST_LEAD}", 0.0),
-                   more(after, host), more(combine, one.get(combine, 0.0)), one.get(cached, 0.0),
-                   more(cached, one.get(cached, 0.0)))
+        costs = cls(one[counts], host, one.get(combine, 0.0), one.get(f"dispatch BF16: {HOST_LEAD}", 0.0),
+                    more(after, host), more(combine, one.get(combine, 0.0)), one.get(cached, 0.0),
+                    more(cached, one.get(cached, 0.0)))
+        return costs.with_node_leg(rows)
+
+    def with_node_leg(self, rows: list) -> "HostCosts":
+        """These costs with every chunk's node leg charged at the larger of the one-sided transport's host time
+        (``_node_leg``'s rows, uniform routing or the first) and the path's own domain leg's (the rows by phase in
+        one chunk): what an 8-GPU node's leg costs where each simulated node is one GPU."""
+        node = [r for r in rows if r["impl"] == NODE_LEG]
+        node = {r["op"]: float(r["time_us"]) for r in ([r for r in node if r["routing"] == "uniform"] or node)}
+        phased = [r for r in rows if r["impl"] == phased_impl(PHASED_CHUNKS[0])]
+        own = {r["op"]: float(r["time_us"]) for r in ([r for r in phased if r["routing"] == "uniform"] or phased)}
+        fields = {"dispatch": ("dispatch_host", "dispatch_chunk"), "cached": ("cached_host", "cached_chunk"),
+                  "combine": ("combine_host", "combine_chunk")}
+        costs, seen = self, []
+        for call, node_op, own_op in NODE_LEG_CALLS:
+            if node_op not in node or own_op not in own:
+                continue
+            seen.append((call, node[node_op], own[own_op]))
+            more = max(0.0, node[node_op] - own[own_op])
+            host, chunk = fields[call]
+            costs = replace(costs, **{host: getattr(costs, host) + more},
+                            **({chunk: getattr(costs, chunk) + more} if getattr(costs, chunk) is not None else {}))
+        return replace(costs, node_leg=tuple(seen))
 
 
 def best_estimate(opts, ranks: int, gpus_per_node: int, kind: str, nic_gbps: float, nvlink_gbps: float, groups: int,
