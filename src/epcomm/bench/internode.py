@@ -22,7 +22,11 @@ routing), at DeepSeek's shape (4096 tokens per rank, hidden 7168, top-8, 256 exp
   chunk agreement; each phase's parts summed per call, as the device ran them and as the host spent them), and the
   host's time split at the count read (up to it; after it; from it to the first rows' collective), the median of the
   slowest rank; what the parts leave out (the rows' reordering, host gaps) is the rest of the call's time. The
-  model's host terms come from these rows (``HostCosts.measured``).
+  model's host terms come from these rows (``HostCosts.measured``);
+* ``node leg: ...`` (where each simulated node is one GPU, whose node leg moves nothing): the host time of the calls
+  an NVLink node's leg makes per chunk, on the one-sided transport over this machine's GPUs as one domain
+  (``_node_leg``); the model charges every chunk the larger of that and the simulated node's own leg
+  (``HostCosts.with_node_leg``).
 
 Every call is timed isolated (a barrier before each; the median over iterations of the slowest rank); with
 ``--rounds N`` the whole measurement runs N times, the implementations interleaved, and each row gives the median

@@ -15,6 +15,8 @@ Normal dispatch with ``num_worst_tokens`` (no host synchronisation, CUDA-graph c
   but the one-sided transports are the fast way to avoid host synchronisation.
 Combine: the reverse all_to_all of the rows (and top-k weights), then an ordered FP32 reduction (a Triton
   kernel on GPUs, torch on CPUs) that is bit-identical to the reference.
+A group of one rank (the node leg of a node with one GPU) makes no collective: its packed rows are its received
+  rows, and a count or slot exchange is a copy.
 Low-latency dispatch/combine: fixed-size slots of ``T * min(K, E_local)`` rows per peer, so there is no
   host synchronisation, shapes are static (CUDA-graph capturable with NCCL) and ``return_recv_hook``
   really defers the receive: the all_to_alls are issued asynchronously and the hook waits and unpacks.
