@@ -287,11 +287,12 @@ def _one_rank(ctx):
     its all_to_all calls are counted."""
     import torch.distributed as dist
 
-    from epcomm.testing.checks import NormalCase, run_cases
+    from epcomm.testing.checks import LowLatencyCase, NormalCase, run_cases
 
     cases = [NormalCase(num_tokens=9, hidden=128, num_experts=4, topk=2, dtype="fp8", routing="dropped", bias=1,
                         seed=22),
-             NormalCase(num_tokens=5, hidden=64, num_experts=4, topk=3, dtype="bf16", worst=True, seed=23)]
+             NormalCase(num_tokens=5, hidden=64, num_experts=4, topk=3, dtype="bf16", worst=True, seed=23),
+             LowLatencyCase(num_tokens=6, max_tokens=8, hidden=128, num_experts=4, topk=2, hook=True, seed=24)]
     a2a, calls = dist.all_to_all_single, [0]
 
     def counted(*args, **kwargs):
@@ -310,8 +311,8 @@ def _one_rank(ctx):
 def test_one_rank_group_moves_nothing(kernels, monkeypatch):
     """A group of one rank (the domain leg where a node has one GPU, as in the 2-1 split): the portable transport's
     rows are its received rows, with no collective and no copy around one, on the torch path and on the kernel path
-    (the Triton interpreter here); dispatch, cached dispatch and combine (FP8, -1 slots, bias, num_worst_tokens)
-    against the reference."""
+    (the Triton interpreter here); dispatch, cached dispatch and combine (FP8, -1 slots, bias, num_worst_tokens) and a
+    low-latency dispatch and combine with a receive hook (its deferred collectives' works) against the reference."""
     if kernels:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     failed, calls = spawn(_one_rank, 1, device="cpu", timeout_s=300)[0]
