@@ -300,12 +300,25 @@ def _by_phase(ctx, hier, x, layout: dict, iters: int) -> dict:
     for chunks, got in durations.items():
         out[chunks] = {}
         for phase, us in got.items():
-            slowest = torch.tensor([float(sorted(us)[len(us) // 2])], dtype=torch.float64, device=ctx.device)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=ctx.group)
             op = (phase.replace("combine: ", "combine BF16: ") if phase.startswith(("combine", CACHED_FP8))
                   else f"dispatch BF16: {phase}")
-            out[chunks][op] = round(float(slowest), 1)
+            out[chunks][op] = _slowest_median(ctx, us)
     return out
+
+
+def _slowest_median(ctx, us: list) -> float:
+    """The largest over the ranks of each rank's median of ``us`` (collective), rounded to 0.1."""
+    import torch.distributed as dist
+
+    slowest = torch.tensor([float(sorted(us)[len(us) // 2])], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=ctx.group)
+    return round(float(slowest), 1)
+
+
+def _ops_of(rows: list, impl: str) -> dict:
+    """``{op: time_us}`` of ``impl``'s rows: uniform routing's, else the first routing's."""
+    mine = [r for r in rows if r["impl"] == impl]
+    return {r["op"]: float(r["time_us"]) for r in ([r for r in mine if r["routing"] == "uniform"] or mine)}
 
 
 NODE_LEG = "node leg: one-sided transport, one domain of these GPUs"
@@ -367,13 +380,8 @@ def _node_leg(ctx, opts, hier, x, idx, w) -> dict:
             call()
             times[op].append((time.perf_counter() - began) * 1e6)
             torch.cuda.synchronize()
-    out = {}
-    for op, us in times.items():
-        slowest = torch.tensor([float(sorted(us)[len(us) // 2])], dtype=torch.float64, device=dev)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=ctx.group)
-        out[op] = round(float(slowest), 1)
     buf.destroy()
-    return out
+    return {op: _slowest_median(ctx, us) for op, us in times.items()}
 
 
 HOST_BEFORE_READ = "host up to the count read"
@@ -457,11 +465,7 @@ class HostCosts:
         one chunk (its host read included), the dispatch's host time after the count read and up to its first rows,
         the combine's and the cached dispatch's host times, and what each further chunk adds (from the difference
         between the counts of ``PHASED_CHUNKS``)."""
-        got = {}
-        for chunks in PHASED_CHUNKS:
-            phased = [r for r in rows if r["impl"] == phased_impl(chunks)]
-            uniform = [r for r in phased if r["routing"] == "uniform"] or phased
-            got[chunks] = {r["op"]: float(r["time_us"]) for r in uniform}
+        got = {chunks: _ops_of(rows, phased_impl(chunks)) for chunks in PHASED_CHUNKS}
         c1, cn = PHASED_CHUNKS[0], PHASED_CHUNKS[-1]
         one, last = got[c1], got[cn]
         counts = f"dispatch BF16: {COUNTS_PHASE}"
@@ -484,10 +488,7 @@ class HostCosts:
         """These costs with every chunk's node leg charged at the larger of the one-sided transport's host time
         (``_node_leg``'s rows, uniform routing or the first) and the path's own domain leg's (the rows by phase in
         one chunk): what an 8-GPU node's leg costs where each simulated node is one GPU."""
-        node = [r for r in rows if r["impl"] == NODE_LEG]
-        node = {r["op"]: float(r["time_us"]) for r in ([r for r in node if r["routing"] == "uniform"] or node)}
-        phased = [r for r in rows if r["impl"] == phased_impl(PHASED_CHUNKS[0])]
-        own = {r["op"]: float(r["time_us"]) for r in ([r for r in phased if r["routing"] == "uniform"] or phased)}
+        node, own = _ops_of(rows, NODE_LEG), _ops_of(rows, phased_impl(PHASED_CHUNKS[0]))
         fields = {"dispatch": ("dispatch_host", "dispatch_chunk"), "cached": ("cached_host", "cached_chunk"),
                   "combine": ("combine_host", "combine_chunk")}
         costs, seen = self, []

@@ -69,9 +69,7 @@ def align_up(value: int, alignment: int) -> int:
 def align_all(values, alignment: int) -> list:
     """``[align_up(v, alignment) for v in values]`` (per-expert counts on the host's path between a count read and
     the rows: no loop in Python for the common alignment 1)."""
-    if alignment == 1:
-        return list(values)
-    return [(v + alignment - 1) // alignment * alignment for v in values]
+    return list(values) if alignment == 1 else [align_up(v, alignment) for v in values]
 
 
 def low_latency_pair_capacity(num_max_dispatch_tokens_per_rank: int, num_topk: int, num_local_experts: int) -> int:
