@@ -63,6 +63,67 @@ def test_one_sided_domain_leg_across_simulated_nodes(monkeypatch, chunks):
     assert not problems, "\n".join(problems)
 
 
+def _gated(ctx, withheld):
+    """Cached dispatches across 2 simulated nodes of 2 ranks in 3 chunks, checked against the reference, while the
+    domain leg's calls are counted: ``(failures, [(cached call, domain-leg calls, whether gated)])``; with
+    ``withheld`` rank 1 never releases chunk 1's flag: ``(the error that rank's next check raises, or None)``."""
+    from epcomm.buffer import Buffer
+    from epcomm.errors import EpcommError
+    from epcomm.testing.checks import check_normal
+    from epcomm.transports.hierarchical import HierarchicalTransport
+
+    HierarchicalTransport.pipeline_chunks = 3
+    buf = Buffer(ctx.group, transport=NVLinkTransport, num_nvl_bytes=1 << 20, ranks_per_node=2)
+    rt = buf.runtime
+    domain_dispatch, seen = rt.domain.dispatch, []
+
+    def counted(req):
+        if req.handle is not None:
+            seen.append(req.gate is not None)
+            if withheld and ctx.rank == 1:
+                rt._gate_flags[1] -= 1  # (on CPUs every chunk's flag is released before the push: take one back)
+        return domain_dispatch(req)
+
+    rt.domain.dispatch = counted
+    failures, calls = [], []
+    cases = (NormalCase(num_tokens=(9, 0, 14, 6), hidden=64, num_experts=8, topk=3, dtype="bf16", seed=81),
+             NormalCase(num_tokens=(7, 11, 3, 0), hidden=128, num_experts=8, topk=2, dtype="fp8", seed=82,
+                        routing="skewed"))
+    if withheld:
+        try:
+            check_normal(ctx, buf, cases[0])
+            buf.check_errors()
+            return None
+        except EpcommError as exc:
+            return str(exc)
+    for case in cases:
+        seen.clear()
+        failures += check_normal(ctx, buf, case).failures
+        calls.append((case.label(), len(seen), all(seen)))
+    buf.destroy()
+    return failures, calls
+
+
+def test_gated_cached_dispatch_forwards_once_per_call(monkeypatch):
+    """A cached dispatch across simulated nodes issues its domain leg once for all chunks (a gated push that waits
+    for each chunk's flag), bit-exact against the reference (BF16, FP8 with scales, skewed routing, an empty rank)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for rank, (failures, calls) in enumerate(spawn(_gated, 4, False, device="cpu", timeout_s=600)):
+        assert not failures, f"rank {rank}: {failures}"
+        assert [c[1:] for c in calls] == [(1, True)] * 2, f"rank {rank}: {calls}"
+
+
+def test_gated_dispatch_without_its_rows_is_an_error(monkeypatch):
+    """A chunk's flag that never comes: the push gives up after the timeout and that rank raises an error naming the
+    chunk and the inter-domain leg; its domain peer, whose rows from it came late, names it (nothing waits
+    forever)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("EPCOMM_TIMEOUT_S", "2")
+    errors = spawn(_gated, 4, True, device="cpu", timeout_s=600)
+    assert errors[1] is not None and "chunk 1" in errors[1] and "inter-domain leg" in errors[1], errors
+    assert errors[0] is None or "rank 1" in errors[0], errors
+
+
 def _grows(ctx):
     """Storage sized by a small first dispatch, then calls with more tokens (after the epochs were put just below
     their 32-bit wrap): each checked against the reference; returns the failures and the storage sizes."""

@@ -42,10 +42,11 @@ from .launch import cdiv, launch, next_pow2
 from .numerics import pick
 from .shmem import (arrive_last, barrier_enter, block_barrier, fence_sys, record_error, st_release, wait_after,
                     wait_all_ge)
-from .shmem_codes import CMP_AFTER, ERR_BARRIER_TIMEOUT, ERR_DONE_TIMEOUT
+from .shmem_codes import CMP_AFTER, ERR_BARRIER_TIMEOUT, ERR_DONE_TIMEOUT, ERR_GATE_TIMEOUT
 
 _K_ERR_BARRIER = tl.constexpr(ERR_BARRIER_TIMEOUT)
 _K_ERR_DONE = tl.constexpr(ERR_DONE_TIMEOUT)
+_K_ERR_GATE = tl.constexpr(ERR_GATE_TIMEOUT)
 _K_CMP_AFTER = tl.constexpr(CMP_AFTER)
 
 SUMMARY_HEAD = 8  # summary words before recv_prefix
@@ -265,19 +266,20 @@ def _row_tile(ptr, rows, live, c0, XW: tl.constexpr, BLOCK: tl.constexpr, VEC: t
 
 
 @triton.jit
-def _push_tokens(pid, nprog, x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_ptr, itr_ptr, pos_ptr, first_ptr,
-                 bases_ptr, area_off, meta_off, prog_off, tag, t_begin, t_end, cap, rank, world, XW: tl.constexpr,
-                 W: tl.constexpr, NS: tl.constexpr, K: tl.constexpr, E_LOCAL: tl.constexpr, R: tl.constexpr,
-                 R_POW2: tl.constexpr, TOK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
+def _push_tokens(pid, nprog, slot, nslots, x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_ptr, itr_ptr,
+                 pos_ptr, first_ptr, bases_ptr, area_off, meta_off, prog_off, tag, t_begin, t_end, cap, rank, world,
+                 XW: tl.constexpr, W: tl.constexpr, NS: tl.constexpr, K: tl.constexpr, E_LOCAL: tl.constexpr,
+                 R: tl.constexpr, R_POW2: tl.constexpr, TOK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
                  BLOCK_K: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr,
                  SINGLE_ROUND: tl.constexpr, VEC: tl.constexpr, USE_PTX: tl.constexpr, PMAX: tl.constexpr,
                  SIG: tl.constexpr, pidx_ptr=None, HAS_PIDX: tl.constexpr = False):
     """Program ``pid`` of ``nprog`` pushes its contiguous range of tokens ``[t_begin, t_end)``, ``TOK`` at a
     time: reads each row once and stores it, with its record, into every destination it goes to, at row
     ``rank * cap + pos[t, r] - first[r]`` of that destination's area. ``SIG > 0`` (streaming dispatch) also
-    reports progress to every destination: first ``begin = tag | pos[lo, r]``, then every ``SIG`` steps and
+    reports progress to every destination in its progress ``slot`` (``pid``, or in a gated dispatch one slot per
+    chunk and program, ``nslots`` in all): first ``begin = tag | pos[lo, r]``, then every ``SIG`` steps and
     at the end ``end = tag | pos past the tokens pushed so far`` (bit 31 set on the last), each after a
-    fence so that it publishes the rows before it (program 0 also announces ``nprog`` and ``first``).
+    fence so that it publishes the rows before it (slot 0 also announces ``nslots`` and ``first``).
     ``HAS_PIDX`` (expert-major dispatch, ``epcomm.kernels.expert_major``): records end with K more words,
     ``pidx [N, K]`` int32 (each pair's index among this rank's pairs of its expert)."""
     per = tl.cdiv(tl.cdiv(t_end - t_begin, nprog), TOK) * TOK
@@ -289,8 +291,8 @@ def _push_tokens(pid, nprog, x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr
     rcols = tl.arange(0, R_POW2)
     row = rank * (PMAX + 2)  # this rank's row of progress words at each destination (pairs of int64)
     if SIG > 0:
-        if pid == 0:
-            _progress(bases_ptr, prog_off, row, 0, tl.zeros([R_POW2], tl.int64) + tag + nprog, rank, world, R_POW2,
+        if slot == 0:
+            _progress(bases_ptr, prog_off, row, 0, tl.zeros([R_POW2], tl.int64) + tag + nslots, rank, world, R_POW2,
                       USE_PTX)
             if SINGLE_ROUND:
                 fr = tl.zeros([R_POW2], tl.int64)
@@ -298,7 +300,7 @@ def _push_tokens(pid, nprog, x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr
                 fr = tl.load(first_ptr + rcols, mask=rcols < R, other=0).to(tl.int64)
             _progress(bases_ptr, prog_off, row, 1, tag + fr, rank, world, R_POW2, USE_PTX)
         start = _dest_end(itr_ptr, pos_ptr, tl.where(hi > lo, lo - 1, -1), rcols, R)  # pos[lo, r]; 0 when empty
-        _progress(bases_ptr, prog_off, row, (2 + pid) * 2, tag + start.to(tl.int64), rank, world, R_POW2, USE_PTX)
+        _progress(bases_ptr, prog_off, row, (2 + slot) * 2, tag + start.to(tl.int64), rank, world, R_POW2, USE_PTX)
     t0 = lo
     steps = 0
     while t0 < hi:  # (a while loop: the interpreter cannot run for loops with run-time bounds)
@@ -349,13 +351,13 @@ def _push_tokens(pid, nprog, x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr
                 fence_sys(USE_PTX)
                 tl.debug_barrier()
                 end = _dest_end(itr_ptr, pos_ptr, t0 - 1, rcols, R).to(tl.int64)
-                _progress(bases_ptr, prog_off, row, (2 + pid) * 2 + 1, tag + end, rank, world, R_POW2, USE_PTX)
+                _progress(bases_ptr, prog_off, row, (2 + slot) * 2 + 1, tag + end, rank, world, R_POW2, USE_PTX)
     if SIG > 0:
         fence_sys(USE_PTX)
         tl.debug_barrier()
         end = _dest_end(itr_ptr, pos_ptr, tl.where(hi > lo, hi - 1, -1), rcols, R).to(tl.int64)
         last = tag + end + (tl.full([], 1, tl.int64) << 31)
-        _progress(bases_ptr, prog_off, row, (2 + pid) * 2 + 1, last, rank, world, R_POW2, USE_PTX)
+        _progress(bases_ptr, prog_off, row, (2 + slot) * 2 + 1, last, rank, world, R_POW2, USE_PTX)
 
 
 @triton.jit(do_not_specialize=["t_begin", "t_end", "cap"])
@@ -377,9 +379,10 @@ def dispatch_push_kernel(x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_
     (every ``bases`` entry is one local buffer: the portable transport's send area) and signals nobody."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    _push_tokens(pid, nprog, x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_ptr, itr_ptr, pos_ptr, first_ptr,
-                 bases_ptr, area_off, meta_off, 0, 0, t_begin, t_end, cap, rank, world, XW, W, NS, K, E_LOCAL, R,
-                 R_POW2, TOK, BLOCK, BLOCK_S, BLOCK_K, HAS_SCALES, HAS_TOPK, HAS_W, SINGLE_ROUND, VEC, USE_PTX, 1, 0)
+    _push_tokens(pid, nprog, pid, nprog, x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_ptr, itr_ptr,
+                 pos_ptr, first_ptr, bases_ptr, area_off, meta_off, 0, 0, t_begin, t_end, cap, rank, world, XW, W, NS,
+                 K, E_LOCAL, R, R_POW2, TOK, BLOCK, BLOCK_S, BLOCK_K, HAS_SCALES, HAS_TOPK, HAS_W, SINGLE_ROUND, VEC,
+                 USE_PTX, 1, 0)
     if PUBLISH:
         fence_sys(USE_PTX)
         tl.debug_barrier()
@@ -578,16 +581,18 @@ def _receive_stream(pid, num_push, world, prog_ptr, tag, timeout, err_ptr, rank,
             p += nrp
 
 
-@triton.jit(do_not_specialize=["t_begin", "t_end", "cap", "num_push", "out_rows", "timeout"])
+@triton.jit(do_not_specialize=["t_begin", "t_end", "cap", "num_push", "out_rows", "timeout", "gate_value",
+                             "num_chunks"])
 def dispatch_kernel(x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_ptr, itr_ptr, pos_ptr, first_ptr,
                     bases_ptr, area_off, meta_off, prog_off, epoch_ptr, t_begin, t_end, cap, rank, world, num_push,
                     area_ptr, meta_ptr, prog_ptr, err_ptr, prefix_ptr, out_x_ptr, out_scales_ptr,
-                    out_idx_ptr, out_w_ptr, out_src_ptr, out_rows, timeout, XW: tl.constexpr, W: tl.constexpr,
+                    out_idx_ptr, out_w_ptr, out_src_ptr, out_rows, timeout, bounds_ptr, gate_ptr, gate_value,
+                    num_chunks, XW: tl.constexpr, W: tl.constexpr,
                     NS: tl.constexpr, K: tl.constexpr, E_LOCAL: tl.constexpr, R: tl.constexpr, R_POW2: tl.constexpr,
                     TOK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
                     HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr, HAS_IDX: tl.constexpr,
                     SINGLE_ROUND: tl.constexpr, VEC: tl.constexpr, USE_PTX: tl.constexpr, USE_TIMER: tl.constexpr,
-                    PMAX: tl.constexpr, SIG: tl.constexpr, ROWS: tl.constexpr):
+                    PMAX: tl.constexpr, SIG: tl.constexpr, ROWS: tl.constexpr, GATED: tl.constexpr = False):
     """Streaming dispatch: push and receive in one launch, so that received rows are copied out while the
     pushes are still running.
 
@@ -599,6 +604,14 @@ def dispatch_kernel(x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_ptr, 
     source ``s`` with global position ``g`` go to output row ``prefix[s] + g``; rows at or past ``out_rows``,
     and rows past the ``cap`` of the source's region, are dropped: they were not sent (an overflowing
     ``num_worst_tokens``, reported on the host side).
+
+    ``GATED`` (a gated dispatch: rows that another stream is still writing into ``x``, chunk after chunk): the
+    tokens come in ``num_chunks`` chunks, ``[bounds[c], bounds[c + 1])`` (int32 ``[num_chunks + 1]``); every pushing
+    program waits for chunk ``c``'s flag (int64 ``gate[c]``, released by whoever wrote the chunk's rows) to reach
+    ``gate_value`` before it pushes its share of that chunk, chunk after chunk, each share reported in its own
+    progress slot (``c * num_push + pid``, ``num_chunks * num_push`` slots announced): to the receivers each share is
+    one more sending program, so the receive side is unchanged. A flag that does not come in time is recorded
+    (``ERR_GATE_TIMEOUT``, slot = the chunk) and the push goes on, so that nothing waits forever.
 
     Progress words (int64, this rank's heap, ``prog`` ``[R_src, PMAX + 2, 2]``; every word has one writer,
     the sender): ``[s, 0, :]`` = (programs of s, first position of s's round), ``[s, 2 + p, :]`` = (begin,
@@ -612,10 +625,22 @@ def dispatch_kernel(x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_ptr, 
     pid = tl.program_id(0)
     tag = tl.load(epoch_ptr) << 32
     if pid < num_push:
-        _push_tokens(pid, num_push, x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_ptr, itr_ptr, pos_ptr,
-                     first_ptr, bases_ptr, area_off, meta_off, prog_off, tag, t_begin, t_end, cap, rank, world, XW, W,
-                     NS, K, E_LOCAL, R, R_POW2, TOK, BLOCK, BLOCK_S, BLOCK_K, HAS_SCALES, HAS_TOPK, HAS_W,
-                     SINGLE_ROUND, VEC, USE_PTX, PMAX, SIG)
+        if GATED:
+            c = 0
+            while c < num_chunks:
+                wait_after(gate_ptr + c, gate_value, timeout, err_ptr, _K_ERR_GATE, rank, rank, c, USE_PTX,
+                           USE_TIMER)
+                _push_tokens(pid, num_push, c * num_push + pid, num_chunks * num_push, x_ptr, scales_ptr, s_stride_t,
+                             s_stride_c, topk_ptr, w_ptr, itr_ptr, pos_ptr, first_ptr, bases_ptr, area_off, meta_off,
+                             prog_off, tag, tl.load(bounds_ptr + c), tl.load(bounds_ptr + c + 1), cap, rank, world,
+                             XW, W, NS, K, E_LOCAL, R, R_POW2, TOK, BLOCK, BLOCK_S, BLOCK_K, HAS_SCALES, HAS_TOPK,
+                             HAS_W, SINGLE_ROUND, VEC, USE_PTX, PMAX, SIG)
+                c += 1
+        else:
+            _push_tokens(pid, num_push, pid, num_push, x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_ptr,
+                         itr_ptr, pos_ptr, first_ptr, bases_ptr, area_off, meta_off, prog_off, tag, t_begin, t_end,
+                         cap, rank, world, XW, W, NS, K, E_LOCAL, R, R_POW2, TOK, BLOCK, BLOCK_S, BLOCK_K, HAS_SCALES,
+                         HAS_TOPK, HAS_W, SINGLE_ROUND, VEC, USE_PTX, PMAX, SIG)
     else:
         _receive_stream(pid, num_push, world, prog_ptr, tag, timeout, err_ptr, rank, prefix_ptr, out_rows, cap,
                         area_ptr, meta_ptr, out_x_ptr, out_scales_ptr, out_idx_ptr, out_w_ptr, out_src_ptr, out_src_ptr,
@@ -817,15 +842,30 @@ PROGRESS_SLOTS = 256  # most pushing programs a streaming dispatch runs (progres
 SIGNAL_TOKENS = 32  # a streaming push reports progress after about this many tokens
 
 
+@dataclass(frozen=True)
+class Gate:
+    """The chunks of a gated dispatch (``dispatch_kernel`` with ``GATED``), whose input rows another stream is still
+    writing: ``bounds`` int32 ``[chunks + 1]`` (device) token bounds of the chunks; ``flags`` int64 ``[>= chunks]``
+    (device), chunk ``c``'s released to ``value`` once its rows are written; ``programs``: the most programs the
+    launch may hold at once, so that the writers' kernels keep the rest of the GPU."""
+
+    bounds: object
+    flags: object
+    value: int
+    chunks: int
+    programs: int
+
+
 def launch_push(*, x, scales, topk_idx, topk_weights, itr, pos, first, rows, bases, area_off: int, meta_off: int,
                 hdr_off: int, arrive_off: int, epoch, counter, t_begin: int, t_end: int, cap: int, rank: int,
                 world: int, num_experts: int, grid: int, tokens_per_step: int, use_ptx: bool, single_round: bool,
-                publish: bool, dummy, receive: Optional[ReceiveSide] = None) -> None:
+                publish: bool, dummy, receive: Optional[ReceiveSide] = None, gate: Optional[Gate] = None) -> None:
     """``dispatch_push_kernel`` for rows of ``x [N, H]`` (any dtype; rows a multiple of 4 bytes), optional
     ``scales [N, S]`` (4-byte dtype, any strides), ``topk_idx``/``topk_weights [N, K]``; with ``receive``,
     the streaming ``dispatch_kernel`` instead (``grid`` pushing programs, at most ``PROGRESS_SLOTS``, plus
     ``receive.programs`` receiving programs per source, fewer where they would not fit the GPU at once: the
-    kernel is launched cooperatively)."""
+    kernel is launched cooperatively); with ``gate`` as well, gated (``Gate``: ``grid`` times its chunks at most
+    ``PROGRESS_SLOTS``)."""
     import torch
 
     n = x.size(0)
@@ -842,16 +882,20 @@ def launch_push(*, x, scales, topk_idx, topk_weights, itr, pos, first, rows, bas
         launch(dispatch_push_kernel, (grid,), *push_args, rows, bases, area_off, meta_off, hdr_off, arrive_off, epoch,
                counter, t_begin, t_end, cap, rank, world, PUBLISH=publish, **meta)
         return
-    if not 1 <= grid <= PROGRESS_SLOTS:
-        raise ValueError(f"launch_push: {grid} pushing programs; a streaming dispatch runs 1..{PROGRESS_SLOTS}")
+    slots = grid * (gate.chunks if gate is not None else 1)
+    if not 1 <= slots <= PROGRESS_SLOTS:
+        raise ValueError(f"launch_push: {grid} pushing programs{f' in {gate.chunks} chunks' if gate else ''}; a "
+                         f"streaming dispatch reports progress in 1..{PROGRESS_SLOTS} slots")
     rv = receive
     out = [t if t is not None else dummy for t in (rv.out_x, rv.out_scales, rv.out_idx, rv.out_w, rv.out_src)]
+    gated = (gate.bounds, gate.flags, gate.value, gate.chunks) if gate is not None else (dummy, dummy, 0, 1)
     # receivers wait for the pushers of their launch: a cooperative launch, as many receivers as fit beside them
-    launch(dispatch_kernel, _StreamingGrid(grid, world, rv.programs),
+    launch(dispatch_kernel, _StreamingGrid(grid, world, rv.programs, gate.programs if gate is not None else 0),
         *push_args, bases, area_off, meta_off, rv.prog_off, epoch, t_begin, t_end, cap, rank, world, grid,
-        rv.area_rows, rv.meta_rows, rv.prog, rv.err, rv.prefix, *out, rv.out_rows, rv.timeout,
+        rv.area_rows, rv.meta_rows, rv.prog, rv.err, rv.prefix, *out, rv.out_rows, rv.timeout, *gated,
         HAS_IDX=rv.out_idx is not None, USE_TIMER=use_ptx, PMAX=PROGRESS_SLOTS,
-        SIG=max(1, SIGNAL_TOKENS // tokens_per_step), ROWS=4, **(_COOPERATIVE if use_ptx else {}), **meta)
+        SIG=max(1, SIGNAL_TOKENS // tokens_per_step), ROWS=4, GATED=gate is not None,
+        **(_COOPERATIVE if use_ptx else {}), **meta)
 
 
 @functools.lru_cache(maxsize=256)
@@ -873,13 +917,17 @@ _COOPERATIVE = dict(launch_cooperative_grid=True, maxnreg=128)
 class _StreamingGrid:
     """The grid of a streaming dispatch (``dispatch_kernel``) as a function of the programs the GPU holds at once
     (``resident``, None: no limit): ``push`` pushing programs and up to ``recv`` receiving programs per source, as
-    many as fit beside the pushers (the kernel takes its receivers per source from the grid)."""
+    many as fit beside the pushers (the kernel takes its receivers per source from the grid), in at most ``limit``
+    programs where given (a gated dispatch, whose input's writers need the rest of the GPU)."""
 
     push: int
     world: int
     recv: int
+    limit: int = 0
 
     def __call__(self, resident: Optional[int]) -> tuple:
+        if self.limit:
+            resident = self.limit if resident is None else min(resident, self.limit)
         recv = self.recv if resident is None else min(self.recv, (resident - self.push) // self.world)
         if recv < 1:
             raise ValueError(f"Buffer.dispatch: {self.push} pushing programs and one receiving program per rank "

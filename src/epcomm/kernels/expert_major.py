@@ -375,10 +375,10 @@ def em_dispatch_kernel(x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_pt
     pid = tl.program_id(0)
     tag = tl.load(epoch_ptr) << 32
     if pid < num_push:
-        _push_tokens(pid, num_push, x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_ptr, itr_ptr, pos_ptr,
-                     first_ptr, bases_ptr, area_off, meta_off, prog_off, tag, t_begin, t_end, cap, rank, world, XW, W,
-                     NS, K, E_LOCAL, R, R_POW2, TOK, BLOCK, BLOCK_S, BLOCK_K, HAS_SCALES, True, HAS_W,
-                     SINGLE_ROUND, VEC, USE_PTX, PMAX, SIG, pidx_ptr, True)
+        _push_tokens(pid, num_push, pid, num_push, x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_ptr,
+                     itr_ptr, pos_ptr, first_ptr, bases_ptr, area_off, meta_off, prog_off, tag, t_begin, t_end, cap,
+                     rank, world, XW, W, NS, K, E_LOCAL, R, R_POW2, TOK, BLOCK, BLOCK_S, BLOCK_K, HAS_SCALES, True,
+                     HAS_W, SINGLE_ROUND, VEC, USE_PTX, PMAX, SIG, pidx_ptr, True)
     else:
         _receive_stream(pid, num_push, world, prog_ptr, tag, timeout, err_ptr, rank, prefix_ptr, out_rows, cap,
                         area_ptr, meta_ptr, out_x_ptr, out_s_ptr, out_src_ptr, out_w_ptr, out_src_ptr, row_src_ptr,
@@ -397,10 +397,10 @@ def em_push_kernel(x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_ptr, i
     ``em_copyout_kernel`` copies afterwards)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    _push_tokens(pid, nprog, x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_ptr, itr_ptr, pos_ptr, first_ptr,
-                 bases_ptr, area_off, meta_off, 0, 0, t_begin, t_end, cap, rank, world, XW, W, NS, K, E_LOCAL, R,
-                 R_POW2, TOK, BLOCK, BLOCK_S, BLOCK_K, HAS_SCALES, True, HAS_W, SINGLE_ROUND, VEC, USE_PTX, 1, 0,
-                 pidx_ptr, True)
+    _push_tokens(pid, nprog, pid, nprog, x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_ptr, itr_ptr,
+                 pos_ptr, first_ptr, bases_ptr, area_off, meta_off, 0, 0, t_begin, t_end, cap, rank, world, XW, W, NS,
+                 K, E_LOCAL, R, R_POW2, TOK, BLOCK, BLOCK_S, BLOCK_K, HAS_SCALES, True, HAS_W, SINGLE_ROUND, VEC,
+                 USE_PTX, 1, 0, pidx_ptr, True)
     fence_sys(USE_PTX)
     tl.debug_barrier()
     if arrive_last(counter_ptr, nprog) != 0:

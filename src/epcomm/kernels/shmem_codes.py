@@ -9,8 +9,10 @@ ERR_WAIT_TIMEOUT = 1  # wait(): a signal slot did not satisfy the comparison in 
 ERR_BARRIER_TIMEOUT = 2  # barrier(): a peer did not arrive in time (peer = first missing rank)
 ERR_READY_TIMEOUT = 3  # all-gather: a peer did not say it may be written to (previous result consumed)
 ERR_DONE_TIMEOUT = 4  # a peer's data (all-gather shard, dispatch or combine rows) did not arrive in time
+ERR_GATE_TIMEOUT = 5  # a gated dispatch: a chunk of its input rows (written by another stream) did not come in time
 ERROR_NAMES = {ERR_WAIT_TIMEOUT: "wait timeout", ERR_BARRIER_TIMEOUT: "barrier timeout",
-               ERR_READY_TIMEOUT: "all-gather ready timeout", ERR_DONE_TIMEOUT: "data arrival timeout"}
+               ERR_READY_TIMEOUT: "all-gather ready timeout", ERR_DONE_TIMEOUT: "data arrival timeout",
+               ERR_GATE_TIMEOUT: "input rows timeout"}
 
 # Comparisons of wait (runtime values, so one compiled kernel serves all of them)
 CMP_EQ, CMP_NE, CMP_GT, CMP_GE, CMP_LT, CMP_LE = range(6)

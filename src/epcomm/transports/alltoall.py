@@ -506,6 +506,8 @@ class AllToAllTransport(Transport):
     def _cached_dispatch(self, req: DispatchRequest) -> DispatchResult:
         h = req.handle
         st: _NormalState = h.state
+        if req.recv_out is not None:  # the rows alone, received into the caller's storage
+            return self._cached_rows_into(req, req.recv_out)
         if st.pos is not None:  # GPU path: pack again (exactly the rows that go), then one all_to_all per tensor
             num_send = sum(st.send_counts)
             rows, recs = self._pack(req.x, req.x_scales, None, None, h.is_token_in_rank, st.pos, st.first,
@@ -525,6 +527,24 @@ class AllToAllTransport(Transport):
                                  h.num_recv_tokens, list(h.num_recv_tokens_per_rank), list(st.send_counts))
             recv = [g.view(t.dtype).view(h.num_recv_tokens, t.size(1)) for g, t in zip(got, present)]
         return DispatchResult(recv[0], recv[1] if len(recv) > 1 else None, None, None, None, h)
+
+    def _cached_rows_into(self, req: DispatchRequest, out: torch.Tensor) -> DispatchResult:
+        """A cached exact-mode dispatch of ``req.x``'s rows alone (no scales) into ``out`` (``[num_recv_tokens, row
+        bytes]``, contiguous): packed (GPU path) or gathered, then one all_to_all straight into ``out``."""
+        h = req.handle
+        st: _NormalState = h.state
+        if req.x_scales is not None or st.capacity or tuple(out.shape) != (h.num_recv_tokens, _as_bytes(req.x).size(1)):
+            raise EpcommError(f"AllToAllTransport: a cached dispatch into given storage takes exact-mode rows without "
+                              f"scales into [{h.num_recv_tokens}, {_as_bytes(req.x).size(1)}] bytes; got "
+                              f"{tuple(out.shape)}")
+        if st.pos is not None:
+            num_send = sum(st.send_counts)
+            send = self._pack(req.x, None, None, None, h.is_token_in_rank, st.pos, st.first, h.num_experts,
+                              num_send)[0][:num_send]
+        else:
+            send = _as_bytes(req.x.contiguous()).index_select(0, st.send_idx)
+        self._a2a(out, send, list(h.num_recv_tokens_per_rank), list(st.send_counts))
+        return DispatchResult(out, None, None, None, None, h)
 
     def _padded_dispatch(self, req: DispatchRequest, recv_counts: torch.Tensor, recv_per_expert: torch.Tensor,
                          slot: torch.Tensor, send_idx: torch.Tensor, meta: torch.Tensor) -> DispatchResult:

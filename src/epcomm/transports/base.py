@@ -90,6 +90,12 @@ class DispatchRequest:
     known: Optional[KnownCounts] = None
     # what ``Transport.prepare`` made of this request ahead of its counts (transport-specific; None: nothing)
     prepared: Any = None
+    # a cached dispatch of rows another stream still writes (``kernels.ep.Gate``; transports with
+    # ``gates_cached_dispatch``), or None
+    gate: Any = None
+    # a cached dispatch: where the received rows go (``[num_recv_tokens, row bytes]`` uint8, contiguous; the portable
+    # transport without scales), or None: fresh storage
+    recv_out: Optional[torch.Tensor] = None
 
 
 @dataclass(frozen=True)

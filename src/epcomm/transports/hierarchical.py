@@ -97,7 +97,7 @@ import functools
 import logging
 import time
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 import torch
@@ -187,6 +187,9 @@ class _HandleState:
     rows: tuple  # rows of the outputs from each chunk, in order
     order: torch.Tensor  # [M] int64: output row i is row order[i] of the chunks' rows, one after the other
     back: torch.Tensor  # [M] int64: the inverse of order
+    # gated cached dispatches (``_gated``), by row bytes: (the domain leg's merged handle, output order, the chunks'
+    # token bounds in the rows received from the inter-domain leg), or None where the domain leg cannot merge them
+    merged: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -242,6 +245,8 @@ class HierarchicalTransport(Transport):
         self.phase_log: Optional[list] = None  # see _leg
         self.phase_events = True  # phase_log entries with CUDA events (False: the host's times alone, no events)
         self._net: Optional[torch.cuda.Stream] = None  # the inter-domain leg's stream while a dispatch pipelines
+        self._gate_flags: Optional[torch.Tensor] = None  # int64 per chunk of a gated cached dispatch (_gated)
+        self._gate_value = 0  # the last value released into them: one more per call
         self._tuner = _ChunkTuner(self.CHUNK_CANDIDATES, self.TUNE_CALLS, device)
         self._fault = _faults.setdefault(self.rail_group, {})  # shared with every Buffer on these groups
         self._calls = 0  # calls made (the same count on every rank): names a call in the fault reports
@@ -659,27 +664,95 @@ class HierarchicalTransport(Transport):
 
     def _cached_dispatch(self, req: DispatchRequest) -> DispatchResult:
         """Each token's row, with its FP8 scales at its end (one row of bytes: no records, fewer copies and
-        launches per chunk), through both legs; the rows put in order and split once at the end."""
+        launches per chunk), through both legs; the rows put in order and split once at the end. Where the domain
+        leg can (``_gated``), its push is issued once for all chunks, else once per chunk."""
         fn = "Buffer.dispatch"
         st: _HandleState = req.handle.state
         x, scales = req.x, req.x_scales
         rows = x if scales is None else torch.cat([_as_bytes(x), _as_bytes(scales.contiguous())], 1)
+        gated = self._gated(fn, st, rows, req)
+        if gated is not None:
+            got, order = gated
+        else:
+            def leg(c):
+                a, b = st.bounds[c]
+                with self._leg(fn, "cached tokens to their domains"):
+                    return self.rail.dispatch(_cached(rows[a:b], None, st.rail[c], req))
 
-        def leg(c):
-            a, b = st.bounds[c]
-            with self._leg(fn, "cached tokens to their domains"):
-                return self.rail.dispatch(_cached(rows[a:b], None, st.rail[c], req))
+            outs = []
+            for c, r1 in enumerate(self._pipelined([lambda c=c: leg(c) for c in range(len(st.rail))])):
+                with self._leg(fn, "forwarding the cached tokens", within=True):
+                    outs.append(self.domain.dispatch(_cached(r1.recv_x, None, st.domain[c], req)).recv_x)
+            self._join()
+            if scales is None:
+                return DispatchResult(_take(outs, st.order), None, None, None, None, req.handle)
+            got, order = _cat(outs), st.order
+        if scales is None:  # (the gated path's rows are bytes)
+            return DispatchResult(got.index_select(0, order).view(x.dtype), None, None, None, None, req.handle)
+        width = x.size(1) * x.element_size()
+        return DispatchResult(got[:, :width].index_select(0, order).view(x.dtype),
+                              got[:, width:].index_select(0, order).view(scales.dtype), None, None, None, req.handle)
 
-        outs = []
-        for c, r1 in enumerate(self._pipelined([lambda c=c: leg(c) for c in range(len(st.rail))])):
-            with self._leg(fn, "forwarding the cached tokens", within=True):
-                outs.append(self.domain.dispatch(_cached(r1.recv_x, None, st.domain[c], req)).recv_x)
+    def _gated(self, fn: str, st: _HandleState, rows: torch.Tensor, req: DispatchRequest) -> Optional[tuple]:
+        """A cached dispatch whose domain leg is issued once for all chunks: ``(the received rows, the order that puts
+        them in the intranode path's)``, or None where the domain transport cannot (no ``gates_cached_dispatch``,
+        ``strict_sms``, a CUDA graph being captured, storage it may not grow: ``merge_cached``; or one chunk). Every
+        chunk's inter-domain rows land side by side in one buffer (on GPUs from the network stream, each chunk's
+        collective followed by a one-program kernel that releases the chunk's flag); the domain leg's one push, issued
+        on the caller's stream right away with the chunks' handles merged, waits on the device for each chunk's flag
+        and forwards its rows while the later chunks still cross (``kernels.ep.Gate``; it holds about half the GPU's
+        programs, spinning until its rows come). Host work per further chunk: the inter-domain leg's pack and
+        collective, and the flag's launch."""
+        from ..kernels.ep import Gate
+        from ..kernels.shmem import launch_signal
+        from ..kernels.shmem_codes import SIGNAL_SET
+
+        if (len(st.rail) == 1 or not getattr(self.domain, "gates_cached_dispatch", False)
+                or not self.domain.can_gate(req)
+                or (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
+            return None  # (one chunk: nothing to overlap, and one stream is cheaper to issue)
+        width = _as_bytes(rows).size(1)
+        if width not in st.merged:  # (collective where it grows the domain's storage: every rank merges here)
+            merged = self.domain.merge_cached(list(st.domain), width)
+            if merged is not None:
+                sizes = [h.num_recv_tokens for h in st.rail]
+                merged = (merged[0], merged[1][st.order],
+                          counts_to_device([sum(sizes[:c]) for c in range(len(sizes) + 1)], self.device), sizes)
+            st.merged[width] = merged
+        merged = st.merged[width]
+        if merged is None:
+            return None
+        handle, order, bounds, sizes = merged
+        chunks = len(sizes)
+        if self._gate_flags is None or self._gate_flags.numel() < chunks:
+            self._gate_flags = torch.zeros(max(chunks, 8), dtype=torch.int64, device=self.device)
+        self._gate_value += 1
+        flags, value = self._gate_flags, self._gate_value
+        recv = torch.empty(sum(sizes), width, dtype=torch.uint8, device=self.device)
+        firsts = [sum(sizes[:c]) for c in range(chunks)]
+
+        def legs() -> None:
+            for c, (a, b) in enumerate(st.bounds):
+                with self._leg(fn, "cached tokens to their domains"):
+                    self.rail.dispatch(replace(_cached(_as_bytes(rows[a:b]), None, st.rail[c], req),
+                                               recv_out=recv[firsts[c]:firsts[c] + sizes[c]]))
+                if self.device.type == "cuda":
+                    launch_signal(flags.data_ptr() + 8 * c, value, SIGNAL_SET, self.device)
+                else:  # (on CPUs every leg has ended here: the flag is a store)
+                    flags[c] = value
+
+        if self.device.type == "cuda":
+            main, net = self._streams()
+            net.wait_stream(main)
+            with torch.cuda.stream(net):
+                legs()
+        else:
+            legs()
+        with self._leg(fn, "forwarding the cached tokens", within=True):
+            got = self.domain.dispatch(replace(_cached(recv, None, handle, req),
+                                               gate=Gate(bounds, flags, value, chunks, 0))).recv_x
         self._join()
-        if scales is None:
-            return DispatchResult(_take(outs, st.order), None, None, None, None, req.handle)
-        got, width = _cat(outs), x.size(1) * x.element_size()
-        return DispatchResult(got[:, :width].index_select(0, st.order).view(x.dtype),
-                              got[:, width:].index_select(0, st.order).view(scales.dtype), None, None, None, req.handle)
+        return got, order
 
     @_guarded("Buffer.combine")
     def combine(self, req: CombineRequest) -> tuple:

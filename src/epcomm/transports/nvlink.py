@@ -36,7 +36,7 @@ Low-latency mode: ``epcomm.transports.low_latency`` (one-sided, double-buffered,
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -132,6 +132,7 @@ class NVLinkTransport(Transport):
     description = "one-sided Triton kernels writing into peers' symmetric memory over NVLink"
     validates_topk = True  # the exchange kernel checks expert ids; the Buffer need not
     accepts_known_counts = True  # the exchange stays on the device, checked against them
+    gates_cached_dispatch = True  # merge_cached, and cached dispatches of rows still being written (a Gate)
 
     def __init__(self, group, device: torch.device, buffer_id: int, num_nvl_bytes: int = 0,
                  num_rdma_bytes: int = 0) -> None:
@@ -288,11 +289,15 @@ class NVLinkTransport(Transport):
         launch_barrier(self.heap.peer_bases, self._off(self.flags), self.epoch, self.err, self.rank, self.num_ranks,
                        env.timeout_s())
 
-    def _timeout_message(self, code: int, peer: int, seen: int) -> Optional[str]:
-        from ..kernels.shmem_codes import ERROR_NAMES
+    def _timeout_message(self, code: int, peer: int, seen: int, slot: int = 0) -> Optional[str]:
+        from ..kernels.shmem_codes import ERR_GATE_TIMEOUT, ERROR_NAMES
 
         if not code:
             return None
+        if code == ERR_GATE_TIMEOUT:
+            return (f"rank {self.rank}: {ERROR_NAMES[code]}: the forwarding waited {env.timeout_s():g} s for chunk "
+                    f"{slot} of its rows from the inter-domain leg (its flag still said {seen}): a rank of another "
+                    f"domain is stuck or died, or the leg's stream was blocked")
         return (f"rank {self.rank}: {ERROR_NAMES.get(code, code)} waiting for rank {peer} (its flag still said "
                 f"{seen}) after {env.timeout_s():g} s: a peer is stuck, died, or did not make the same call")
 
@@ -303,7 +308,7 @@ class NVLinkTransport(Transport):
     def _describe_errors(self, words: list) -> list:
         """``DeviceErrors.describe`` of this transport's block (see ``__init__``)."""
         found = []
-        msg = self._timeout_message(words[0], words[2], words[5])
+        msg = self._timeout_message(words[0], words[2], words[5], words[3])
         if msg:
             found.append((NORMAL, msg))
         deferred = words[8] & 0xFFFFFFFF
@@ -516,7 +521,9 @@ class NVLinkTransport(Transport):
             # of one sending program: at least enough pushes that the pushes and their receivers fill the GPU
             grid = max(grid, self.sms // (self.num_ranks + 1) // 2 * 2)
         if not strict:  # streaming: receiving programs copy rows out while the pushes run
-            grid = min(grid, PROGRESS_SLOTS)
+            grid = min(grid, PROGRESS_SLOTS // (req.gate.chunks if req.gate is not None else 1))
+        elif req.gate is not None:
+            raise EpcommError("Buffer.dispatch: a gated dispatch streams (Config.strict_sms must not be set)")
         if (rounds.num_rounds > 1 and self._grows and state.num_tokens_max is not None and not
                 (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
             # storage sized by a first dispatch with fewer tokens: grown here rather than moved in rounds (each a
@@ -524,8 +531,11 @@ class NVLinkTransport(Transport):
             self._grow(state.num_tokens_max, self._storage_row(req, em is not None), "Buffer.dispatch")
             rounds = state.rounds((xw + mw) * 4, self.area_bytes, self.num_ranks, worst, "Buffer.dispatch")
         # the first dispatch of a kind compiles its kernels before any rank waits (Transport.first_call)
+        if req.gate is not None and rounds.num_rounds > 1:
+            raise EpcommError(f"Buffer.dispatch: a gated dispatch moves in one round; this one needs "
+                              f"{rounds.num_rounds} (merge_cached refuses such handles)")
         key = ("dispatch", x.dtype, x.size(1), ns, k, has_w, req.num_experts, bool(worst), rounds.num_rounds == 1,
-               em is not None)
+               em is not None, req.gate is not None)
         self.first_call("Buffer.dispatch", key,
                         lambda: self._push_rounds(req, itr, state, rounds, outs, num_recv, grid, strict, em))
 
@@ -587,13 +597,15 @@ class NVLinkTransport(Transport):
             receive = None if strict else ReceiveSide(
                 area_rows, meta_rows, self.prog, self._off(self.prog), self.err, state.recv_prefix, out_x, out_scales,
                 out_idx, out_w, out_src, num_recv, self._timeout(), grid)
+            # a gated push holds about one program per SM (half what fits): the rows' writers keep the rest
+            gate = None if req.gate is None else replace(req.gate, programs=max(self.sms, grid + num_ranks))
             launch_push(x=x, scales=scales, topk_idx=req.topk_idx, topk_weights=req.topk_weights, itr=itr,
                         pos=state.pos, first=first, rows=rows, bases=self.heap.peer_bases, area_off=area_off,
                         meta_off=area_off + meta_rel, hdr_off=self._off(self.hdr), arrive_off=self._off(self.arrive),
                         epoch=self.epoch, counter=self.counters, t_begin=lo, t_end=hi, cap=cap, rank=rank,
                         world=num_ranks, num_experts=req.num_experts, grid=grid, tokens_per_step=tok,
                         use_ptx=self.device.type == "cuda", single_round=single, publish=True, dummy=dummy,
-                        receive=receive)
+                        receive=receive, gate=gate)
             if strict:
                 launch(dispatch_copyout_kernel, (copy_grid,),
                     area_rows, meta_rows, self.hdr, self.heap.peer_bases, self._off(self.arrive), self.epoch, self.err,
@@ -607,14 +619,71 @@ class NVLinkTransport(Transport):
                     **self.flags_kw, **self.timer_kw)
 
     def _cached_dispatch(self, req: DispatchRequest) -> DispatchResult:
+        """A dispatch with a handle; with ``req.gate`` (``kernels.ep.Gate``, a handle of ``merge_cached``) a gated
+        one: ``req.x``'s rows are still being written, chunk after chunk, by another stream, which releases each
+        chunk's flag once its rows are there; the push waits for each flag on the device."""
         h: DispatchHandle = req.handle
         st: _NVLinkState = h.state
         self.first_call("Buffer.dispatch", ("barrier",), self._barrier)
         plan_req = DispatchRequest(req.x, req.x_scales, None, None, st.num_tokens_per_rank, h.is_token_in_rank, None,
-                                   h.num_experts, 1, h.num_worst_tokens, None, req.config, None, req.overlapped)
+                                   h.num_experts, 1, h.num_worst_tokens, None, req.config, None, req.overlapped,
+                                   gate=req.gate)
         outs = self._alloc_recv(h.num_recv_tokens, req.x, req.x_scales, None, False, bool(h.num_worst_tokens))
         self._run_dispatch(plan_req, h.is_token_in_rank, st, outs, h.num_recv_tokens, h.num_worst_tokens)
         return DispatchResult(outs[0], outs[1], None, None, None, h)
+
+    def can_gate(self, req: DispatchRequest) -> bool:
+        """Whether a cached dispatch with ``req``'s config can be gated (it streams: see ``_strict``)."""
+        return not _strict(req)
+
+    def merge_cached(self, handles: list, x_row_bytes: int) -> Optional[tuple]:
+        """``(handle, to_merged)``: one handle for the tokens of several exact-mode dispatches' ``handles`` side by
+        side (chunk after chunk), as one dispatch of them all would have left it, for a gated cached dispatch of
+        their rows (``_cached_dispatch`` with a ``Gate``); ``to_merged [M]`` int64: the row of that dispatch's output
+        that holds each row of the chunks' outputs one after another (its rows come by source rank, then chunk, then
+        token). The merged call moves in one round of up to the chunks' ``max_pair`` summed rows per source (every
+        rank sums the same): where the storage holds fewer and may grow (``num_nvl_bytes`` not given) it grows here
+        (collective: every rank merges at the same call), else None (the chunks are dispatched one by one). The
+        handle is private: its ``recv_src_rank`` / ``recv_src_idx`` are not filled. ``x_row_bytes``: the bytes of
+        each row it will move."""
+        from ..kernels.ep import SUMMARY_HEAD, record_words
+
+        states = [h.state for h in handles]
+        if not handles or any(not isinstance(st, _NVLinkState) or h.num_worst_tokens or st.max_pair is None
+                              or st.topk_idx is not None for h, st in zip(handles, states)):
+            return None
+        r, dev = self.num_ranks, self.device
+        row_bytes = x_row_bytes + 4 * record_words(0, 0, False)
+        max_pair, n_max = sum(st.max_pair for st in states), sum(st.num_tokens_max for st in states)
+        if max_pair > self.area_bytes // (r * row_bytes):
+            if not self._grows or (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+                return None
+            self._grow(max(n_max, max_pair), row_bytes, "Buffer.dispatch")
+        sent = torch.stack([st.num_tokens_per_rank for st in states])  # [C, R] rows to each destination
+        got = torch.stack([st.summary[SUMMARY_HEAD + r:SUMMARY_HEAD + 2 * r] for st in states])  # [C, R] by source
+        sent_before, got_before = sent.cumsum(0) - sent, got.cumsum(0) - got
+        got_all = got.sum(0, dtype=torch.int32)
+        prefix = got_all.cumsum(0, dtype=torch.int32) - got_all
+        tail = torch.stack([st.summary[SUMMARY_HEAD + 3 * r:] for st in states]).sum(0, dtype=torch.int32)
+        head = torch.zeros(SUMMARY_HEAD, dtype=torch.int32, device=dev)
+        summary = torch.cat([head, prefix, got_all, sent.sum(0, dtype=torch.int32), tail])
+        pos = torch.cat([st.pos + sent_before[c] for c, st in enumerate(states)])
+        # row i of chunk c's output, from source s: row prefix[s] + (earlier chunks' rows from s) + (i - chunk c's
+        # prefix[s]) of the merged output
+        to_merged = torch.cat([(prefix + got_before[c] - st.recv_prefix[:r])[st.recv_src[:, 1].long()].long()
+                               + torch.arange(st.recv_src.size(0), device=dev) for c, st in enumerate(states)])
+        num_recv = sum(h.num_recv_tokens for h in handles)
+        state = _NVLinkState(summary=summary, recv_src=torch.empty(0, 2, dtype=torch.int32, device=dev), pos=pos,
+                             num_tokens_per_rank=sent.sum(0, dtype=torch.int32), num_tokens_max=n_max,
+                             max_pair=max_pair)
+        h0 = handles[0]
+        handle = DispatchHandle(
+            buffer_id=self.buffer_id, transport=self.name, num_ranks=r, num_experts=h0.num_experts,
+            num_tokens=sum(h.num_tokens for h in handles), hidden=h0.hidden,
+            is_token_in_rank=torch.cat([h.is_token_in_rank for h in handles]), num_tokens_per_rank=None,
+            num_recv_tokens=num_recv, num_recv_tokens_per_rank=None, num_recv_tokens_per_expert=None,
+            recv_src_rank=state.recv_src[:, 1], recv_src_idx=state.recv_src[:, 0], num_worst_tokens=0, state=state)
+        return handle, to_merged
 
     def _em_targets(self, x, x_scales, rows: int, row_w, row_src, pair_row, recv_src, base, pidx, counts,
                     align: int) -> tuple:
