@@ -506,8 +506,6 @@ class AllToAllTransport(Transport):
     def _cached_dispatch(self, req: DispatchRequest) -> DispatchResult:
         h = req.handle
         st: _NormalState = h.state
-        if req.recv_out is not None:  # the rows alone, received into the caller's storage
-            return self._cached_rows_into(req, req.recv_out)
         if st.pos is not None:  # GPU path: pack again (exactly the rows that go), then one all_to_all per tensor
             num_send = sum(st.send_counts)
             rows, recs = self._pack(req.x, req.x_scales, None, None, h.is_token_in_rank, st.pos, st.first,
@@ -528,23 +526,36 @@ class AllToAllTransport(Transport):
             recv = [g.view(t.dtype).view(h.num_recv_tokens, t.size(1)) for g, t in zip(got, present)]
         return DispatchResult(recv[0], recv[1] if len(recv) > 1 else None, None, None, None, h)
 
-    def _cached_rows_into(self, req: DispatchRequest, out: torch.Tensor) -> DispatchResult:
-        """A cached exact-mode dispatch of ``req.x``'s rows alone (no scales) into ``out`` (``[num_recv_tokens, row
-        bytes]``, contiguous): packed (GPU path) or gathered, then one all_to_all straight into ``out``."""
-        h = req.handle
-        st: _NormalState = h.state
-        if req.x_scales is not None or st.capacity or tuple(out.shape) != (h.num_recv_tokens, _as_bytes(req.x).size(1)):
-            raise EpcommError(f"AllToAllTransport: a cached dispatch into given storage takes exact-mode rows without "
-                              f"scales into [{h.num_recv_tokens}, {_as_bytes(req.x).size(1)}] bytes; got "
-                              f"{tuple(out.shape)}")
-        if st.pos is not None:
-            num_send = sum(st.send_counts)
-            send = self._pack(req.x, None, None, None, h.is_token_in_rank, st.pos, st.first, h.num_experts,
-                              num_send)[0][:num_send]
+    def merge_cached(self, handles: list, bounds: list) -> tuple:
+        """What ``cached_rows_many`` needs to pack the rows of several exact-mode dispatches' ``handles`` (chunks of one
+        x, tokens ``bounds[c] = (first, end)``, one after another from 0) at once: ``(send rows per chunk, received
+        rows per chunk, how to pack)``. Each chunk's send rows follow the previous chunk's, in the order its own
+        dispatch sends them."""
+        sends = [sum(h.state.send_counts) for h in handles]
+        offsets = [sum(sends[:c]) for c in range(len(sends))]
+        states = [h.state for h in handles]
+        if all(st.pos is not None for st in states):  # GPU path: one pack kernel, each chunk's rows at its offset
+            pos = torch.cat([st.pos - st.first + off for st, off in zip(states, offsets)])
+            how = (torch.cat([h.is_token_in_rank for h in handles]), pos, torch.zeros_like(states[0].first))
         else:
-            send = _as_bytes(req.x.contiguous()).index_select(0, st.send_idx)
-        self._a2a(out, send, list(h.num_recv_tokens_per_rank), list(st.send_counts))
-        return DispatchResult(out, None, None, None, None, h)
+            how = torch.cat([st.send_idx + a for st, (a, _) in zip(states, bounds)])
+        return tuple(sends), tuple(h.num_recv_tokens for h in handles), how, handles
+
+    def cached_rows_many(self, x: torch.Tensor, merged: tuple, outs: list):
+        """Cached exact-mode dispatches of the rows of ``x`` (no scales; the chunks of ``merge_cached``), each chunk's
+        received rows into ``outs[c]`` (``[rows, row bytes]``, contiguous): one pack (or gather) for all chunks, then
+        one all_to_all per chunk; a generator that yields once each chunk's collective is issued."""
+        sends, _, how, handles = merged
+        if isinstance(how, tuple):
+            itr, pos, first = how
+            send = self._pack(x, None, None, None, itr, pos, first, handles[0].num_experts, sum(sends))[0]
+        else:
+            send = _as_bytes(x.contiguous()).index_select(0, how)
+        at = 0
+        for h, n, out in zip(handles, sends, outs):
+            self._a2a(out, send[at:at + n], list(h.num_recv_tokens_per_rank), list(h.state.send_counts))
+            at += n
+            yield
 
     def _padded_dispatch(self, req: DispatchRequest, recv_counts: torch.Tensor, recv_per_expert: torch.Tensor,
                          slot: torch.Tensor, send_idx: torch.Tensor, meta: torch.Tensor) -> DispatchResult:

@@ -93,9 +93,6 @@ class DispatchRequest:
     # a cached dispatch of rows another stream still writes (``kernels.ep.Gate``; transports with
     # ``gates_cached_dispatch``), or None
     gate: Any = None
-    # a cached dispatch: where the received rows go (``[num_recv_tokens, row bytes]`` uint8, contiguous; the portable
-    # transport without scales), or None: fresh storage
-    recv_out: Optional[torch.Tensor] = None
 
 
 @dataclass(frozen=True)

@@ -701,8 +701,8 @@ class HierarchicalTransport(Transport):
         collective followed by a one-program kernel that releases the chunk's flag); the domain leg's one push, issued
         on the caller's stream right away with the chunks' handles merged, waits on the device for each chunk's flag
         and forwards its rows while the later chunks still cross (``kernels.ep.Gate``; it holds about half the GPU's
-        programs, spinning until its rows come). Host work per further chunk: the inter-domain leg's pack and
-        collective, and the flag's launch."""
+        programs, spinning until its rows come). The inter-domain leg packs every chunk's rows at once
+        (``AllToAllTransport.cached_rows_many``); host work per further chunk: its collective and the flag's launch."""
         from ..kernels.ep import Gate
         from ..kernels.shmem import launch_signal
         from ..kernels.shmem_codes import SIGNAL_SET
@@ -717,12 +717,13 @@ class HierarchicalTransport(Transport):
             if merged is not None:
                 sizes = [h.num_recv_tokens for h in st.rail]
                 merged = (merged[0], merged[1][st.order],
-                          counts_to_device([sum(sizes[:c]) for c in range(len(sizes) + 1)], self.device), sizes)
+                          counts_to_device([sum(sizes[:c]) for c in range(len(sizes) + 1)], self.device), sizes,
+                          self.rail.merge_cached(list(st.rail), list(st.bounds)))
             st.merged[width] = merged
         merged = st.merged[width]
         if merged is None:
             return None
-        handle, order, bounds, sizes = merged
+        handle, order, bounds, sizes, rail = merged
         chunks = len(sizes)
         if self._gate_flags is None or self._gate_flags.numel() < chunks:
             self._gate_flags = torch.zeros(max(chunks, 8), dtype=torch.int64, device=self.device)
@@ -732,14 +733,14 @@ class HierarchicalTransport(Transport):
         firsts = [sum(sizes[:c]) for c in range(chunks)]
 
         def legs() -> None:
-            for c, (a, b) in enumerate(st.bounds):
-                with self._leg(fn, "cached tokens to their domains"):
-                    self.rail.dispatch(replace(_cached(_as_bytes(rows[a:b]), None, st.rail[c], req),
-                                               recv_out=recv[firsts[c]:firsts[c] + sizes[c]]))
-                if self.device.type == "cuda":
-                    launch_signal(flags.data_ptr() + 8 * c, value, SIGNAL_SET, self.device)
-                else:  # (on CPUs every leg has ended here: the flag is a store)
-                    flags[c] = value
+            with self._leg(fn, "cached tokens to their domains"):
+                issued = self.rail.cached_rows_many(_as_bytes(rows), rail, [recv[f:f + n] for f, n in
+                                                                            zip(firsts, sizes)])
+                for c, _ in enumerate(issued):
+                    if self.device.type == "cuda":
+                        launch_signal(flags.data_ptr() + 8 * c, value, SIGNAL_SET, self.device)
+                    else:  # (on CPUs every leg has ended here: the flag is a store)
+                        flags[c] = value
 
         if self.device.type == "cuda":
             main, net = self._streams()
