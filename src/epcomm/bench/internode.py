@@ -487,7 +487,9 @@ class HostCosts:
     def with_node_leg(self, rows: list) -> "HostCosts":
         """These costs with every chunk's node leg charged at the larger of the one-sided transport's host time
         (``_node_leg``'s rows, uniform routing or the first) and the path's own domain leg's (the rows by phase in
-        one chunk): what an 8-GPU node's leg costs where each simulated node is one GPU."""
+        one chunk): what an 8-GPU node's leg costs where each simulated node is one GPU. A cached dispatch's is
+        charged once per call: over the one-sided transport its node leg is one gated push for all chunks
+        (``HierarchicalTransport._gated``)."""
         node, own = _ops_of(rows, NODE_LEG), _ops_of(rows, phased_impl(PHASED_CHUNKS[0]))
         fields = {"dispatch": ("dispatch_host", "dispatch_chunk"), "cached": ("cached_host", "cached_chunk"),
                   "combine": ("combine_host", "combine_chunk")}
@@ -498,8 +500,9 @@ class HostCosts:
             seen.append((call, node[node_op], own[own_op]))
             more = max(0.0, node[node_op] - own[own_op])
             host, chunk = fields[call]
+            per_chunk = call != "cached" and getattr(costs, chunk) is not None
             costs = replace(costs, **{host: getattr(costs, host) + more},
-                            **({chunk: getattr(costs, chunk) + more} if getattr(costs, chunk) is not None else {}))
+                            **({chunk: getattr(costs, chunk) + more} if per_chunk else {}))
         return replace(costs, node_leg=tuple(seen))
 
 

@@ -611,7 +611,9 @@ def dispatch_kernel(x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_ptr, 
     ``gate_value`` before it pushes its share of that chunk, chunk after chunk, each share reported in its own
     progress slot (``c * num_push + pid``, ``num_chunks * num_push`` slots announced): to the receivers each share is
     one more sending program, so the receive side is unchanged. A flag that does not come in time is recorded
-    (``ERR_GATE_TIMEOUT``, slot = the chunk) and the push goes on, so that nothing waits forever.
+    (``ERR_GATE_TIMEOUT``, slot = the chunk) and the program stops: it reports nothing more, so that the receivers of
+    the chunks it did not push time out too (naming this rank) instead of taking rows that never came; nothing
+    waits forever.
 
     Progress words (int64, this rank's heap, ``prog`` ``[R_src, PMAX + 2, 2]``; every word has one writer,
     the sender): ``[s, 0, :]`` = (programs of s, first position of s's round), ``[s, 2 + p, :]`` = (begin,
@@ -627,14 +629,18 @@ def dispatch_kernel(x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_ptr, 
     if pid < num_push:
         if GATED:
             c = 0
-            while c < num_chunks:
-                wait_after(gate_ptr + c, gate_value, timeout, err_ptr, _K_ERR_GATE, rank, rank, c, USE_PTX,
-                           USE_TIMER)
-                _push_tokens(pid, num_push, c * num_push + pid, num_chunks * num_push, x_ptr, scales_ptr, s_stride_t,
-                             s_stride_c, topk_ptr, w_ptr, itr_ptr, pos_ptr, first_ptr, bases_ptr, area_off, meta_off,
-                             prog_off, tag, tl.load(bounds_ptr + c), tl.load(bounds_ptr + c + 1), cap, rank, world,
-                             XW, W, NS, K, E_LOCAL, R, R_POW2, TOK, BLOCK, BLOCK_S, BLOCK_K, HAS_SCALES, HAS_TOPK,
-                             HAS_W, SINGLE_ROUND, VEC, USE_PTX, PMAX, SIG)
+            came = tl.full([], 1, tl.int32)
+            while (c < num_chunks) & (came != 0):
+                seen = wait_after(gate_ptr + c, gate_value, timeout, err_ptr, _K_ERR_GATE, rank, rank, c, USE_PTX,
+                                  USE_TIMER)
+                came = ((seen - gate_value) >= 0).to(tl.int32)
+                if came != 0:
+                    _push_tokens(pid, num_push, c * num_push + pid, num_chunks * num_push, x_ptr, scales_ptr,
+                                 s_stride_t, s_stride_c, topk_ptr, w_ptr, itr_ptr, pos_ptr, first_ptr, bases_ptr,
+                                 area_off, meta_off, prog_off, tag, tl.load(bounds_ptr + c),
+                                 tl.load(bounds_ptr + c + 1), cap, rank, world, XW, W, NS, K, E_LOCAL, R, R_POW2, TOK,
+                                 BLOCK, BLOCK_S, BLOCK_K, HAS_SCALES, HAS_TOPK, HAS_W, SINGLE_ROUND, VEC, USE_PTX,
+                                 PMAX, SIG)
                 c += 1
         else:
             _push_tokens(pid, num_push, pid, num_push, x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_ptr,
