@@ -37,7 +37,8 @@ rows' time in the measured one-chunk calls (the slowest rank's, at least ``CHUNK
 the forwarding is the slower leg or until it is measured; ``chunk_ratio`` fixes it): each chunk's forwarding then
 fits behind the next one's rows and only the small last chunk's is left exposed. Every chunk's rows are issued
 before the first is forwarded (cached dispatches too, whose FP8 scales ride at the end of each row through both legs,
-split once at the end), so the link never waits for the host between chunks; a
+split once at the end; where the domain leg is one-sided, a cached call's domain leg is one gated push for all chunks
+that waits on the device for each chunk's flag: ``_gated``), so the link never waits for the host between chunks; a
 combine takes the chunks the other way round, smallest first, each chunk's partials crossing while the next chunk
 is summed within the domain; each chunk adds a few launches and collectives, so the best count depends on the link.
 The count is measured: the first exact-mode dispatches try ``CHUNK_CANDIDATES`` in turn (1 first: it sizes the
