@@ -118,7 +118,7 @@ def test_gated_dispatch_without_its_rows_is_an_error(monkeypatch):
     chunk and the inter-domain leg; its domain peer, whose rows from it never came, raises an error naming it
     (nothing waits forever, and no rank takes rows that were not pushed)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("EPCOMM_TIMEOUT_S", "2")
+    monkeypatch.setenv("EPCOMM_TIMEOUT_S", "1")
     errors = spawn(_gated, 4, True, device="cpu", timeout_s=600)
     assert errors[1] is not None and "chunk 1" in errors[1] and "inter-domain leg" in errors[1], errors
     assert errors[0] is not None and "rank 1" in errors[0], errors

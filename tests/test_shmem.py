@@ -54,7 +54,7 @@ def test_codes_are_consistent():
     assert sorted(codes.CMP_CODES.values()) == list(range(6))
     assert codes.SIGNAL_OPS == {"set": codes.SIGNAL_SET, "add": codes.SIGNAL_ADD}
     assert set(codes.ERROR_NAMES) == {codes.ERR_WAIT_TIMEOUT, codes.ERR_BARRIER_TIMEOUT, codes.ERR_READY_TIMEOUT,
-                                      codes.ERR_DONE_TIMEOUT}
+                                      codes.ERR_DONE_TIMEOUT, codes.ERR_GATE_TIMEOUT}
 
 
 def test_exception_types():
