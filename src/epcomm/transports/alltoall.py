@@ -528,9 +528,9 @@ class AllToAllTransport(Transport):
 
     def merge_cached(self, handles: list, bounds: list) -> tuple:
         """What ``cached_rows_many`` needs to pack the rows of several exact-mode dispatches' ``handles`` (chunks of one
-        x, tokens ``bounds[c] = (first, end)``, one after another from 0) at once: ``(send rows per chunk, received
-        rows per chunk, how to pack)``. Each chunk's send rows follow the previous chunk's, in the order its own
-        dispatch sends them."""
+        x, tokens ``bounds[c] = (first, end)``, one after another from 0) at once: ``(send rows per chunk, how to pack,
+        the handles)``. Each chunk's send rows follow the previous chunk's, in the order its own dispatch sends
+        them."""
         sends = [sum(h.state.send_counts) for h in handles]
         offsets = [sum(sends[:c]) for c in range(len(sends))]
         states = [h.state for h in handles]
@@ -539,13 +539,13 @@ class AllToAllTransport(Transport):
             how = (torch.cat([h.is_token_in_rank for h in handles]), pos, torch.zeros_like(states[0].first))
         else:
             how = torch.cat([st.send_idx + a for st, (a, _) in zip(states, bounds)])
-        return tuple(sends), tuple(h.num_recv_tokens for h in handles), how, handles
+        return tuple(sends), how, handles
 
     def cached_rows_many(self, x: torch.Tensor, merged: tuple, outs: list):
         """Cached exact-mode dispatches of the rows of ``x`` (no scales; the chunks of ``merge_cached``), each chunk's
         received rows into ``outs[c]`` (``[rows, row bytes]``, contiguous): one pack (or gather) for all chunks, then
         one all_to_all per chunk; a generator that yields once each chunk's collective is issued."""
-        sends, _, how, handles = merged
+        sends, how, handles = merged
         if isinstance(how, tuple):
             itr, pos, first = how
             send = self._pack(x, None, None, None, itr, pos, first, handles[0].num_experts, sum(sends))[0]

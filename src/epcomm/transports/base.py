@@ -167,6 +167,8 @@ class Transport(abc.ABC):
     validates_topk: ClassVar[bool] = False  # its kernels count invalid expert ids themselves (low latency too)
     # an exact-mode dispatch given DispatchRequest.known makes no host synchronisation
     accepts_known_counts: ClassVar[bool] = False
+    # ``merge_cached`` and cached dispatches of rows another stream still writes (``DispatchRequest.gate``)
+    gates_cached_dispatch: ClassVar[bool] = False
 
     def __init__(self, group: Any, device: torch.device, buffer_id: int) -> None:
         import torch.distributed as dist

@@ -188,8 +188,9 @@ class _HandleState:
     rows: tuple  # rows of the outputs from each chunk, in order
     order: torch.Tensor  # [M] int64: output row i is row order[i] of the chunks' rows, one after the other
     back: torch.Tensor  # [M] int64: the inverse of order
-    # gated cached dispatches (``_gated``), by row bytes: (the domain leg's merged handle, output order, the chunks'
-    # token bounds in the rows received from the inter-domain leg), or None where the domain leg cannot merge them
+    # gated cached dispatches (``_gated``), by row bytes: (the domain leg's merged handle, output order, where each
+    # chunk's rows start in the rows received from the inter-domain leg (and their end; on the host and on the
+    # device), the inter-domain leg's merged packing), or None where the domain leg cannot merge them
     merged: dict = field(default_factory=dict, compare=False, repr=False)
 
 
@@ -708,8 +709,7 @@ class HierarchicalTransport(Transport):
         from ..kernels.shmem import launch_signal
         from ..kernels.shmem_codes import SIGNAL_SET
 
-        if (len(st.rail) == 1 or not getattr(self.domain, "gates_cached_dispatch", False)
-                or not self.domain.can_gate(req)
+        if (len(st.rail) == 1 or not self.domain.gates_cached_dispatch or not self.domain.can_gate(req)
                 or (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
             return None  # (one chunk: nothing to overlap, and one stream is cheaper to issue)
         width = _as_bytes(rows).size(1)
@@ -717,26 +717,25 @@ class HierarchicalTransport(Transport):
             merged = self.domain.merge_cached(list(st.domain), width)
             if merged is not None:
                 sizes = [h.num_recv_tokens for h in st.rail]
-                merged = (merged[0], merged[1][st.order],
-                          counts_to_device([sum(sizes[:c]) for c in range(len(sizes) + 1)], self.device), sizes,
+                starts = [sum(sizes[:c]) for c in range(len(sizes) + 1)]
+                merged = (merged[0], merged[1][st.order], starts, counts_to_device(starts, self.device),
                           self.rail.merge_cached(list(st.rail), list(st.bounds)))
             st.merged[width] = merged
         merged = st.merged[width]
         if merged is None:
             return None
-        handle, order, bounds, sizes, rail = merged
-        chunks = len(sizes)
+        handle, order, starts, bounds, rail = merged
+        chunks = len(starts) - 1
         if self._gate_flags is None or self._gate_flags.numel() < chunks:
             self._gate_flags = torch.zeros(max(chunks, 8), dtype=torch.int64, device=self.device)
         self._gate_value += 1
         flags, value = self._gate_flags, self._gate_value
-        recv = torch.empty(sum(sizes), width, dtype=torch.uint8, device=self.device)
-        firsts = [sum(sizes[:c]) for c in range(chunks)]
+        recv = torch.empty(starts[-1], width, dtype=torch.uint8, device=self.device)
 
         def legs() -> None:
             with self._leg(fn, "cached tokens to their domains"):
-                issued = self.rail.cached_rows_many(_as_bytes(rows), rail, [recv[f:f + n] for f, n in
-                                                                            zip(firsts, sizes)])
+                issued = self.rail.cached_rows_many(_as_bytes(rows), rail, [recv[a:b] for a, b in
+                                                                            zip(starts, starts[1:])])
                 for c, _ in enumerate(issued):
                     if self.device.type == "cuda":
                         launch_signal(flags.data_ptr() + 8 * c, value, SIGNAL_SET, self.device)

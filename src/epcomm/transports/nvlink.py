@@ -658,7 +658,7 @@ class NVLinkTransport(Transport):
         if max_pair > self.area_bytes // (r * row_bytes):
             if not self._grows or (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
                 return None
-            self._grow(max(n_max, max_pair), row_bytes, "Buffer.dispatch")
+            self._grow(n_max, row_bytes, "Buffer.dispatch")  # (n_max >= max_pair: every pair's rows fit)
         sent = torch.stack([st.num_tokens_per_rank for st in states])  # [C, R] rows to each destination
         got = torch.stack([st.summary[SUMMARY_HEAD + r:SUMMARY_HEAD + 2 * r] for st in states])  # [C, R] by source
         sent_before, got_before = sent.cumsum(0) - sent, got.cumsum(0) - got
