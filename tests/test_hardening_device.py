@@ -377,11 +377,11 @@ def test_waits_acquire_with_one_thread_and_end_with_a_barrier(kernel):
         t32, t64, i8 = (torch.empty(8, dtype=d) for d in (torch.int32, torch.int64, torch.int8))
         f32 = torch.empty(8)
         args = (t32, t32, 0, 0, t64, f32, i8, t32, t32, t64, 1 << 40, 1 << 41, 1 << 42, t64, 0, 64, 64, 1, 4, 24,
-                t32, t32, t64, t64, t32, t32, t32, t64, f32, t32, 64, 10 ** 10, t32, t64, 7, 3)
+                t32, t32, t64, t64, t32, t32, t32, t64, f32, t32, 64, 10 ** 10, t32, t64, 7, 3, t64)
         meta = dict(XW=64, W=8, NS=0, K=2, E_LOCAL=2, R=4, R_POW2=4, TOK=4, BLOCK=256, BLOCK_S=16, BLOCK_K=16,
                     HAS_SCALES=False, HAS_TOPK=True, HAS_W=True, HAS_IDX=True, SINGLE_ROUND=True, VEC=True,
                     USE_PTX=True, USE_TIMER=True, PMAX=256, SIG=8, ROWS=4, num_warps=8, launch_cooperative_grid=True,
-                    GATED=kernel == "gated dispatch")
+                    GATED=kernel == "gated dispatch", MAPPED=kernel == "gated dispatch")
         ptx = compile_for(ep.dispatch_kernel, args, meta).asm["ptx"]
     else:
         from test_low_latency_interpreter import _sample_args
@@ -424,15 +424,16 @@ def test_kernels_that_wait_within_their_launch_fit_twice_per_sm():
                     dict(stage.kwargs(True, True), PRECAST=True)))
     t32, t64, i8 = (torch.empty(8, dtype=d) for d in (torch.int32, torch.int64, torch.int8))
     args = (t32, t32, 0, 0, t64, torch.empty(8), i8, t32, t32, t64, 1 << 40, 1 << 41, 1 << 42, t64, 0, 64, 64, 1, 4,
-            24, t32, t32, t64, t64, t32, t32, t32, t64, torch.empty(8), t32, 64, 10 ** 10, t32, t64, 7, 3)
+            24, t32, t32, t64, t64, t32, t32, t32, t64, torch.empty(8), t32, 64, 10 ** 10, t32, t64, 7, 3, t64)
     meta = dict(XW=3584, W=20, NS=0, K=8, E_LOCAL=64, R=4, R_POW2=4, TOK=4, BLOCK=4096, BLOCK_S=16, BLOCK_K=16,
                 HAS_SCALES=False, HAS_TOPK=True, HAS_W=True, HAS_IDX=True, SINGLE_ROUND=True, VEC=True, USE_PTX=True,
                 USE_TIMER=True, PMAX=256, SIG=8, ROWS=4, num_warps=ep.PUSH_WARPS, **ep._COOPERATIVE)
     kernels.append(("streaming dispatch", ep.dispatch_kernel, args, meta))
-    # the gated one (the hierarchical cached dispatch's node leg: rows of bytes, no records but the source's)
+    # the gated one (the hierarchical cached dispatch's node leg: FP8 rows of bytes read from wider rows that end in
+    # their scales, records of the source and the scales, every row written where the output's order puts it)
     kernels.append(("gated streaming dispatch", ep.dispatch_kernel, args,
-                    dict(meta, XW=1848, W=2, K=1, HAS_TOPK=False, HAS_W=False, HAS_IDX=False, BLOCK=2048,
-                         GATED=True)))
+                    dict(meta, XW=1792, XS=1848, W=58, NS=56, BLOCK_S=64, HAS_SCALES=True, K=1, HAS_TOPK=False,
+                         HAS_W=False, HAS_IDX=False, BLOCK=2048, GATED=True, MAPPED=True)))
     for name, kernel, a, kw in kernels:
         compiled = compile_for(kernel, a, kw)
         assert compiled.metadata.num_warps == 8

@@ -794,6 +794,11 @@ def test_bench_internode_and_its_model(tmp_path):
     assert {r["impl"] for r in rows if r["op"] == internode.CACHED_FP8} >= {"hierarchical", "flat alltoall"}
     assert costs.cached_host > 0 and costs.cached_chunk is not None, costs
     assert internode.HostCosts(fixed=500.0).model_args(internode.CACHED_FP8).get("fixed_us", 0.0) == 0.0
+    # ... and its rows written in place over the one-sided node leg (no gather after it): no reorder charged
+    cached_args = internode.HostCosts(fixed=500.0).model_args(internode.CACHED_FP8)
+    placed = internode_estimate(64, 8, 4096, 7168, 8, 256, "fp8", 50.0, 322.0, chunks=4, ratio=1.0, **cached_args)
+    assert cached_args["in_place"] and placed.reorder_us == 0.0 < e.reorder_us
+    assert placed.pipelined_us == e.pipelined_us - e.reorder_us
     model = open(tmp_path / "bench_internode_4ranks.md").read()
     assert internode.CACHED_FP8 in model and "with a cached handle" in model
     assert {"dispatch BF16: counts of both legs", "dispatch BF16: the call (host)", "combine BF16: the call (host)",

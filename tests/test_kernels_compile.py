@@ -66,7 +66,7 @@ def _record(ctx):
 def _compile(ctx, launches):
     from epcomm.testing.compile_check import compile_launches
 
-    return compile_launches(launches)
+    return compile_launches(launches, share=(ctx.rank, ctx.world_size))
 
 
 def test_kernels_compile_for_sm90(monkeypatch):
@@ -78,5 +78,5 @@ def test_kernels_compile_for_sm90(monkeypatch):
     launches += [(m, n, a, dict(kw, INTERLEAVE=True, SINGLE_ROUND=single)) for m, n, a, kw in launches
                  if n == "combine_push_kernel" for single in (True, False)]
     monkeypatch.delenv("TRITON_INTERPRET")
-    failures = spawn(_compile, 1, launches, device="cpu", timeout_s=900)[0]
+    failures = [f for rank in spawn(_compile, 2, launches, device="cpu", timeout_s=900) for f in rank]
     assert not failures, "\n".join(failures)

@@ -65,7 +65,7 @@ def test_one_sided_domain_leg_across_simulated_nodes(monkeypatch, chunks):
 
 def _gated(ctx, withheld):
     """Cached dispatches across 2 simulated nodes of 2 ranks in 3 chunks, checked against the reference, while the
-    domain leg's calls are counted: ``(failures, [(cached call, domain-leg calls, whether gated)])``; with
+    domain leg's calls are counted: ``(failures, [(cached call, domain-leg calls, whether gated and mapped)])``; with
     ``withheld`` rank 1 never releases chunk 1's flag: ``(the error that rank's next check raises, or None)``."""
     from epcomm.buffer import Buffer
     from epcomm.errors import EpcommError
@@ -79,7 +79,7 @@ def _gated(ctx, withheld):
 
     def counted(req):
         if req.handle is not None:
-            seen.append(req.gate is not None)
+            seen.append(req.gate is not None and req.row_map is not None)
             if withheld and ctx.rank == 1:
                 rt._gate_flags[1] -= 1  # (on CPUs every chunk's flag is released before the push: take one back)
         return domain_dispatch(req)
@@ -106,7 +106,9 @@ def _gated(ctx, withheld):
 
 def test_gated_cached_dispatch_forwards_once_per_call(monkeypatch):
     """A cached dispatch across simulated nodes issues its domain leg once for all chunks (a gated push that waits
-    for each chunk's flag), bit-exact against the reference (BF16, FP8 with scales, skewed routing, an empty rank)."""
+    for each chunk's flag and writes every row at its place in the output's order: no gather after it), bit-exact
+    against the reference (BF16, FP8 with scales split from the rows as they are written, skewed routing, an empty
+    rank)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     for rank, (failures, calls) in enumerate(spawn(_gated, 4, False, device="cpu", timeout_s=600)):
         assert not failures, f"rank {rank}: {failures}"
@@ -173,16 +175,23 @@ def test_interleaved_combine_push_in_rounds(monkeypatch):
 def test_eight_ranks(monkeypatch):
     """The largest group the transports take (8 ranks, one NVLink domain): uneven counts with empty ranks,
     FP8 with dropped slots, num_worst_tokens, and a low-latency call, one-sided and portable."""
-    from epcomm.transports.alltoall import AllToAllTransport
-
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     cases = [NormalCase(num_tokens=(5, 0, 7, 3, 1, 2, 6, 4), hidden=64, num_experts=16, topk=3, dtype="bf16", bias=2,
                         seed=51),
              NormalCase(num_tokens=6, hidden=128, num_experts=16, topk=4, dtype="fp8", routing="dropped", seed=52),
              NormalCase(num_tokens=(4, 6, 1, 0), hidden=32, num_experts=8, topk=2, dtype="fp32", worst=True, seed=53),
              LowLatencyCase(num_tokens=(3, 2, 0, 1), max_tokens=4, hidden=128, num_experts=16, topk=3, seed=54)]
-    _run(8, NVLinkTransport, {"num_nvl_bytes": 1 << 20}, cases)
-    _run(8, AllToAllTransport, {}, cases[:3])
+    results = spawn(_both_transports, 8, cases, device="cpu", timeout_s=600)  # (one start of 8 processes)
+    problems = [f"rank {r}: {label}: {fails}" for r, res in enumerate(results) for label, fails in res]
+    assert not problems, "\n".join(problems)
+
+
+def _both_transports(ctx, cases):
+    """``cases`` on the one-sided transport, then the normal-mode ones on the portable transport, in one group."""
+    from epcomm.transports.alltoall import AllToAllTransport
+
+    return (run_cases(ctx, cases, NVLinkTransport, {"num_nvl_bytes": 1 << 20})
+            + run_cases(ctx, [c for c in cases if isinstance(c, NormalCase)], AllToAllTransport, {}))
 
 
 def test_portable_transport_kernels(monkeypatch):

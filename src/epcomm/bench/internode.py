@@ -451,9 +451,10 @@ class HostCosts:
     def model_args(self, op: str, fixed: Optional[float] = None) -> dict:
         """``internode_estimate``'s cost arguments for ``op`` (a dispatch, a dispatch with a cached handle, else a
         combine); ``fixed`` replaces the count exchange. Calls without a count read (combine, cached dispatch) are
-        charged their whole host time: nothing synchronises the host with its GPU in them."""
+        charged their whole host time: nothing synchronises the host with its GPU in them. A cached dispatch's rows
+        are written in place (its node leg is one-sided: ``HierarchicalTransport._mapped``), not gathered after it."""
         if "cached" in op:
-            return dict(host_us=self.cached_host, host_chunk_us=self.cached_chunk)
+            return dict(host_us=self.cached_host, host_chunk_us=self.cached_chunk, in_place=True)
         if "dispatch" in op:
             return dict(fixed_us=self.fixed if fixed is None else fixed, host_us=self.dispatch_host,
                         lead_us=self.dispatch_lead, host_chunk_us=self.dispatch_chunk)
@@ -489,7 +490,7 @@ class HostCosts:
         (``_node_leg``'s rows, uniform routing or the first) and the path's own domain leg's (the rows by phase in
         one chunk): what an 8-GPU node's leg costs where each simulated node is one GPU. A cached dispatch's is
         charged once per call: over the one-sided transport its node leg is one gated push for all chunks
-        (``HierarchicalTransport._gated``)."""
+        (``HierarchicalTransport._mapped``)."""
         node, own = _ops_of(rows, NODE_LEG), _ops_of(rows, phased_impl(PHASED_CHUNKS[0]))
         fields = {"dispatch": ("dispatch_host", "dispatch_chunk"), "cached": ("cached_host", "cached_chunk"),
                   "combine": ("combine_host", "combine_chunk")}

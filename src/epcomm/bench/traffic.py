@@ -102,14 +102,16 @@ class InternodeEstimate:
 def internode_estimate(ranks: int, gpus_per_node: int, num_tokens: int, hidden: int, topk: int, num_experts: int,
                        kind: str, nic_gbps: float, nvlink_gbps: float, max_groups: int = 0, chunks: int = 4,
                        hbm_gbps: float = 4000.0, fixed_us: float = 0.0, host_us: float = 0.0, lead_us: float = 0.0,
-                       host_chunk_us: Optional[float] = None, ratio: Optional[float] = None) -> InternodeEstimate:
+                       host_chunk_us: Optional[float] = None, ratio: Optional[float] = None,
+                       in_place: bool = False) -> InternodeEstimate:
     """Model of one dispatch (``kind`` fp8 or bf16; a combine moves the BF16 bytes the other way) of the
     hierarchical path: every token crosses once to each remote domain holding one of its experts (at
     ``nic_gbps`` per GPU), then each forwarding rank copies the rows it received to the ranks of its domain
     that hold their experts (at ``nvlink_gbps``, the intranode dispatch's measured rate in DeepEP's convention:
     received bytes per rank over time). With ``chunks`` pipelined chunks only the last chunk's forwarding is not
     hidden behind the network; the received rows are then gathered into source order once (read and write at
-    ``hbm_gbps``). ``fixed_us``: what the call costs before its first row crosses (its one count exchange over the
+    ``hbm_gbps``; ``in_place``: not gathered, each row written at its place as it is forwarded, as a cached dispatch
+    over a one-sided domain leg does). ``fixed_us``: what the call costs before its first row crosses (its one count exchange over the
     network and within the domain, and the host read; the benchmark measures it), paid once per call. Host time
     (measured likewise): ``host_us`` the host's time from the count read to the end of a one-chunk call, of which
     ``lead_us`` passes before the first rows' collective is issued (exposed: nothing crosses meanwhile);
@@ -131,7 +133,7 @@ def internode_estimate(ranks: int, gpus_per_node: int, num_tokens: int, hidden: 
     forwarded = num_tokens * rows * ranks_hit * row_bytes(hidden, kind)
     network_us = crossing / (nic_gbps * 1e9) * 1e6
     forward_us = forwarded / (nvlink_gbps * 1e9) * 1e6
-    reorder_us = 2 * forwarded / (hbm_gbps * 1e9) * 1e6
+    reorder_us = 0.0 if in_place else 2 * forwarded / (hbm_gbps * 1e9) * 1e6
     issue_us = host_us + (chunks - 1) * (host_us if host_chunk_us is None else host_chunk_us)
     behind = max(0.0, issue_us - lead_us)  # issued once the first rows cross
     if ratio is None:

@@ -255,14 +255,20 @@ def _progress(bases_ptr, prog_off, row, slot, value, rank, world, R_POW2: tl.con
 
 
 @triton.jit
-def _row_tile(ptr, rows, live, c0, XW: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr):
+def _row_tile(ptr, rows, live, c0, XW: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
+              STRIDE: tl.constexpr = 0):
     """Columns ``[c0, c0 + BLOCK)`` of the ``XW``-word rows ``rows`` (int64 ``[ROWS]``, ``live`` masks them) of
-    ``ptr``: ``(tile [ROWS, BLOCK], cols, cols < XW)``, the columns marked 4-aligned runs with ``VEC``."""
+    ``ptr``, rows ``STRIDE`` words apart (0: ``XW``): ``(tile [ROWS, BLOCK], cols, cols < XW)``, the columns marked
+    4-aligned runs with ``VEC``."""
     cols = c0 + tl.arange(0, BLOCK)
     if VEC:
         cols = tl.max_contiguous(tl.multiple_of(cols, 4), 4)
     cm = cols < XW
-    return tl.load(ptr + rows[:, None] * XW + cols[None, :], mask=live[:, None] & cm[None, :]), cols, cm
+    if STRIDE > 0:
+        p = ptr + rows[:, None] * STRIDE + cols[None, :]
+    else:
+        p = ptr + rows[:, None] * XW + cols[None, :]
+    return tl.load(p, mask=live[:, None] & cm[None, :]), cols, cm
 
 
 @triton.jit
@@ -272,7 +278,7 @@ def _push_tokens(pid, nprog, slot, nslots, x_ptr, scales_ptr, s_stride_t, s_stri
                  R: tl.constexpr, R_POW2: tl.constexpr, TOK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
                  BLOCK_K: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr,
                  SINGLE_ROUND: tl.constexpr, VEC: tl.constexpr, USE_PTX: tl.constexpr, PMAX: tl.constexpr,
-                 SIG: tl.constexpr, pidx_ptr=None, HAS_PIDX: tl.constexpr = False):
+                 SIG: tl.constexpr, pidx_ptr=None, HAS_PIDX: tl.constexpr = False, XS: tl.constexpr = 0):
     """Program ``pid`` of ``nprog`` pushes its contiguous range of tokens ``[t_begin, t_end)``, ``TOK`` at a
     time: reads each row once and stores it, with its record, into every destination it goes to, at row
     ``rank * cap + pos[t, r] - first[r]`` of that destination's area. ``SIG > 0`` (streaming dispatch) also
@@ -281,7 +287,8 @@ def _push_tokens(pid, nprog, slot, nslots, x_ptr, scales_ptr, s_stride_t, s_stri
     at the end ``end = tag | pos past the tokens pushed so far`` (bit 31 set on the last), each after a
     fence so that it publishes the rows before it (slot 0 also announces ``nslots`` and ``first``).
     ``HAS_PIDX`` (expert-major dispatch, ``epcomm.kernels.expert_major``): records end with K more words,
-    ``pidx [N, K]`` int32 (each pair's index among this rank's pairs of its expert)."""
+    ``pidx [N, K]`` int32 (each pair's index among this rank's pairs of its expert). ``XS``: the rows of ``x`` are
+    that many words apart (0: ``XW``, contiguous)."""
     per = tl.cdiv(tl.cdiv(t_end - t_begin, nprog), TOK) * TOK
     lo = t_begin + pid * per
     hi = tl.minimum(lo + per, t_end)
@@ -307,7 +314,7 @@ def _push_tokens(pid, nprog, slot, nslots, x_ptr, scales_ptr, s_stride_t, s_stri
         t = (t0 + toks).to(tl.int64)
         live = t < hi
         for c0 in tl.static_range(0, XW, BLOCK):
-            v, cols, cm = _row_tile(x_ptr, t, live, c0, XW, BLOCK, VEC)
+            v, cols, cm = _row_tile(x_ptr, t, live, c0, XW, BLOCK, VEC, XS)
             for r in tl.static_range(R):
                 go, a = _dest_row(itr_ptr, pos_ptr, first_ptr, t, live, r, rank, cap, R, SINGLE_ROUND)
                 dst = (tl.load(bases_ptr + r) + area_off + a * (XW * 4)).to(tl.pointer_type(tl.int32))
@@ -392,14 +399,18 @@ def dispatch_push_kernel(x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_
 
 
 @triton.jit
-def _row_records(meta_ptr, out_src_ptr, src0, dst0, i0, hi, W: tl.constexpr, ROWS: tl.constexpr):
+def _row_records(meta_ptr, out_src_ptr, src0, dst0, i0, hi, W: tl.constexpr, ROWS: tl.constexpr, map_ptr=None,
+                 MAPPED: tl.constexpr = False):
     """The copy-outs' step over rows ``i = i0 .. i0 + ROWS - 1`` below ``hi``: area row ``src0 + i`` is output row
-    ``dst0 + i``; stores its record's (source token, source rank) into ``out_src [M, 2]``. Returns ``(live, src,
-    dst, rec)`` (the mask, int64 area and output rows, record pointers)."""
+    ``dst0 + i`` (with ``MAPPED``: row ``map[dst0 + i]``, ``map`` int64 ``[M]``); stores its record's (source token,
+    source rank) into ``out_src [M, 2]``. Returns ``(live, src, dst, rec)`` (the mask, int64 area and output rows,
+    record pointers)."""
     i = i0 + tl.arange(0, ROWS)
     live = i < hi
     src = (src0 + i).to(tl.int64)
     dst = (dst0 + i).to(tl.int64)
+    if MAPPED:
+        dst = tl.load(map_ptr + dst, mask=live, other=0)
     rec = meta_ptr + src * W
     tl.store(out_src_ptr + dst * 2, tl.load(rec, mask=live), mask=live)
     tl.store(out_src_ptr + dst * 2 + 1, tl.load(rec + 1, mask=live), mask=live)
@@ -410,15 +421,17 @@ def _row_records(meta_ptr, out_src_ptr, src0, dst0, i0, hi, W: tl.constexpr, ROW
 def _copy_rows(area_ptr, meta_ptr, out_x_ptr, out_scales_ptr, out_idx_ptr, out_w_ptr, out_src_ptr, src0, dst0, lo,
                hi, step, XW: tl.constexpr, W: tl.constexpr, NS: tl.constexpr, K: tl.constexpr, ROWS: tl.constexpr,
                BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SCALES: tl.constexpr,
-               HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr, VEC: tl.constexpr, COPY_X: tl.constexpr):
+               HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr, VEC: tl.constexpr, COPY_X: tl.constexpr, map_ptr=None,
+               MAPPED: tl.constexpr = False):
     """Rows ``i`` of ``[lo, hi)``, ``ROWS`` at a time from ``lo`` in strides of ``step``: copy area row
-    ``src0 + i`` to output row ``dst0 + i`` (with ``COPY_X``) and unpack its record: ``out_src`` int32 ``[M, 2]``
-    (source token, source rank), scales, int64 local top-k ids, float32 weights."""
+    ``src0 + i`` to output row ``dst0 + i`` (``map[dst0 + i]`` with ``MAPPED``) (with ``COPY_X``) and unpack its
+    record: ``out_src`` int32 ``[M, 2]`` (source token, source rank), scales, int64 local top-k ids, float32
+    weights."""
     kcols = tl.arange(0, BLOCK_K)
     scols = tl.arange(0, BLOCK_S)
     i0 = lo
     while i0 < hi:
-        live, src, dst, rec = _row_records(meta_ptr, out_src_ptr, src0, dst0, i0, hi, W, ROWS)
+        live, src, dst, rec = _row_records(meta_ptr, out_src_ptr, src0, dst0, i0, hi, W, ROWS, map_ptr, MAPPED)
         if COPY_X:
             for c0 in tl.static_range(0, XW, BLOCK):
                 v, cols, cm = _row_tile(area_ptr, src, live, c0, XW, BLOCK, VEC)
@@ -539,13 +552,14 @@ def _receive_stream(pid, num_push, world, prog_ptr, tag, timeout, err_ptr, rank,
                     em_base_ptr, rows_out, XW: tl.constexpr, W: tl.constexpr, NS: tl.constexpr, K: tl.constexpr,
                     E_LOCAL: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
                     HAS_SCALES: tl.constexpr, HAS_IDX: tl.constexpr, HAS_W: tl.constexpr, VEC: tl.constexpr,
-                    USE_PTX: tl.constexpr, USE_TIMER: tl.constexpr, PMAX: tl.constexpr, EM: tl.constexpr):
+                    USE_PTX: tl.constexpr, USE_TIMER: tl.constexpr, PMAX: tl.constexpr, EM: tl.constexpr,
+                    map_ptr=None, MAPPED: tl.constexpr = False):
     """The receiving half of a streaming dispatch (``dispatch_kernel``; ``em_dispatch_kernel`` with ``EM``):
     program ``pid >= num_push`` is receiving program ``j = pid - num_push`` and takes source ``s = j // nrp``
     (``nrp = (programs - num_push) // world`` per source, spare ones exit), waits for each of the sender's programs
     ``p = q, q + nrp, ...`` and copies every newly reported stretch of rows into the outputs: rank-major rows and
-    unpacked records (``_copy_rows``), or with ``EM`` the expert-major rows of their pairs (``_copy_rows_em``;
-    ``row_src``, ``pair_row``, ``em_base``, ``rows_out``)."""
+    unpacked records (``_copy_rows``; with ``MAPPED`` to the rows ``map`` names), or with ``EM`` the expert-major
+    rows of their pairs (``_copy_rows_em``; ``row_src``, ``pair_row``, ``em_base``, ``rows_out``)."""
     nrp = (tl.num_programs(0) - num_push) // world  # receiving programs per source
     j = pid - num_push
     s = j // nrp
@@ -576,7 +590,7 @@ def _receive_stream(pid, num_push, world, prog_ptr, tag, timeout, err_ptr, rank,
                 else:
                     _copy_rows(area_ptr, meta_ptr, out_x_ptr, out_scales_ptr, out_idx_ptr, out_w_ptr, out_src_ptr,
                                s * cap - first, base, copied, hi, ROWS, XW, W, NS, K, ROWS, 1024, BLOCK_K, BLOCK_S,
-                               HAS_SCALES, HAS_IDX, HAS_W, VEC, True)
+                               HAS_SCALES, HAS_IDX, HAS_W, VEC, True, map_ptr, MAPPED)
                 copied = end
             p += nrp
 
@@ -587,12 +601,13 @@ def dispatch_kernel(x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_ptr, 
                     bases_ptr, area_off, meta_off, prog_off, epoch_ptr, t_begin, t_end, cap, rank, world, num_push,
                     area_ptr, meta_ptr, prog_ptr, err_ptr, prefix_ptr, out_x_ptr, out_scales_ptr,
                     out_idx_ptr, out_w_ptr, out_src_ptr, out_rows, timeout, bounds_ptr, gate_ptr, gate_value,
-                    num_chunks, XW: tl.constexpr, W: tl.constexpr,
+                    num_chunks, map_ptr, XW: tl.constexpr, W: tl.constexpr,
                     NS: tl.constexpr, K: tl.constexpr, E_LOCAL: tl.constexpr, R: tl.constexpr, R_POW2: tl.constexpr,
                     TOK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
                     HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr, HAS_IDX: tl.constexpr,
                     SINGLE_ROUND: tl.constexpr, VEC: tl.constexpr, USE_PTX: tl.constexpr, USE_TIMER: tl.constexpr,
-                    PMAX: tl.constexpr, SIG: tl.constexpr, ROWS: tl.constexpr, GATED: tl.constexpr = False):
+                    PMAX: tl.constexpr, SIG: tl.constexpr, ROWS: tl.constexpr, GATED: tl.constexpr = False,
+                    MAPPED: tl.constexpr = False, XS: tl.constexpr = 0):
     """Streaming dispatch: push and receive in one launch, so that received rows are copied out while the
     pushes are still running.
 
@@ -614,6 +629,10 @@ def dispatch_kernel(x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_ptr, 
     (``ERR_GATE_TIMEOUT``, slot = the chunk) and the program stops: it reports nothing more, so that the receivers of
     the chunks it did not push time out too (naming this rank) instead of taking rows that never came; nothing
     waits forever.
+
+    ``MAPPED``: the received row that would go to output row ``g`` goes to row ``map[g]`` instead (int64 ``[M]``, a
+    permutation: the caller's order of the rows, with no gather after the call). ``XS``: rows of ``x`` that many
+    words apart (0: contiguous).
 
     Progress words (int64, this rank's heap, ``prog`` ``[R_src, PMAX + 2, 2]``; every word has one writer,
     the sender): ``[s, 0, :]`` = (programs of s, first position of s's round), ``[s, 2 + p, :]`` = (begin,
@@ -640,18 +659,18 @@ def dispatch_kernel(x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_ptr, 
                                  area_off, meta_off, prog_off, tag, tl.load(bounds_ptr + c),
                                  tl.load(bounds_ptr + c + 1), cap, rank, world, XW, W, NS, K, E_LOCAL, R, R_POW2, TOK,
                                  BLOCK, BLOCK_S, BLOCK_K, HAS_SCALES, HAS_TOPK, HAS_W, SINGLE_ROUND, VEC, USE_PTX,
-                                 PMAX, SIG)
+                                 PMAX, SIG, None, False, XS)
                 c += 1
         else:
             _push_tokens(pid, num_push, pid, num_push, x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_ptr,
                          itr_ptr, pos_ptr, first_ptr, bases_ptr, area_off, meta_off, prog_off, tag, t_begin, t_end,
                          cap, rank, world, XW, W, NS, K, E_LOCAL, R, R_POW2, TOK, BLOCK, BLOCK_S, BLOCK_K, HAS_SCALES,
-                         HAS_TOPK, HAS_W, SINGLE_ROUND, VEC, USE_PTX, PMAX, SIG)
+                         HAS_TOPK, HAS_W, SINGLE_ROUND, VEC, USE_PTX, PMAX, SIG, None, False, XS)
     else:
         _receive_stream(pid, num_push, world, prog_ptr, tag, timeout, err_ptr, rank, prefix_ptr, out_rows, cap,
                         area_ptr, meta_ptr, out_x_ptr, out_scales_ptr, out_idx_ptr, out_w_ptr, out_src_ptr, out_src_ptr,
                         out_src_ptr, out_src_ptr, 0, XW, W, NS, K, E_LOCAL, ROWS, BLOCK_K, BLOCK_S, HAS_SCALES,
-                        HAS_IDX, HAS_W, VEC, USE_PTX, USE_TIMER, PMAX, False)
+                        HAS_IDX, HAS_W, VEC, USE_PTX, USE_TIMER, PMAX, False, map_ptr, MAPPED)
 
 
 @triton.jit
@@ -826,7 +845,8 @@ class ReceiveSide:
     ``[R, PROGRESS_SLOTS + 2, 2]``, heap offset ``prog_off``), the error record, ``prefix [R]`` int32 (first
     output row of each source), the outputs (``out_x`` int32 view ``[M, XW]``, scales ``[M, NS]`` int32
     view, ``out_idx [M, K]`` int64, ``out_w [M, K]`` float32, ``out_src [M, 2]`` int32; None to skip),
-    ``out_rows`` = M, ``timeout`` (``timeout_units``) and ``programs`` per source."""
+    ``out_rows`` = M, ``timeout`` (``timeout_units``) and ``programs`` per source; ``row_map``: None, or int64
+    ``[M]``, the output row of each row that would otherwise go to row ``g`` (``dispatch_kernel``'s ``MAPPED``)."""
 
     area_rows: object
     meta_rows: object
@@ -842,6 +862,7 @@ class ReceiveSide:
     out_rows: int
     timeout: int
     programs: int
+    row_map: object = None
 
 
 PROGRESS_SLOTS = 256  # most pushing programs a streaming dispatch runs (progress words per source)
@@ -871,11 +892,15 @@ def launch_push(*, x, scales, topk_idx, topk_weights, itr, pos, first, rows, bas
     the streaming ``dispatch_kernel`` instead (``grid`` pushing programs, at most ``PROGRESS_SLOTS``, plus
     ``receive.programs`` receiving programs per source, fewer where they would not fit the GPU at once: the
     kernel is launched cooperatively); with ``gate`` as well, gated (``Gate``: ``grid`` times its chunks at most
-    ``PROGRESS_SLOTS``)."""
+    ``PROGRESS_SLOTS``). The streaming kernel reads rows of ``x`` with any row stride (a multiple of 4 bytes; e.g.
+    the first columns of wider rows), the others contiguous ones (``x`` is copied where it is not)."""
     import torch
 
     n = x.size(0)
     xw = x.size(1) * x.element_size() // 4
+    xs = x.stride(0) * x.element_size() // 4 if x.dim() == 2 and x.size(1) else xw
+    if xs != xw and (receive is None or x.stride(1) != 1):
+        x, xs = x.contiguous(), xw
     ns = scales.size(1) if scales is not None else 0
     k = topk_idx.size(1) if topk_idx is not None else 0
     has_w = topk_weights is not None
@@ -883,7 +908,7 @@ def launch_push(*, x, scales, topk_idx, topk_weights, itr, pos, first, rows, bas
     push_args = (x_words, scales.view(torch.int32) if ns else dummy, scales.stride(0) if ns else 0,
                  scales.stride(1) if ns else 0, topk_idx if k else dummy, topk_weights if has_w else dummy,
                  itr.view(torch.int8), pos, first)
-    meta = _push_meta(xw, ns, k, has_w, num_experts, world, tokens_per_step, single_round, use_ptx)
+    meta = _push_meta(xw, ns, k, has_w, num_experts, world, tokens_per_step, single_round, use_ptx, xs % 4 == 0)
     if receive is None:
         launch(dispatch_push_kernel, (grid,), *push_args, rows, bases, area_off, meta_off, hdr_off, arrive_off, epoch,
                counter, t_begin, t_end, cap, rank, world, PUBLISH=publish, **meta)
@@ -899,20 +924,21 @@ def launch_push(*, x, scales, topk_idx, topk_weights, itr, pos, first, rows, bas
     launch(dispatch_kernel, _StreamingGrid(grid, world, rv.programs, gate.programs if gate is not None else 0),
         *push_args, bases, area_off, meta_off, rv.prog_off, epoch, t_begin, t_end, cap, rank, world, grid,
         rv.area_rows, rv.meta_rows, rv.prog, rv.err, rv.prefix, *out, rv.out_rows, rv.timeout, *gated,
-        HAS_IDX=rv.out_idx is not None, USE_TIMER=use_ptx, PMAX=PROGRESS_SLOTS,
-        SIG=max(1, SIGNAL_TOKENS // tokens_per_step), ROWS=4, GATED=gate is not None,
+        rv.row_map if rv.row_map is not None else dummy, HAS_IDX=rv.out_idx is not None, USE_TIMER=use_ptx,
+        PMAX=PROGRESS_SLOTS, SIG=max(1, SIGNAL_TOKENS // tokens_per_step), ROWS=4,
+        GATED=gate is not None, MAPPED=rv.row_map is not None, XS=xs if xs != xw else 0,
         **(_COOPERATIVE if use_ptx else {}), **meta)
 
 
 @functools.lru_cache(maxsize=256)
 def _push_meta(xw: int, ns: int, k: int, has_w: bool, num_experts: int, world: int, tokens_per_step: int,
-               single_round: bool, use_ptx: bool) -> dict:
+               single_round: bool, use_ptx: bool, stride_vec: bool = True) -> dict:
     """The push kernels' constexprs and options for a call's shape (the same dict for every call of it: launches
     read it and never change it)."""
     return dict(XW=xw, W=record_words(ns, k, has_w), NS=ns, K=max(k, 1), E_LOCAL=max(1, num_experts // world), R=world,
                 R_POW2=max(2, next_pow2(world)), TOK=tokens_per_step, BLOCK=chunk_block(xw, tokens_per_step),
                 BLOCK_S=pow2_block(ns), BLOCK_K=pow2_block(k), HAS_SCALES=ns > 0, HAS_TOPK=k > 0, HAS_W=has_w,
-                SINGLE_ROUND=single_round, VEC=xw % 4 == 0, USE_PTX=use_ptx, num_warps=PUSH_WARPS)
+                SINGLE_ROUND=single_round, VEC=xw % 4 == 0 and stride_vec, USE_PTX=use_ptx, num_warps=PUSH_WARPS)
 
 
 # a streaming dispatch on GPUs: all programs resident at once, 2 per SM (uncapped, ptxas gives it 121-128 registers)

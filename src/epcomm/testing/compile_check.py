@@ -69,30 +69,48 @@ def offline_compiler(arch: int = 90):
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
 
-    def compile_for(fn, args, kwargs):
+    def pack(fn, args, kwargs):
         binder = create_function_from_signature(fn.signature, fn.params, backend)
         bound, specialization, options = binder(*args, **kwargs)
-        options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+        return fn._pack_args(backend, kwargs, bound, specialization, options)
+
+    def compile_for(fn, args, kwargs):
+        options, signature, constexprs, attrs = pack(fn, args, kwargs)
         return triton_compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
 
+    def key(fn, args, kwargs) -> str:
+        """What the compiled code depends on: two launches with the same key compile to the same code."""
+        options, signature, constexprs, attrs = pack(fn, args, kwargs)
+        return repr((sorted(signature.items()), sorted(constexprs.items(), key=repr), sorted(attrs.items(), key=repr),
+                     sorted(options.__dict__.items(), key=repr)))
+
+    compile_for.key = key
     return compile_for
 
 
-def compile_launches(launches: list, arch: int = 90) -> list[str]:
+def compile_launches(launches: list, arch: int = 90, share: tuple = (0, 1)) -> list[str]:
     """Compile every distinct launch in ``launches`` (from ``record_launches``) for ``sm_<arch>``, with
     ``USE_PTX``/``USE_TIMER`` on; returns one message per launch that failed to compile (empty: all
-    compiled). Run without ``TRITON_INTERPRET``."""
+    compiled). Launches that specialise alike (the same kernel, argument types, specialisations, constexprs and
+    options: e.g. other token counts) compile once. ``share = (i, n)``: only the ``i``-th of every ``n`` distinct
+    kernels, so that ``n`` processes share the work. Run without ``TRITON_INTERPRET``."""
     compile_for = offline_compiler(arch)
     failures, seen = [], set()
     for module, name, args, kwargs in launches:
-        key = (module, name, repr(args), repr(sorted(kwargs.items())))
+        fn = getattr(importlib.import_module(module), name)
+        kw = {k: True if k in GPU_FLAGS else _rebuild(v) for k, v in kwargs.items()}
+        rebuilt = [_rebuild(v) for v in args]
+        try:
+            key = (module, name, compile_for.key(fn, rebuilt, kw))
+        except Exception:  # noqa: BLE001 - compiled (and reported) below
+            key = (module, name, repr(args), repr(sorted(kwargs.items())))
         if key in seen:
             continue
         seen.add(key)
-        fn = getattr(importlib.import_module(module), name)
-        kw = {k: True if k in GPU_FLAGS else _rebuild(v) for k, v in kwargs.items()}
+        if (len(seen) - 1) % share[1] != share[0]:
+            continue
         try:
-            compile_for(fn, [_rebuild(v) for v in args], kw)
+            compile_for(fn, rebuilt, kw)
         except Exception as exc:  # noqa: BLE001 - reported, with the kernel's name
             failures.append(f"{module}.{name}: {type(exc).__name__}: {str(exc)[-2000:]}")
     return failures

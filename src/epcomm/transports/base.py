@@ -93,6 +93,9 @@ class DispatchRequest:
     # a cached dispatch of rows another stream still writes (``kernels.ep.Gate``; transports with
     # ``gates_cached_dispatch``), or None
     gate: Any = None
+    # int64 [num_recv_tokens] on the device: the output row of each received row (a permutation of the transport's
+    # own order, applied as the rows are written; cached dispatches of transports with gates_cached_dispatch), or None
+    row_map: Any = None
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ the forwarding is the slower leg or until it is measured; ``chunk_ratio`` fixes 
 fits behind the next one's rows and only the small last chunk's is left exposed. Every chunk's rows are issued
 before the first is forwarded (cached dispatches too, whose FP8 scales ride at the end of each row through both legs,
 split once at the end; where the domain leg is one-sided, a cached call's domain leg is one gated push for all chunks
-that waits on the device for each chunk's flag: ``_gated``), so the link never waits for the host between chunks; a
+that waits on the device for each chunk's flag and writes every row at its place in the output's order: ``_mapped``), so the link never waits for the host between chunks; a
 combine takes the chunks the other way round, smallest first, each chunk's partials crossing while the next chunk
 is summed within the domain; each chunk adds a few launches and collectives, so the best count depends on the link.
 The count is measured: the first exact-mode dispatches try ``CHUNK_CANDIDATES`` in turn (1 first: it sizes the
@@ -188,9 +188,10 @@ class _HandleState:
     rows: tuple  # rows of the outputs from each chunk, in order
     order: torch.Tensor  # [M] int64: output row i is row order[i] of the chunks' rows, one after the other
     back: torch.Tensor  # [M] int64: the inverse of order
-    # gated cached dispatches (``_gated``), by row bytes: (the domain leg's merged handle, output order, where each
-    # chunk's rows start in the rows received from the inter-domain leg (and their end; on the host and on the
-    # device), the inter-domain leg's merged packing), or None where the domain leg cannot merge them
+    # mapped cached dispatches (``_mapped``), by row bytes: (the domain leg's merged handle, the output row of each of
+    # its rows, where each chunk's rows start in the rows received from the inter-domain leg (and their end; on the
+    # host and on the device), the inter-domain leg's merged packing; the last three None for one chunk), or None
+    # where the domain leg cannot merge them
     merged: dict = field(default_factory=dict, compare=False, repr=False)
 
 
@@ -247,7 +248,7 @@ class HierarchicalTransport(Transport):
         self.phase_log: Optional[list] = None  # see _leg
         self.phase_events = True  # phase_log entries with CUDA events (False: the host's times alone, no events)
         self._net: Optional[torch.cuda.Stream] = None  # the inter-domain leg's stream while a dispatch pipelines
-        self._gate_flags: Optional[torch.Tensor] = None  # int64 per chunk of a gated cached dispatch (_gated)
+        self._gate_flags: Optional[torch.Tensor] = None  # int64 per chunk of a gated cached dispatch (_mapped)
         self._gate_value = 0  # the last value released into them: one more per call
         self._tuner = _ChunkTuner(self.CHUNK_CANDIDATES, self.TUNE_CALLS, device)
         self._fault = _faults.setdefault(self.rail_group, {})  # shared with every Buffer on these groups
@@ -666,94 +667,111 @@ class HierarchicalTransport(Transport):
 
     def _cached_dispatch(self, req: DispatchRequest) -> DispatchResult:
         """Each token's row, with its FP8 scales at its end (one row of bytes: no records, fewer copies and
-        launches per chunk), through both legs; the rows put in order and split once at the end. Where the domain
-        leg can (``_gated``), its push is issued once for all chunks, else once per chunk."""
+        launches per chunk), through the inter-domain leg. Where the domain leg can (``_mapped``) it is issued once
+        for all chunks and writes the rows where they belong (no gather after it); else once per chunk, the rows
+        put in order and split once at the end."""
         fn = "Buffer.dispatch"
         st: _HandleState = req.handle.state
         x, scales = req.x, req.x_scales
         rows = x if scales is None else torch.cat([_as_bytes(x), _as_bytes(scales.contiguous())], 1)
-        gated = self._gated(fn, st, rows, req)
-        if gated is not None:
-            got, order = gated
-        else:
-            def leg(c):
-                a, b = st.bounds[c]
-                with self._leg(fn, "cached tokens to their domains"):
-                    return self.rail.dispatch(_cached(rows[a:b], None, st.rail[c], req))
+        mapped = self._mapped(fn, st, rows, req)
+        if mapped is not None:
+            return DispatchResult(*mapped, None, None, None, req.handle)
 
-            outs = []
-            for c, r1 in enumerate(self._pipelined([lambda c=c: leg(c) for c in range(len(st.rail))])):
-                with self._leg(fn, "forwarding the cached tokens", within=True):
-                    outs.append(self.domain.dispatch(_cached(r1.recv_x, None, st.domain[c], req)).recv_x)
-            self._join()
-            if scales is None:
-                return DispatchResult(_take(outs, st.order), None, None, None, None, req.handle)
-            got, order = _cat(outs), st.order
-        if scales is None:  # (the gated path's rows are bytes)
-            return DispatchResult(got.index_select(0, order).view(x.dtype), None, None, None, None, req.handle)
-        width = x.size(1) * x.element_size()
-        return DispatchResult(got[:, :width].index_select(0, order).view(x.dtype),
-                              got[:, width:].index_select(0, order).view(scales.dtype), None, None, None, req.handle)
+        def leg(c):
+            a, b = st.bounds[c]
+            with self._leg(fn, "cached tokens to their domains"):
+                return self.rail.dispatch(_cached(rows[a:b], None, st.rail[c], req))
 
-    def _gated(self, fn: str, st: _HandleState, rows: torch.Tensor, req: DispatchRequest) -> Optional[tuple]:
-        """A cached dispatch whose domain leg is issued once for all chunks: ``(the received rows, the order that puts
-        them in the intranode path's)``, or None where the domain transport cannot (no ``gates_cached_dispatch``,
-        ``strict_sms``, a CUDA graph being captured, storage it may not grow: ``merge_cached``; or one chunk). Every
-        chunk's inter-domain rows land side by side in one buffer (on GPUs from the network stream, each chunk's
-        collective followed by a one-program kernel that releases the chunk's flag); the domain leg's one push, issued
-        on the caller's stream right away with the chunks' handles merged, waits on the device for each chunk's flag
-        and forwards its rows while the later chunks still cross (``kernels.ep.Gate``; it holds about half the GPU's
-        programs, spinning until its rows come). The inter-domain leg packs every chunk's rows at once
-        (``AllToAllTransport.cached_rows_many``); host work per further chunk: its collective and the flag's launch."""
+        outs = []
+        for c, r1 in enumerate(self._pipelined([lambda c=c: leg(c) for c in range(len(st.rail))])):
+            with self._leg(fn, "forwarding the cached tokens", within=True):
+                outs.append(self.domain.dispatch(_cached(r1.recv_x, None, st.domain[c], req)).recv_x)
+        self._join()
+        if scales is None:
+            return DispatchResult(_take(outs, st.order), None, None, None, None, req.handle)
+        got, width = _cat(outs), x.size(1) * x.element_size()
+        return DispatchResult(got[:, :width].index_select(0, st.order).view(x.dtype),
+                              got[:, width:].index_select(0, st.order).view(scales.dtype), None, None, None, req.handle)
+
+    def _mapped(self, fn: str, st: _HandleState, rows: torch.Tensor, req: DispatchRequest) -> Optional[tuple]:
+        """A cached dispatch whose domain leg is issued once for all chunks and writes every row at its place in the
+        intranode path's order (``DispatchRequest.row_map``: no gather after the call, the FP8 scales split from the
+        rows as they are written): ``(recv_x, recv_scales or None)``, or None where the domain transport cannot (no
+        ``gates_cached_dispatch``, ``strict_sms``, a CUDA graph being captured, storage it may not grow:
+        ``merge_cached``). With several chunks it is *gated*: every chunk's inter-domain rows land side by side in
+        one buffer (on GPUs from the network stream, each chunk's collective followed by a one-program kernel that
+        releases the chunk's flag); the domain leg's one push, issued on the caller's stream right away with the
+        chunks' handles merged, waits on the device for each chunk's flag and forwards its rows while the later
+        chunks still cross (``kernels.ep.Gate``; it holds about half the GPU's programs, spinning until its rows
+        come). The inter-domain leg packs every chunk's rows at once (``AllToAllTransport.cached_rows_many``); host
+        work per further chunk: its collective and the flag's launch. One chunk is not gated (nothing to overlap:
+        one stream is cheaper to issue)."""
         from ..kernels.ep import Gate
         from ..kernels.shmem import launch_signal
         from ..kernels.shmem_codes import SIGNAL_SET
 
-        if (len(st.rail) == 1 or not self.domain.gates_cached_dispatch or not self.domain.can_gate(req)
+        if (not self.domain.gates_cached_dispatch or not self.domain.can_gate(req)
                 or (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
-            return None  # (one chunk: nothing to overlap, and one stream is cheaper to issue)
+            return None
+        x, scales = req.x, req.x_scales
+        xb, ns = x.size(1) * x.element_size(), 0 if scales is None else scales.size(1)
         width = _as_bytes(rows).size(1)
+        chunks = len(st.rail)
         if width not in st.merged:  # (collective where it grows the domain's storage: every rank merges here)
-            merged = self.domain.merge_cached(list(st.domain), width)
-            if merged is not None:
-                sizes = [h.num_recv_tokens for h in st.rail]
-                starts = [sum(sizes[:c]) for c in range(len(sizes) + 1)]
-                merged = (merged[0], merged[1][st.order], starts, counts_to_device(starts, self.device),
-                          self.rail.merge_cached(list(st.rail), list(st.bounds)))
+            if chunks == 1:
+                merged = (st.domain[0], st.back, None, None, None)
+            else:
+                merged = self.domain.merge_cached(list(st.domain), xb, ns)
+                if merged is not None:
+                    sizes = [h.num_recv_tokens for h in st.rail]
+                    starts = [sum(sizes[:c]) for c in range(len(sizes) + 1)]
+                    # row i of the chunks' rows (one after the other) is row to_merged[i] of the merged call's output
+                    # and row back[i] in the intranode path's order
+                    row_map = torch.empty_like(merged[1]).index_put_((merged[1],), st.back)
+                    merged = (merged[0], row_map, starts, counts_to_device(starts, self.device),
+                              self.rail.merge_cached(list(st.rail), list(st.bounds)))
             st.merged[width] = merged
         merged = st.merged[width]
         if merged is None:
             return None
-        handle, order, starts, bounds, rail = merged
-        chunks = len(starts) - 1
-        if self._gate_flags is None or self._gate_flags.numel() < chunks:
-            self._gate_flags = torch.zeros(max(chunks, 8), dtype=torch.int64, device=self.device)
-        self._gate_value += 1
-        flags, value = self._gate_flags, self._gate_value
-        recv = torch.empty(starts[-1], width, dtype=torch.uint8, device=self.device)
-
-        def legs() -> None:
+        handle, row_map, starts, bounds, rail = merged
+        gate = None
+        if chunks == 1:
             with self._leg(fn, "cached tokens to their domains"):
-                issued = self.rail.cached_rows_many(_as_bytes(rows), rail, [recv[a:b] for a, b in
-                                                                            zip(starts, starts[1:])])
-                for c, _ in enumerate(issued):
-                    if self.device.type == "cuda":
-                        launch_signal(flags.data_ptr() + 8 * c, value, SIGNAL_SET, self.device)
-                    else:  # (on CPUs every leg has ended here: the flag is a store)
-                        flags[c] = value
-
-        if self.device.type == "cuda":
-            main, net = self._streams()
-            net.wait_stream(main)
-            with torch.cuda.stream(net):
-                legs()
+                recv = _as_bytes(self.rail.dispatch(_cached(rows, None, st.rail[0], req)).recv_x)
         else:
-            legs()
+            if self._gate_flags is None or self._gate_flags.numel() < chunks:
+                self._gate_flags = torch.zeros(max(chunks, 8), dtype=torch.int64, device=self.device)
+            self._gate_value += 1
+            flags, value = self._gate_flags, self._gate_value
+            recv = torch.empty(starts[-1], width, dtype=torch.uint8, device=self.device)
+
+            def legs() -> None:
+                with self._leg(fn, "cached tokens to their domains"):
+                    issued = self.rail.cached_rows_many(_as_bytes(rows), rail, [recv[a:b] for a, b in
+                                                                                zip(starts, starts[1:])])
+                    for c, _ in enumerate(issued):
+                        if self.device.type == "cuda":
+                            launch_signal(flags.data_ptr() + 8 * c, value, SIGNAL_SET, self.device)
+                        else:  # (on CPUs every leg has ended here: the flag is a store)
+                            flags[c] = value
+
+            if self.device.type == "cuda":
+                main, net = self._streams()
+                net.wait_stream(main)
+                with torch.cuda.stream(net):
+                    legs()
+            else:
+                legs()
+            gate = Gate(bounds, flags, value, chunks, 0)
+        # the domain leg reads each row's x bytes and its scales in place (rows of any stride)
+        part = _cached(recv[:, :xb], recv[:, xb:].view(scales.dtype) if ns else None, handle, req)
         with self._leg(fn, "forwarding the cached tokens", within=True):
-            got = self.domain.dispatch(replace(_cached(recv, None, handle, req),
-                                               gate=Gate(bounds, flags, value, chunks, 0))).recv_x
-        self._join()
-        return got, order
+            got = self.domain.dispatch(replace(part, gate=gate, row_map=row_map))
+        if gate is not None:
+            self._join()
+        return got.recv_x.view(x.dtype), got.recv_scales
 
     @_guarded("Buffer.combine")
     def combine(self, req: CombineRequest) -> tuple:

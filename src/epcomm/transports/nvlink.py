@@ -522,8 +522,8 @@ class NVLinkTransport(Transport):
             grid = max(grid, self.sms // (self.num_ranks + 1) // 2 * 2)
         if not strict:  # streaming: receiving programs copy rows out while the pushes run
             grid = min(grid, PROGRESS_SLOTS // (req.gate.chunks if req.gate is not None else 1))
-        elif req.gate is not None:
-            raise EpcommError("Buffer.dispatch: a gated dispatch streams (Config.strict_sms must not be set)")
+        elif req.gate is not None or req.row_map is not None:
+            raise EpcommError("Buffer.dispatch: a gated or mapped dispatch streams (Config.strict_sms must not be set)")
         if (rounds.num_rounds > 1 and self._grows and state.num_tokens_max is not None and not
                 (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
             # storage sized by a first dispatch with fewer tokens: grown here rather than moved in rounds (each a
@@ -535,7 +535,7 @@ class NVLinkTransport(Transport):
             raise EpcommError(f"Buffer.dispatch: a gated dispatch moves in one round; this one needs "
                               f"{rounds.num_rounds} (merge_cached refuses such handles)")
         key = ("dispatch", x.dtype, x.size(1), ns, k, has_w, req.num_experts, bool(worst), rounds.num_rounds == 1,
-               em is not None, req.gate is not None)
+               em is not None, req.gate is not None, req.row_map is not None)
         self.first_call("Buffer.dispatch", key,
                         lambda: self._push_rounds(req, itr, state, rounds, outs, num_recv, grid, strict, em))
 
@@ -596,7 +596,7 @@ class NVLinkTransport(Transport):
                 continue
             receive = None if strict else ReceiveSide(
                 area_rows, meta_rows, self.prog, self._off(self.prog), self.err, state.recv_prefix, out_x, out_scales,
-                out_idx, out_w, out_src, num_recv, self._timeout(), grid)
+                out_idx, out_w, out_src, num_recv, self._timeout(), grid, req.row_map)
             # a gated push holds about one program per SM (half what fits): the rows' writers keep the rest
             gate = None if req.gate is None else replace(req.gate, programs=max(self.sms, grid + num_ranks))
             launch_push(x=x, scales=scales, topk_idx=req.topk_idx, topk_weights=req.topk_weights, itr=itr,
@@ -621,22 +621,24 @@ class NVLinkTransport(Transport):
     def _cached_dispatch(self, req: DispatchRequest) -> DispatchResult:
         """A dispatch with a handle; with ``req.gate`` (``kernels.ep.Gate``, a handle of ``merge_cached``) a gated
         one: ``req.x``'s rows are still being written, chunk after chunk, by another stream, which releases each
-        chunk's flag once its rows are there; the push waits for each flag on the device."""
+        chunk's flag once its rows are there; the push waits for each flag on the device. With ``req.row_map``
+        (streaming calls only: ``can_gate``) the received rows land in the rows it names. ``req.x`` may be the first
+        columns of wider rows (any row stride)."""
         h: DispatchHandle = req.handle
         st: _NVLinkState = h.state
         self.first_call("Buffer.dispatch", ("barrier",), self._barrier)
         plan_req = DispatchRequest(req.x, req.x_scales, None, None, st.num_tokens_per_rank, h.is_token_in_rank, None,
                                    h.num_experts, 1, h.num_worst_tokens, None, req.config, None, req.overlapped,
-                                   gate=req.gate)
+                                   gate=req.gate, row_map=req.row_map)
         outs = self._alloc_recv(h.num_recv_tokens, req.x, req.x_scales, None, False, bool(h.num_worst_tokens))
         self._run_dispatch(plan_req, h.is_token_in_rank, st, outs, h.num_recv_tokens, h.num_worst_tokens)
         return DispatchResult(outs[0], outs[1], None, None, None, h)
 
     def can_gate(self, req: DispatchRequest) -> bool:
-        """Whether a cached dispatch with ``req``'s config can be gated (it streams: see ``_strict``)."""
+        """Whether a cached dispatch with ``req``'s config can be gated or mapped (it streams: see ``_strict``)."""
         return not _strict(req)
 
-    def merge_cached(self, handles: list, x_row_bytes: int) -> Optional[tuple]:
+    def merge_cached(self, handles: list, x_row_bytes: int, num_scales: int = 0) -> Optional[tuple]:
         """``(handle, to_merged)``: one handle for the tokens of several exact-mode dispatches' ``handles`` side by
         side (chunk after chunk), as one dispatch of them all would have left it, for a gated cached dispatch of
         their rows (``_cached_dispatch`` with a ``Gate``); ``to_merged [M]`` int64: the row of that dispatch's output
@@ -645,7 +647,7 @@ class NVLinkTransport(Transport):
         rank sums the same): where the storage holds fewer and may grow (``num_nvl_bytes`` not given) it grows here
         (collective: every rank merges at the same call), else None (the chunks are dispatched one by one). The
         handle is private: its ``recv_src_rank`` / ``recv_src_idx`` are not filled. ``x_row_bytes``: the bytes of
-        each row it will move."""
+        each row it will move, with ``num_scales`` 4-byte scales besides."""
         from ..kernels.ep import SUMMARY_HEAD, record_words
 
         states = [h.state for h in handles]
@@ -653,7 +655,7 @@ class NVLinkTransport(Transport):
                               or st.topk_idx is not None for h, st in zip(handles, states)):
             return None
         r, dev = self.num_ranks, self.device
-        row_bytes = x_row_bytes + 4 * record_words(0, 0, False)
+        row_bytes = x_row_bytes + 4 * record_words(num_scales, 0, False)
         max_pair, n_max = sum(st.max_pair for st in states), sum(st.num_tokens_max for st in states)
         if max_pair > self.area_bytes // (r * row_bytes):
             if not self._grows or (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
