@@ -140,6 +140,7 @@ def _host_reads(ctx, transport, chunks):
     failures = check_normal(ctx, buf, case).failures
     reads, calls = [0], collections.Counter()
     saved = {"host_list": faults.host_list, "read_later": alltoall.AllToAllTransport._read_later,
+             "faults.read_later": faults.read_later,
              **{n: getattr(dist, n) for n in ("all_to_all_single", "all_gather_into_tensor", "all_gather_single",
                                               "all_reduce", "all_gather") if hasattr(dist, n)}}
 
@@ -157,9 +158,14 @@ def _host_reads(ctx, transport, chunks):
         reads[0] += 1
         return saved["read_later"](self, t)
 
+    def read_later_of_faults(*args, **kwargs):
+        reads[0] += 1
+        return saved["faults.read_later"](*args, **kwargs)
+
     faults.host_list, nvlink.host_list, alltoall.AllToAllTransport._read_later = host_list, host_list, read_later
+    faults.read_later = read_later_of_faults
     for name in saved:
-        if name not in ("host_list", "read_later"):
+        if name not in ("host_list", "read_later", "faults.read_later"):
             setattr(dist, name, counted(name, saved[name]))
     gather = hierarchical._all_gather_single
     hierarchical._all_gather_single = counted("all_gather_single", gather)
@@ -167,10 +173,11 @@ def _host_reads(ctx, transport, chunks):
     failures += check_normal(ctx, buf, case).failures
     hierarchical._all_gather_single = gather
     for name, fn in saved.items():
-        if name not in ("host_list", "read_later"):
+        if name not in ("host_list", "read_later", "faults.read_later"):
             setattr(dist, name, fn)
     faults.host_list, nvlink.host_list, alltoall.AllToAllTransport._read_later = (saved["host_list"],) * 2 + (
         saved["read_later"],)
+    faults.read_later = saved["faults.read_later"]
     buf.destroy()
     return failures, reads[0], {k: v - before.get(k, 0) for k, v in calls.items()}
 
@@ -190,8 +197,8 @@ def test_both_legs_counts_in_one_exchange(chunks):
 def _packed_ahead(ctx, chunks):
     """Exact-mode dispatches with the inter-domain leg on its kernel path (the Triton interpreter here), checked
     against the reference while the order of the leg's local work and the count read is recorded: ``(failures,
-    events)``, events ``"prepared"`` (what ``Transport.prepare`` made of a chunk), ``"read"`` (the count read) and
-    ``"planned"`` (a plan kernel of the leg)."""
+    events)``, events ``"prepared"`` (what ``Transport.prepare`` made of a chunk), ``"copied"`` (the counts' copy to
+    the host issued), ``"read"`` (the host's read of that copy) and ``"planned"`` (a plan kernel of the leg)."""
     from epcomm.buffer import Buffer
     from epcomm.testing.checks import NormalCase, check_normal
     from epcomm.transports import alltoall, faults
@@ -203,7 +210,7 @@ def _packed_ahead(ctx, chunks):
                       bias=1, seed=13)
     failures = check_normal(ctx, buf, case).failures  # first call of its kind
     rail, events = buf.runtime.rail, []  # (the domain leg is a portable transport too: its calls are not recorded)
-    saved = (alltoall.AllToAllTransport.prepare, alltoall.AllToAllTransport._plan_gpu, faults.host_list)
+    saved = (alltoall.AllToAllTransport.prepare, alltoall.AllToAllTransport._plan_gpu, faults.read_later)
 
     def prepare(self, req):
         out = saved[0](self, req)
@@ -216,16 +223,22 @@ def _packed_ahead(ctx, chunks):
             events.append("planned")
         return saved[1](self, req, ctl)
 
-    def host_list(*args, **kwargs):
-        events.append("read")
-        return saved[2](*args, **kwargs)
+    def read_later(*args, **kwargs):
+        events.append("copied")
+        read = saved[2](*args, **kwargs)
 
-    alltoall.AllToAllTransport.prepare, faults.host_list = prepare, host_list
+        def recorded():
+            events.append("read")
+            return read()
+
+        return recorded
+
+    alltoall.AllToAllTransport.prepare, faults.read_later = prepare, read_later
     alltoall.AllToAllTransport._plan_gpu = plan_gpu
     try:
         failures += check_normal(ctx, buf, case).failures
     finally:
-        alltoall.AllToAllTransport.prepare, alltoall.AllToAllTransport._plan_gpu, faults.host_list = saved
+        alltoall.AllToAllTransport.prepare, alltoall.AllToAllTransport._plan_gpu, faults.read_later = saved
     buf.destroy()
     return failures, events
 
@@ -233,15 +246,17 @@ def _packed_ahead(ctx, chunks):
 @pytest.mark.parametrize("chunks", [1, 3])
 def test_rail_rows_packed_while_the_counts_travel(chunks, monkeypatch):
     """The inter-domain leg's plan and pack kernels (local work) of every chunk are enqueued before the count read,
-    and the leg's dispatch uses them (no second plan): once the counts are read only the rows' collective is left
-    before the rows cross. Bit-exact against the reference, FP8 with dropped slots and an empty rank."""
+    after the counts' copy to the host (the read waits for the counts alone, not for the packing), and the leg's
+    dispatch uses them (no second plan): once the counts are read only the rows' collective is left before the rows
+    cross. Bit-exact against the reference, FP8 with dropped slots and an empty rank."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     for failures, events in spawn(_packed_ahead, 4, chunks, device="cpu", timeout_s=600):
         assert failures == [], failures
-        # the check's dispatch: one prepared chunk each (with a plan), then its one count read; nothing planned after
-        dispatch = events[:2 * chunks + 1]
-        assert dispatch == ["planned", "prepared"] * chunks + ["read"], events
-        assert "planned" not in events[2 * chunks + 1:], events
+        # the check's dispatch: the counts' copy, one prepared chunk each (with a plan), then its one count read;
+        # nothing planned after
+        dispatch = events[:2 * chunks + 2]
+        assert dispatch == ["copied"] + ["planned", "prepared"] * chunks + ["read"], events
+        assert "planned" not in events[2 * chunks + 2:], events
 
 
 def _fused_rows(ctx):

@@ -51,10 +51,11 @@ def _across_domains(ctx, cases, chunks):
     return run_cases(ctx, cases, NVLinkTransport, {"num_nvl_bytes": 1 << 20, "ranks_per_node": 2})
 
 
-@pytest.mark.parametrize("chunks", [1, 2])
-def test_one_sided_domain_leg_across_simulated_nodes(monkeypatch, chunks):
+def test_one_sided_domain_leg_across_simulated_nodes(monkeypatch):
     """2 simulated nodes of 2 ranks with these kernels forwarding within each node: the domain leg is given its
-    counts (learnt with the inter-domain leg's) and keeps its exchange on the device, checked against them."""
+    counts (learnt with the inter-domain leg's) and keeps its exchange on the device, checked against them. (In one
+    chunk; ``test_gated_cached_dispatch_forwards_once_per_call`` runs every mode in three.)"""
+    chunks = 1
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     cases = [NormalCase(num_tokens=(5, 0, 7, 3), hidden=64, num_experts=8, topk=3, dtype="bf16", bias=1, seed=51),
              NormalCase(num_tokens=6, hidden=128, num_experts=8, topk=2, dtype="fp8", routing="dropped", seed=52)]
@@ -63,19 +64,33 @@ def test_one_sided_domain_leg_across_simulated_nodes(monkeypatch, chunks):
     assert not problems, "\n".join(problems)
 
 
-def _gated(ctx, withheld):
+def _gated(ctx, withheld, nvl_bytes=1 << 20):
     """Cached dispatches across 2 simulated nodes of 2 ranks in 3 chunks, checked against the reference, while the
-    domain leg's calls are counted: ``(failures, [(cached call, domain-leg calls, whether gated and mapped)])``; with
-    ``withheld`` rank 1 never releases chunk 1's flag: ``(the error that rank's next check raises, or None)``."""
+    domain leg's calls are counted: ``(failures, [(cached call, domain-leg calls, whether gated and mapped)], the
+    domain's storage bytes before and after each cached call, whether merge_cached refused rows too wide for fixed
+    storage)``; with
+    ``withheld`` rank 1 never releases chunk 1's flag: ``(the error that rank's next check raises, or None)``.
+    ``nvl_bytes``: the Buffer's ``num_nvl_bytes`` (0: storage sized by the first dispatch, grown where needed)."""
     from epcomm.buffer import Buffer
     from epcomm.errors import EpcommError
     from epcomm.testing.checks import check_normal
     from epcomm.transports.hierarchical import HierarchicalTransport
 
     HierarchicalTransport.pipeline_chunks = 3
-    buf = Buffer(ctx.group, transport=NVLinkTransport, num_nvl_bytes=1 << 20, ranks_per_node=2)
+    NVLinkTransport.min_storage_bytes = 4096  # (grown storage: small, so that the merged call must grow it)
+    buf = Buffer(ctx.group, transport=NVLinkTransport, num_nvl_bytes=nvl_bytes, ranks_per_node=2)
     rt = buf.runtime
-    domain_dispatch, seen = rt.domain.dispatch, []
+    domain_dispatch, seen, states, sizes = rt.domain.dispatch, [], [], []
+    mapped = rt._mapped
+
+    def watched(fn, st, rows, req):  # the handles, and the domain's storage before and after each cached call
+        states.append(st)
+        sizes.append(rt.domain.area_bytes)
+        out = mapped(fn, st, rows, req)
+        sizes.append(rt.domain.area_bytes)
+        return out
+
+    rt._mapped = watched
 
     def counted(req):
         if req.handle is not None:
@@ -100,8 +115,11 @@ def _gated(ctx, withheld):
         seen.clear()
         failures += check_normal(ctx, buf, case).failures
         calls.append((case.label(), len(seen), all(seen)))
+    refused = None
+    if nvl_bytes:  # fixed storage: rows that cannot fit one round are refused (the chunks then go one by one)
+        refused = rt.domain.merge_cached(list(states[-1].domain), rt.domain.area_bytes) is None
     buf.destroy()
-    return failures, calls
+    return failures, calls, sizes, refused
 
 
 def test_gated_cached_dispatch_forwards_once_per_call(monkeypatch):
@@ -110,9 +128,20 @@ def test_gated_cached_dispatch_forwards_once_per_call(monkeypatch):
     against the reference (BF16, FP8 with scales split from the rows as they are written, skewed routing, an empty
     rank)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    for rank, (failures, calls) in enumerate(spawn(_gated, 4, False, device="cpu", timeout_s=600)):
+    for rank, (failures, calls, _, refused) in enumerate(spawn(_gated, 4, False, device="cpu", timeout_s=600)):
         assert not failures, f"rank {rank}: {failures}"
         assert [c[1:] for c in calls] == [(1, True)] * 2, f"rank {rank}: {calls}"
+        assert refused, f"rank {rank}: merge_cached took rows wider than its fixed storage"
+
+
+def test_gated_dispatch_grows_storage_sized_by_the_first_call(monkeypatch):
+    """Storage sized by the first (exact-mode, chunked) dispatch: the merged call of all chunks needs more, so
+    ``merge_cached`` grows it (every rank at the same call) and the gated push still runs, bit-exact."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for rank, (failures, calls, sizes, _) in enumerate(spawn(_gated, 4, False, 0, device="cpu", timeout_s=600)):
+        assert not failures, f"rank {rank}: {failures}"
+        assert [c[1:] for c in calls] == [(1, True)] * 2, f"rank {rank}: {calls}"
+        assert sizes[0] < sizes[1], f"rank {rank}: storage before and after each cached call {sizes}"
 
 
 def test_gated_dispatch_without_its_rows_is_an_error(monkeypatch):
@@ -136,14 +165,14 @@ def _grows(ctx):
     buf = Buffer(ctx.group, transport=NVLinkTransport)
     rt = buf.runtime
     small = NormalCase(num_tokens=(3, 2, 1), hidden=64, num_experts=6, topk=2, dtype="bf16", seed=71)
-    big = NormalCase(num_tokens=(40, 0, 29), hidden=128, num_experts=6, topk=2, dtype="fp8", bias=1, seed=72)
+    big = NormalCase(num_tokens=(24, 0, 17), hidden=128, num_experts=6, topk=2, dtype="fp8", bias=1, seed=72)
     failures = check_normal(ctx, buf, small).failures
     sizes = [rt.area_bytes]
     rt._start_epochs(2**31 - 2)  # the control words carried into new storage must keep the epochs going
     failures += check_normal(ctx, buf, big).failures
     sizes.append(rt.area_bytes)
     failures += check_normal(ctx, buf, small).failures + check_normal(ctx, buf, big).failures
-    failures += check_expert_major(ctx, buf, ExpertMajorCase(num_tokens=(80, 7, 61), hidden=64, num_experts=6,
+    failures += check_expert_major(ctx, buf, ExpertMajorCase(num_tokens=(48, 7, 37), hidden=64, num_experts=6,
                                                              topk=3, dtype="bf16", expert_alignment=4,
                                                              seed=73)).failures
     sizes.append(rt.area_bytes)

@@ -24,7 +24,6 @@ Low-latency dispatch/combine: fixed-size slots of ``T * min(K, E_local)`` rows p
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -38,7 +37,7 @@ from ..errors import EpcommError
 from ..fp8 import FP8_DTYPE, pack_ue8m0, per_token_cast_to_fp8
 from ..kernels import triton_available
 from .device_errors import LOW_LATENCY, NORMAL, DeviceErrors
-from .faults import host_wait
+from .faults import read_later
 from .plan import exclusive_cumsum, send_plan
 from .base import (Capabilities, CombineRequest, DispatchRequest, DispatchResult, LowLatencyCombineRequest,
                    LowLatencyCombineResult, LowLatencyDispatchRequest, LowLatencyDispatchResult, Transport,
@@ -486,22 +485,8 @@ class AllToAllTransport(Transport):
         The wait is bounded (``faults.host_wait``): ``EPCOMM_TIMEOUT_S`` after this call it raises ``WaitExpired``
         naming the count exchange and this group's ranks (the collective stays pending: a transport that owns the
         group aborts it)."""
-        if not t.is_cuda:
-            return t.tolist
-        host = self._pinned.get(t.numel())
-        if host is None:
-            host = self._pinned[t.numel()] = torch.empty(t.numel(), dtype=t.dtype, pin_memory=True)
-        host.copy_(t, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        started = time.monotonic()
-
-        def read() -> list:
-            host_wait(done, "Buffer.dispatch", lambda: f"rank {self.rank}: the count exchange with ranks "
-                                                       f"{dist.get_process_group_ranks(self.group)}", started)
-            return host.tolist()
-
-        return read
+        return read_later(t, "Buffer.dispatch", lambda: f"rank {self.rank}: the count exchange with ranks "
+                                                         f"{dist.get_process_group_ranks(self.group)}", self._pinned)
 
     def _cached_dispatch(self, req: DispatchRequest) -> DispatchResult:
         h = req.handle

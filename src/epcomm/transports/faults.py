@@ -103,6 +103,30 @@ def host_list(t: torch.Tensor, fn: str, what: Any, limit_s: Optional[float] = No
     return t.tolist()
 
 
+def read_later(t: torch.Tensor, fn: str, what: Any, pinned: dict):
+    """Start copying ``t`` (a few counts) to the host, into a pinned block of ``pinned`` (kept there by dtype and size
+    for the next calls); returns a function that waits for that copy alone, not for work enqueued after it, and
+    returns ``t`` as a list. The wait is bounded (``host_wait``, from this call; ``what`` names it). On CPUs the
+    values are read at the call."""
+    if not t.is_cuda:
+        values = t.tolist()
+        return lambda: values
+    key = (t.dtype, t.numel())
+    host = pinned.get(key)
+    if host is None:
+        host = pinned[key] = torch.empty(t.numel(), dtype=t.dtype, pin_memory=True)
+    host.copy_(t.view(-1), non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    started = time.monotonic()
+
+    def read() -> list:
+        host_wait(copied, fn, what, started)
+        return host.tolist()
+
+    return read
+
+
 def where_are(scope: str, rank: int, here: str, peers: Sequence[int], grace_s: float) -> Optional[dict]:
     """After a wait expired: write where this rank is stuck (``here``) under ``scope`` in the default store, then
     wait up to ``grace_s`` for ``peers`` to write theirs (a peer that joined the stuck collective times out too,

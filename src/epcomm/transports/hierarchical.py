@@ -250,6 +250,7 @@ class HierarchicalTransport(Transport):
         self._net: Optional[torch.cuda.Stream] = None  # the inter-domain leg's stream while a dispatch pipelines
         self._gate_flags: Optional[torch.Tensor] = None  # int64 per chunk of a gated cached dispatch (_mapped)
         self._gate_value = 0  # the last value released into them: one more per call
+        self._pinned: dict = {}  # pinned host blocks for the count read (faults.read_later)
         self._tuner = _ChunkTuner(self.CHUNK_CANDIDATES, self.TUNE_CALLS, device)
         self._fault = _faults.setdefault(self.rail_group, {})  # shared with every Buffer on these groups
         self._calls = 0  # calls made (the same count on every rank): names a call in the fault reports
@@ -499,9 +500,11 @@ class HierarchicalTransport(Transport):
         on its own (``KnownCounts``), and the domain leg's launches are enqueued while the rows still cross between
         domains. While the counts travel, the inter-domain leg's local work for every chunk is enqueued
         (``Transport.prepare``: the portable transport packs the rows), so that once they are read only the rows'
-        collectives are left before the rows cross. Returns ``([(the inter-domain leg's request, its counts known and
-        its local work prepared; domain KnownCounts)] per chunk, [D, chunks] int32 first token of each chunk of every
-        rail peer, or None for one chunk)``; raises on bad expert ids (``req.bad_topk``)."""
+        collectives are left before the rows cross. The counts are copied to the host before that work is enqueued,
+        so the host's read waits for them alone and the packing runs while the host reads them and issues the rows'
+        collectives. Returns ``([(the inter-domain leg's request, its counts known and its local work prepared;
+        domain KnownCounts)] per chunk, [D, chunks] int32 first token of each chunk of every rail peer, or None for
+        one chunk)``; raises on bad expert ids (``req.bad_topk``)."""
         D, L, C, dev = self.num_domains, self.local_size, len(subs), req.x.device
         e_dom = req.num_experts // D
         tables, legs = [], []
@@ -520,13 +523,16 @@ class HierarchicalTransport(Transport):
         every = torch.empty(L * C, mine.size(1), dtype=torch.int32, device=dev)  # [L, C, V - 1], as gloo takes it
         with self._leg(fn, COUNTS_PHASE, within=True):
             _all_gather_single(every, mine, group=self.domain_group)
+            bad = req.bad_topk if req.bad_topk is not None else torch.zeros((), dtype=torch.int32, device=dev)
+            # copied to the host ahead of the packing below: the host's read waits for the counts alone, and the
+            # packing runs on the device while the host reads them and issues the rows' collectives
+            read = faults.read_later(torch.cat([every.view(-1), send[:, :, 0].reshape(-1), recv[:, :, 0].reshape(-1),
+                                                bad.view(1).to(torch.int32)]), fn,
+                                     f"rank {self.rank}: the counts of both legs", self._pinned)
         with self._leg(fn, PACK_PHASE):  # the inter-domain leg's local work, while the counts travel
             legs = [replace(leg, prepared=self.rail.prepare(leg)) for leg in legs]
-        bad = req.bad_topk if req.bad_topk is not None else torch.zeros((), dtype=torch.int32, device=dev)
         with self._leg(fn, COUNTS_PHASE):
-            host = faults.host_list(torch.cat([every.view(-1), send[:, :, 0].reshape(-1), recv[:, :, 0].reshape(-1),
-                                               bad.view(1).to(torch.int32)]), fn,
-                                    f"rank {self.rank}: the counts of both legs")
+            host = read()
         raise_if_bad_topk(fn, host[-1], req.num_experts)
         known = _known_counts(host, C, L, D, e_dom, self.local_index)
         # (the inter-domain leg's received per-expert counts are this rank's sums, already on the device)
@@ -910,7 +916,7 @@ class HierarchicalTransport(Transport):
         return self.errors.read()
 
     def memory_usage(self) -> dict:
-        usage: dict = {}
+        usage: dict = {"pinned_host": sum(t.nbytes for t in self._pinned.values())}
         for part in (self.domain.memory_usage(), self.rail.memory_usage()):
             for k, v in part.items():
                 usage[k] = usage.get(k, 0) + v
