@@ -111,8 +111,9 @@ def internode_estimate(ranks: int, gpus_per_node: int, num_tokens: int, hidden: 
     received bytes per rank over time). With ``chunks`` pipelined chunks only the last chunk's forwarding is not
     hidden behind the network; the received rows are then gathered into source order once (read and write at
     ``hbm_gbps``; ``in_place``: not gathered, each row written at its place as it is forwarded, as a cached dispatch
-    over a one-sided domain leg does). ``fixed_us``: what the call costs before its first row crosses (its one count exchange over the
-    network and within the domain, and the host read; the benchmark measures it), paid once per call. Host time
+    over a one-sided domain leg does). ``fixed_us``: what the call costs before its first row crosses (its one count
+    exchange over the network and within the domain, and the host read; the benchmark measures it), paid once per
+    call. Host time
     (measured likewise): ``host_us`` the host's time from the count read to the end of a one-chunk call, of which
     ``lead_us`` passes before the first rows' collective is issued (exposed: nothing crosses meanwhile);
     ``host_chunk_us`` what each further chunk adds (None: ``host_us``, every chunk as costly as a whole call). The

@@ -873,27 +873,28 @@ SIGNAL_TOKENS = 32  # a streaming push reports progress after about this many to
 class Gate:
     """The chunks of a gated dispatch (``dispatch_kernel`` with ``GATED``), whose input rows another stream is still
     writing: ``bounds`` int32 ``[chunks + 1]`` (device) token bounds of the chunks; ``flags`` int64 ``[>= chunks]``
-    (device), chunk ``c``'s released to ``value`` once its rows are written; ``programs``: the most programs the
-    launch may hold at once, so that the writers' kernels keep the rest of the GPU."""
+    (device), chunk ``c``'s released to ``value`` once its rows are written."""
 
     bounds: object
     flags: object
     value: int
     chunks: int
-    programs: int
 
 
 def launch_push(*, x, scales, topk_idx, topk_weights, itr, pos, first, rows, bases, area_off: int, meta_off: int,
                 hdr_off: int, arrive_off: int, epoch, counter, t_begin: int, t_end: int, cap: int, rank: int,
                 world: int, num_experts: int, grid: int, tokens_per_step: int, use_ptx: bool, single_round: bool,
-                publish: bool, dummy, receive: Optional[ReceiveSide] = None, gate: Optional[Gate] = None) -> None:
+                publish: bool, dummy, receive: Optional[ReceiveSide] = None, gate: Optional[Gate] = None,
+                limit: int = 0) -> None:
     """``dispatch_push_kernel`` for rows of ``x [N, H]`` (any dtype; rows a multiple of 4 bytes), optional
     ``scales [N, S]`` (4-byte dtype, any strides), ``topk_idx``/``topk_weights [N, K]``; with ``receive``,
     the streaming ``dispatch_kernel`` instead (``grid`` pushing programs, at most ``PROGRESS_SLOTS``, plus
     ``receive.programs`` receiving programs per source, fewer where they would not fit the GPU at once: the
     kernel is launched cooperatively); with ``gate`` as well, gated (``Gate``: ``grid`` times its chunks at most
-    ``PROGRESS_SLOTS``). The streaming kernel reads rows of ``x`` with any row stride (a multiple of 4 bytes; e.g.
-    the first columns of wider rows), the others contiguous ones (``x`` is copied where it is not)."""
+    ``PROGRESS_SLOTS``); ``limit``: the most programs the streaming launch may hold at once (0: as many as fit), so
+    that other streams' kernels (a gated dispatch's writers) keep the rest of the GPU. The streaming kernel reads rows
+    of ``x`` with any row stride (a multiple of 4 bytes; e.g. the first columns of wider rows), the others contiguous
+    ones (``x`` is copied where it is not)."""
     import torch
 
     n = x.size(0)
@@ -921,7 +922,7 @@ def launch_push(*, x, scales, topk_idx, topk_weights, itr, pos, first, rows, bas
     out = [t if t is not None else dummy for t in (rv.out_x, rv.out_scales, rv.out_idx, rv.out_w, rv.out_src)]
     gated = (gate.bounds, gate.flags, gate.value, gate.chunks) if gate is not None else (dummy, dummy, 0, 1)
     # receivers wait for the pushers of their launch: a cooperative launch, as many receivers as fit beside them
-    launch(dispatch_kernel, _StreamingGrid(grid, world, rv.programs, gate.programs if gate is not None else 0),
+    launch(dispatch_kernel, _StreamingGrid(grid, world, rv.programs, limit),
         *push_args, bases, area_off, meta_off, rv.prog_off, epoch, t_begin, t_end, cap, rank, world, grid,
         rv.area_rows, rv.meta_rows, rv.prog, rv.err, rv.prefix, *out, rv.out_rows, rv.timeout, *gated,
         rv.row_map if rv.row_map is not None else dummy, HAS_IDX=rv.out_idx is not None, USE_TIMER=use_ptx,

@@ -36,11 +36,13 @@ each holds ``ratio`` times the previous one's tokens (``core.layout.chunk_bounds
 rows' time in the measured one-chunk calls (the slowest rank's, at least ``CHUNK_RATIO_FLOOR``; 1, even chunks, where
 the forwarding is the slower leg or until it is measured; ``chunk_ratio`` fixes it): each chunk's forwarding then
 fits behind the next one's rows and only the small last chunk's is left exposed. Every chunk's rows are issued
-before the first is forwarded (cached dispatches too, whose FP8 scales ride at the end of each row through both legs,
-split once at the end; where the domain leg is one-sided, a cached call's domain leg is one gated push for all chunks
-that waits on the device for each chunk's flag and writes every row at its place in the output's order: ``_mapped``), so the link never waits for the host between chunks; a
-combine takes the chunks the other way round, smallest first, each chunk's partials crossing while the next chunk
-is summed within the domain; each chunk adds a few launches and collectives, so the best count depends on the link.
+before the first is forwarded (cached dispatches too, whose FP8 scales ride at the end of each row across the
+network; where the domain leg is one-sided, a cached call's domain leg is one gated push for all chunks that waits on
+the device for each chunk's flag and writes every row and its scales at their place in the output's order:
+``_mapped``; else the rows are gathered and split once at the end), so the link never waits for the host between
+chunks; a combine takes the chunks the other way round, smallest first, each chunk's partials crossing while the
+next chunk is summed within the domain; each chunk adds a few launches and collectives, so the best count depends on
+the link.
 The count is measured: the first exact-mode dispatches try ``CHUNK_CANDIDATES`` in turn (1 first: it sizes the
 domain's storage for whole calls), ``TUNE_CALLS`` rounds (the first not counted; in turn, so that a link whose rate
 drifts weighs on every count alike), then the ranks agree (one all_reduce of their times, the slowest rank's
@@ -770,7 +772,7 @@ class HierarchicalTransport(Transport):
                     legs()
             else:
                 legs()
-            gate = Gate(bounds, flags, value, chunks, 0)
+            gate = Gate(bounds, flags, value, chunks)
         # the domain leg reads each row's x bytes and its scales in place (rows of any stride)
         part = _cached(recv[:, :xb], recv[:, xb:].view(scales.dtype) if ns else None, handle, req)
         with self._leg(fn, "forwarding the cached tokens", within=True):

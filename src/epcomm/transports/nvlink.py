@@ -36,7 +36,7 @@ Low-latency mode: ``epcomm.transports.low_latency`` (one-sided, double-buffered,
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -598,14 +598,14 @@ class NVLinkTransport(Transport):
                 area_rows, meta_rows, self.prog, self._off(self.prog), self.err, state.recv_prefix, out_x, out_scales,
                 out_idx, out_w, out_src, num_recv, self._timeout(), grid, req.row_map)
             # a gated push holds about one program per SM (half what fits): the rows' writers keep the rest
-            gate = None if req.gate is None else replace(req.gate, programs=max(self.sms, grid + num_ranks))
+            limit = 0 if req.gate is None else max(self.sms, grid + num_ranks)
             launch_push(x=x, scales=scales, topk_idx=req.topk_idx, topk_weights=req.topk_weights, itr=itr,
                         pos=state.pos, first=first, rows=rows, bases=self.heap.peer_bases, area_off=area_off,
                         meta_off=area_off + meta_rel, hdr_off=self._off(self.hdr), arrive_off=self._off(self.arrive),
                         epoch=self.epoch, counter=self.counters, t_begin=lo, t_end=hi, cap=cap, rank=rank,
                         world=num_ranks, num_experts=req.num_experts, grid=grid, tokens_per_step=tok,
                         use_ptx=self.device.type == "cuda", single_round=single, publish=True, dummy=dummy,
-                        receive=receive, gate=gate)
+                        receive=receive, gate=req.gate, limit=limit)
             if strict:
                 launch(dispatch_copyout_kernel, (copy_grid,),
                     area_rows, meta_rows, self.hdr, self.heap.peer_bases, self._off(self.arrive), self.epoch, self.err,
