@@ -194,23 +194,35 @@ def test_both_legs_counts_in_one_exchange(chunks):
         assert calls.get("all_gather_single") == 1, calls  # the domain's sums
 
 
-def _packed_ahead(ctx, chunks):
+def _packed_ahead(ctx, chunks, head_share):
     """Exact-mode dispatches with the inter-domain leg on its kernel path (the Triton interpreter here), checked
     against the reference while the order of the leg's local work and the count read is recorded: ``(failures,
     events)``, events ``"prepared"`` (what ``Transport.prepare`` made of a chunk), ``"copied"`` (the counts' copy to
-    the host issued), ``"read"`` (the host's read of that copy) and ``"planned"`` (a plan kernel of the leg)."""
+    the host issued), ``"read"`` (the host's read of that copy), ``"planned"`` (a plan kernel of the leg), ``"sent
+    ahead"`` and ``"received ahead"`` (the head chunk's rows sent, and made a result once the counts are known)."""
     from epcomm.buffer import Buffer
     from epcomm.testing.checks import NormalCase, check_normal
     from epcomm.transports import alltoall, faults
     from epcomm.transports.hierarchical import HierarchicalTransport
 
     HierarchicalTransport.pipeline_chunks = chunks
+    HierarchicalTransport.head_share = head_share
     buf = Buffer(ctx.group, transport="alltoall", ranks_per_node=2)
     case = NormalCase(num_tokens=(11, 0, 17, 6), hidden=128, num_experts=8, topk=3, dtype="fp8", routing="dropped",
                       bias=1, seed=13)
     failures = check_normal(ctx, buf, case).failures  # first call of its kind
     rail, events = buf.runtime.rail, []  # (the domain leg is a portable transport too: its calls are not recorded)
-    saved = (alltoall.AllToAllTransport.prepare, alltoall.AllToAllTransport._plan_gpu, faults.read_later)
+    saved = (alltoall.AllToAllTransport.prepare, alltoall.AllToAllTransport._plan_gpu, faults.read_later,
+             alltoall.AllToAllTransport.send_ahead, alltoall.AllToAllTransport.receive_ahead)
+
+    def send_ahead(self, req, capacity):
+        out = saved[3](self, req, capacity)
+        events.append("sent ahead")
+        return out
+
+    def receive_ahead(self, ahead, known):
+        events.append("received ahead")
+        return saved[4](self, ahead, known)
 
     def prepare(self, req):
         out = saved[0](self, req)
@@ -235,28 +247,34 @@ def _packed_ahead(ctx, chunks):
 
     alltoall.AllToAllTransport.prepare, faults.read_later = prepare, read_later
     alltoall.AllToAllTransport._plan_gpu = plan_gpu
+    alltoall.AllToAllTransport.send_ahead, alltoall.AllToAllTransport.receive_ahead = send_ahead, receive_ahead
     try:
         failures += check_normal(ctx, buf, case).failures
     finally:
-        alltoall.AllToAllTransport.prepare, alltoall.AllToAllTransport._plan_gpu, faults.read_later = saved
+        (alltoall.AllToAllTransport.prepare, alltoall.AllToAllTransport._plan_gpu, faults.read_later,
+         alltoall.AllToAllTransport.send_ahead, alltoall.AllToAllTransport.receive_ahead) = saved
     buf.destroy()
     return failures, events
 
 
-@pytest.mark.parametrize("chunks", [1, 3])
-def test_rail_rows_packed_while_the_counts_travel(chunks, monkeypatch):
+@pytest.mark.parametrize("chunks,head_share", [(1, 0.125), (3, 0.0)])
+def test_rail_rows_packed_while_the_counts_travel(chunks, head_share, monkeypatch):
     """The inter-domain leg's plan and pack kernels (local work) of every chunk are enqueued before the count read,
     after the counts' copy to the host (the read waits for the counts alone, not for the packing), and the leg's
     dispatch uses them (no second plan): once the counts are read only the rows' collective is left before the rows
-    cross. Bit-exact against the reference, FP8 with dropped slots and an empty rank."""
+    cross. The head chunk (the second dispatch of a Buffer; 3 slots per domain here, 17 tokens at most in the first)
+    is planned, packed and sent before the counts' copy is even issued, and made a result after the read.
+    Bit-exact against the reference, FP8 with dropped slots and an empty rank."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    for failures, events in spawn(_packed_ahead, 4, chunks, device="cpu", timeout_s=600):
+    for failures, events in spawn(_packed_ahead, 4, chunks, head_share, device="cpu", timeout_s=600):
         assert failures == [], failures
-        # the check's dispatch: the counts' copy, one prepared chunk each (with a plan), then its one count read;
-        # nothing planned after
-        dispatch = events[:2 * chunks + 2]
-        assert dispatch == ["copied"] + ["planned", "prepared"] * chunks + ["read"], events
-        assert "planned" not in events[2 * chunks + 2:], events
+        # the check's dispatch: (the head sent,) the counts' copy, one prepared chunk each (with a plan), then its one
+        # count read (and the head's result); nothing planned after
+        head = head_share > 0
+        expected = (["planned", "sent ahead"] if head else []) + ["copied"] + ["planned", "prepared"] * chunks + \
+            ["read"] + (["received ahead"] if head else [])
+        assert events[:len(expected)] == expected, events
+        assert "planned" not in events[len(expected):] and "sent ahead" not in events[len(expected):], events
 
 
 def _fused_rows(ctx):
@@ -387,26 +405,30 @@ def test_known_counts_from_the_exchange():
     from epcomm.transports.hierarchical import _known_counts
 
     # the domain's gathered sums per forwarding rank f: [tokens it forwards, rows to rank 0, rows to rank 1,
-    # pairs per expert of the domain (4)]; then this rank's rail sends [D] and receives [D]
-    every = [[5, 3, 4, 1, 2, 3, 4], [6, 2, 5, 5, 6, 7, 8]]
+    # pairs per expert of the domain (4), the most tokens of its rail peers]; then this rank's rail sends [D] and
+    # receives [D]
+    every = [[5, 3, 4, 1, 2, 3, 4, 9], [6, 2, 5, 5, 6, 7, 8, 12]]
     host = every[0] + every[1] + [7, 8] + [2, 3]
-    (rail, domain), = _known_counts(host, 1, 2, 2, 4, 0)
+    ((rail, domain),), most = _known_counts(host, 1, 2, 2, 4, 0)
+    assert most == 12
     assert rail == KnownCounts((7, 8), (2, 3), (1, 2, 3, 4))
     assert domain == KnownCounts((3, 4), (3, 2), (1 + 5, 2 + 6), num_tokens_max=6, max_pair=5)
     assert domain.num_recv_tokens == 5
-    (_, domain1), = _known_counts(host, 1, 2, 2, 4, 1)  # the same gather read by the rank of local index 1
+    ((_, domain1),), _ = _known_counts(host, 1, 2, 2, 4, 1)  # the same gather read by the rank of local index 1
     assert domain1 == KnownCounts((2, 5), (4, 5), (3 + 7, 4 + 8), num_tokens_max=6, max_pair=5)
     # several chunks, domains and forwarders: every count from its definition
     import random
 
     rng = random.Random(5)
     C, L, D, e_dom = 3, 3, 4, 6
-    V = 1 + L + e_dom
+    V = 2 + L + e_dom
     host = [rng.randrange(40) for _ in range(L * C * V + 2 * D * C)]
     at = lambda f, c, i: host[(f * C + c) * V + i]  # noqa: E731 - forwarder f's sums of chunk c
     sends, recvs = host[L * C * V:L * C * V + D * C], host[L * C * V + D * C:]
     for l in range(L):
-        for c, (rail, domain) in enumerate(_known_counts(host, C, L, D, e_dom, l)):
+        known, most = _known_counts(host, C, L, D, e_dom, l)
+        assert most == max(at(f, 0, V - 1) for f in range(L))
+        for c, (rail, domain) in enumerate(known):
             assert rail == KnownCounts(tuple(sends[d * C + c] for d in range(D)),
                                        tuple(recvs[d * C + c] for d in range(D)),
                                        tuple(at(l, c, 1 + L + e) for e in range(e_dom)))
@@ -821,6 +843,30 @@ def test_bench_internode_and_its_model(tmp_path):
             "dispatch BF16: host from the count read to the first rows"} <= {r["op"] for r in phases}
     assert {r["op"] for r in rows if r["impl"] == "hierarchical, 4 chunks, by phase"} >= {
         "dispatch BF16: host after the count read", "combine BF16: the call (host)"}
+
+
+def test_model_head_chunk_crosses_while_the_counts_travel():
+    """The model's head chunk (``head_share``): its padded slots (a row per head token for every remote domain) cross
+    from the call's start, so a count exchange and a host lead shorter than them are hidden, and the padding is
+    paid; without a head the count exchange and the lead are paid in full. The exact dispatch's model arguments carry
+    the transport's share."""
+    from epcomm.bench import internode
+    from epcomm.bench.traffic import internode_estimate, row_bytes
+    from epcomm.transports.hierarchical import HierarchicalTransport
+
+    args = (16, 8, 4096, 7168, 8, 256, "fp8", 50.0, 1e6)  # 2 domains; forwarding at 1e6 GB/s: ~free
+    base = internode_estimate(*args, chunks=1, ratio=1.0)
+    paid = internode_estimate(*args, chunks=1, ratio=1.0, fixed_us=100.0, lead_us=30.0)
+    assert abs(paid.pipelined_us - (base.pipelined_us + 130.0)) < 1e-6
+    head = internode_estimate(*args, chunks=1, ratio=1.0, fixed_us=100.0, lead_us=30.0, head_share=0.25)
+    slots = 4096 * 0.25 * 1 * row_bytes(7168, "fp8") / 50e9 * 1e6  # every head slot crosses to the other domain
+    assert slots > 130.0  # (the head outlasts the count exchange and the lead: both hidden)
+    assert abs(head.pipelined_us - (slots + base.network_us * 0.75 + head.forward_us * 0.75 + head.reorder_us)) < 1e-3
+    assert head.pipelined_us < paid.pipelined_us and head.crossing_bytes == base.crossing_bytes
+    short = internode_estimate(*args, chunks=1, ratio=1.0, fixed_us=3000.0, head_share=0.25)  # counts outlast the head
+    assert abs(short.pipelined_us - (3000.0 + base.network_us * 0.75 + short.forward_us * 0.75
+                                     + short.reorder_us)) < 1e-3
+    assert internode.HostCosts().model_args("dispatch FP8")["head_share"] == HierarchicalTransport.head_share > 0
 
 
 def test_model_charges_the_one_sided_node_leg():

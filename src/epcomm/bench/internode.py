@@ -455,9 +455,10 @@ class HostCosts:
         are written in place (its node leg is one-sided: ``HierarchicalTransport._mapped``), not gathered after it."""
         if "cached" in op:
             return dict(host_us=self.cached_host, host_chunk_us=self.cached_chunk, in_place=True)
-        if "dispatch" in op:
+        if "dispatch" in op:  # (its head chunk crosses while the counts travel: HierarchicalTransport.head_share)
             return dict(fixed_us=self.fixed if fixed is None else fixed, host_us=self.dispatch_host,
-                        lead_us=self.dispatch_lead, host_chunk_us=self.dispatch_chunk)
+                        lead_us=self.dispatch_lead, host_chunk_us=self.dispatch_chunk,
+                        head_share=HierarchicalTransport.head_share)
         return dict(host_us=self.combine_host, host_chunk_us=self.combine_chunk)
 
     @classmethod

@@ -103,7 +103,7 @@ def internode_estimate(ranks: int, gpus_per_node: int, num_tokens: int, hidden: 
                        kind: str, nic_gbps: float, nvlink_gbps: float, max_groups: int = 0, chunks: int = 4,
                        hbm_gbps: float = 4000.0, fixed_us: float = 0.0, host_us: float = 0.0, lead_us: float = 0.0,
                        host_chunk_us: Optional[float] = None, ratio: Optional[float] = None,
-                       in_place: bool = False) -> InternodeEstimate:
+                       in_place: bool = False, head_share: float = 0.0) -> InternodeEstimate:
     """Model of one dispatch (``kind`` fp8 or bf16; a combine moves the BF16 bytes the other way) of the
     hierarchical path: every token crosses once to each remote domain holding one of its experts (at
     ``nic_gbps`` per GPU), then each forwarding rank copies the rows it received to the ranks of its domain
@@ -123,7 +123,10 @@ def internode_estimate(ranks: int, gpus_per_node: int, num_tokens: int, hidden: 
     Chunk sizes: ``ratio`` times the previous chunk's tokens (``chunk_shares``; None: what the transport measures and
     uses, ``chunk_ratio`` of the forwarding's time over the network's); the two legs then run as a two-stage
     pipeline, each a chunk at a time: the call's legs end at the largest, over chunks ``k``, of the network's time for
-    chunks ``0..k`` and the forwarding's for chunks ``k..``."""
+    chunks ``0..k`` and the forwarding's for chunks ``k..``. ``head_share``: an exact-mode dispatch's head chunk (that
+    share of the tokens, ahead of the ``chunks``) crosses in fixed slots, every slot to every remote domain whether a
+    token fills it or not, from the call's start, while the counts travel and the host reads them; its forwarding
+    and the other chunks' rows wait for the count read and the host's lead."""
     domains = ranks // gpus_per_node
     rows = expected_domains(num_experts, domains, topk, max_groups)
     crossing = num_tokens * rows * (domains - 1) / domains * row_bytes(hidden, kind)
@@ -141,12 +144,20 @@ def internode_estimate(ranks: int, gpus_per_node: int, num_tokens: int, hidden: 
         from ..transports.hierarchical import chunk_ratio
 
         ratio = chunk_ratio(forward_us / network_us if network_us > 0 else float("inf"))
-    shares = chunk_shares(chunks, ratio)
-    legs = max(network_us * sum(shares[:k + 1]) + forward_us * sum(shares[k:]) for k in range(chunks))
+    rest = 1.0 - head_share
+    start = fixed_us + lead_us  # the counts are read and the first rows' collective issued
+    stages = [(start, network_us * rest * share, forward_us * rest * share) for share in chunk_shares(chunks, ratio)]
+    if head_share:  # (its padded slots: every remote domain gets one row per token of it)
+        stages.insert(0, (0.0, num_tokens * head_share * (domains - 1) * row_bytes(hidden, kind) / (nic_gbps * 1e9)
+                          * 1e6, forward_us * head_share))
+    net_end = legs = 0.0
+    for ready, net, fwd in stages:  # a chunk crosses once the link and its collective are there, then is forwarded
+        net_end = max(net_end, ready) + net
+        legs = max(legs, net_end, start) + fwd
     return InternodeEstimate(ranks, domains, chunks, rows * (domains - 1) / domains, crossing, network_us, forward_us,
                              reorder_us, fixed_us, lead_us, issue_us,
                              fixed_us + lead_us + max(network_us, host_us - lead_us) + forward_us,
-                             fixed_us + lead_us + max(legs, behind + forward_us * shares[-1]) + reorder_us, ratio)
+                             max(legs, start + behind + stages[-1][2]) + reorder_us, ratio)
 
 
 # DeepEP's published internode figures (its README; H800, ConnectX-7 400 Gb/s InfiniBand, ~50 GB/s per GPU), for

@@ -39,9 +39,9 @@ from ..kernels import triton_available
 from .device_errors import LOW_LATENCY, NORMAL, DeviceErrors
 from .faults import read_later
 from .plan import exclusive_cumsum, send_plan
-from .base import (Capabilities, CombineRequest, DispatchRequest, DispatchResult, LowLatencyCombineRequest,
-                   LowLatencyCombineResult, LowLatencyDispatchRequest, LowLatencyDispatchResult, Transport,
-                   counts_to_device)
+from .base import (Capabilities, CombineRequest, DispatchRequest, DispatchResult, KnownCounts,
+                   LowLatencyCombineRequest, LowLatencyCombineResult, LowLatencyDispatchRequest,
+                   LowLatencyDispatchResult, Transport, counts_to_device)
 
 
 class _Done:
@@ -94,6 +94,16 @@ class _NormalState:
 
 
 @dataclass(frozen=True)
+class Ahead:
+    """An exact-mode dispatch sent ahead of its counts (``AllToAllTransport.send_ahead``), until ``receive_ahead``."""
+    req: DispatchRequest
+    plan: "_Plan"
+    capacity: int  # slots per destination
+    recv: torch.Tensor  # [R * capacity, row bytes + record bytes] uint8: the slots as received, source by source
+    row_bytes: int  # of x's rows (the records follow them)
+
+
+@dataclass(frozen=True)
 class _LowLatencyState:
     capacity: int  # rows per peer
     send_slot: torch.Tensor  # [N, K] int64 slot of each (token, k) in the send area, -1 if none
@@ -126,6 +136,7 @@ class AllToAllTransport(Transport):
         self.errors = DeviceErrors(self._errors, ((0, 1, NORMAL), (1, 2, LOW_LATENCY)), self._describe_errors)
         self._zero_copy: dict = {}
         self._zero_bases: dict = {}
+        self._slot_first: dict = {}  # send_ahead's minus first slot of each destination, by (ranks, capacity)
         self._pinned: dict = {}  # pinned host blocks for the dispatch's count read, by size
         self._no_rows = torch.empty(0, dtype=torch.int64, device=device)  # send_idx of the GPU path's handles
         # gloo moves CUDA tensors through the host: such a group (e.g. ranks that share a GPU) cannot be captured
@@ -324,9 +335,16 @@ class AllToAllTransport(Transport):
         handle. ``rows``/``records`` are in send order (destination rank, then token). ``expert_counts()``
         returns ``(per_expert list, recv_per_expert [E_local] int32 tensor)``; it runs once the rows are on
         their way (the call is host-bound until the rows' all_to_all is issued)."""
-        x, num_ranks = req.x, self.num_ranks
         num_recv = sum(recv_counts)
         recv_x, recv_meta = self._a2a_rows([rows, records], num_recv, recv_counts, send_counts)
+        return self._received(req, recv_x, recv_meta, send_counts, recv_counts, expert_counts, state)
+
+    def _received(self, req: DispatchRequest, recv_x: torch.Tensor, recv_meta: torch.Tensor, send_counts: list,
+                  recv_counts: list, expert_counts, state: "_NormalState") -> DispatchResult:
+        """An exact-mode dispatch's result from its received rows (``recv_x``: contiguous, any dtype of the right
+        row bytes) and records (``recv_meta`` int32), in source order (``_exchange_rows``)."""
+        x, num_ranks = req.x, self.num_ranks
+        num_recv = sum(recv_counts)
         recv_x = recv_x.view(x.dtype).view(num_recv, x.size(1))
         per_expert, recv_per_expert = expert_counts()
         if self._gpu_path(x):  # one kernel instead of a torch op per field
@@ -391,6 +409,56 @@ class AllToAllTransport(Transport):
             return None
         plan = self._plan_gpu(req, None)
         return plan, self._pack_plan(req, plan)
+
+    def can_send_ahead(self, x: torch.Tensor) -> bool:
+        """Whether ``send_ahead`` takes dispatches of ``x`` (the GPU path's kernels run on its device)."""
+        return self._gpu_path(x)
+
+    def send_ahead(self, req: DispatchRequest, capacity: int) -> "Ahead":
+        """An exact-mode dispatch whose rows leave before its counts are known (GPU path): the plan and pack kernels
+        put each destination's rows and records in ``capacity`` fixed slots (``capacity >= x.size(0)``: every rank
+        passes the same), and one all_to_all of equal splits is issued now, with no count exchange and no host read.
+        ``receive_ahead`` makes its result once the counts are known; the slots that hold no row cross as padding.
+        Raises ValueError for a request this does not take."""
+        n, num_ranks = req.x.size(0), self.num_ranks
+        if (req.handle is not None or req.num_worst_tokens or req.peer_capacity or req.topk_idx is None
+                or not self._gpu_path(req.x) or not n <= capacity):
+            raise ValueError(f"AllToAllTransport.send_ahead: an exact-mode GPU-path dispatch with top-k ids and at "
+                             f"most capacity={capacity} tokens; got {n} tokens (handle, num_worst_tokens or "
+                             f"peer_capacity given: {req.handle is not None}, {req.num_worst_tokens}, "
+                             f"{req.peer_capacity})")
+        plan = self._plan_gpu(req, None)
+        slots = self._slot_first.get((num_ranks, capacity))
+        if slots is None:  # destination r's rows start at slot r * capacity (the pack writes pos - first[r])
+            slots = self._slot_first[(num_ranks, capacity)] = -capacity * torch.arange(
+                num_ranks, dtype=torch.int32, device=req.x.device)
+        rows, recs = self._pack(req.x, req.x_scales, req.topk_idx, req.topk_weights, req.is_token_in_rank, plan.pos,
+                                slots, req.num_experts, num_ranks * capacity)
+        send = torch.cat([_as_bytes(rows), _as_bytes(recs)], 1)  # (slots no row fills hold what was there)
+        recv = torch.empty_like(send)
+        self._a2a(recv, send)
+        return Ahead(req, plan, capacity, recv, rows.size(1) * 4)
+
+    def receive_ahead(self, ahead: "Ahead", known: KnownCounts) -> DispatchResult:
+        """The result of ``send_ahead``'s dispatch, given its counts (``known``, as ``DispatchRequest.known``): the
+        rows each source filled of its slots, side by side, exactly what ``dispatch`` with those counts returns
+        (the same rows, records and handle)."""
+        cap, rb, recv = ahead.capacity, ahead.row_bytes, ahead.recv
+        recv_counts = list(known.num_recv_tokens_per_rank)
+        filled = [(s * cap, c) for s, c in enumerate(recv_counts) if c]
+
+        def columns(lo: int, hi: int) -> torch.Tensor:  # one copy: the filled rows' columns [lo, hi)
+            if not filled:
+                return recv[:0, lo:hi].contiguous()
+            return torch.cat([recv[a:a + c, lo:hi] for a, c in filled]) if len(filled) > 1 else \
+                recv[filled[0][0]:filled[0][0] + filled[0][1], lo:hi].contiguous()
+
+        per_expert = list(known.num_recv_tokens_per_expert)
+        return self._received(ahead.req, columns(0, rb), columns(rb, recv.size(1)).view(torch.int32),
+                              list(known.num_tokens_per_rank), recv_counts,
+                              lambda: (per_expert, counts_to_device(per_expert, self.device)
+                                       if known.recv_per_expert_tensor is None else known.recv_per_expert_tensor),
+                              self._gpu_state(ahead.plan, known.num_tokens_per_rank))
 
     def dispatch_many(self, reqs: list):
         """``dispatch`` of each request in turn (a generator that yields each result once its collectives are

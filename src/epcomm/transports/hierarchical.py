@@ -27,7 +27,13 @@ source sends its rail peer in each domain its tokens for that domain, for each o
 all_gather); one host read. Neither leg then exchanges or reads counts of its own (``KnownCounts``: the one-sided
 domain leg keeps its exchange on the device and checks it against them), so every launch of the call is enqueued
 while its rows still cross between domains and the forwarding starts on the device as soon as they land, instead of
-after a host read and the host's launches.
+after a host read and the host's launches. The head chunk keeps the link busy during that round trip: a call's first
+tokens (``head_share`` of the largest token count any rank had in the previous exact-mode call, the same number of
+slots on every rank; the first call has none) cross right behind the counts in fixed slots, one per head token for
+every domain (the inter-domain leg's ``send_ahead``: no counts needed), while the counts travel and the host reads
+them; once they are read, the slots the sources filled become the chunk's exact result (``receive_ahead``), which is
+forwarded, cached and combined like any other chunk. Its slots that no token fills cross as padding (few where
+almost every token goes to every domain, as at a 2-node split; at EP64 with 8 nodes about half the head's slots).
 
 Pipelining: an exact-mode call moves its tokens in chunks (each rank's tokens split in order, the same count on every
 rank); the inter-domain leg of chunk ``c + 1`` runs on a network stream while chunk ``c`` is forwarded within the
@@ -98,6 +104,7 @@ import collections
 import contextlib
 import functools
 import logging
+import math
 import time
 import weakref
 from dataclasses import dataclass, field, replace
@@ -128,6 +135,7 @@ INTER_DOMAIN_LEGS = {"nccl": AllToAllTransport}
 COUNTS_PHASE = "counts of both legs"  # an exact-mode dispatch's one count exchange (faults name it; benchmarks time it)
 PACK_PHASE = "packing the tokens"  # the inter-domain leg's local work, issued while the counts travel
 ROWS_PHASE = "tokens to their domains"  # the inter-domain leg's rows (benchmarks time the host's path up to it)
+HEAD_PHASE = "the first tokens to their domains, ahead of their counts"  # the head chunk's rows (fixed slots)
 
 _subgroups: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 # per rail group: {"message": why its groups were aborted}, shared by every transport that uses them
@@ -219,6 +227,10 @@ class HierarchicalTransport(Transport):
     # _ChunkTuner: the forwarding's time over the rows' time in one-chunk calls, at least CHUNK_RATIO_FLOOR); 1: even
     chunk_ratio: Optional[float] = None
     TUNE_CALLS = 4  # rounds of one dispatch per candidate (the first round is not counted: it may compile or size)
+    # the head chunk of an exact-mode dispatch (module docstring, "Counts"): its fixed slots per domain are this share
+    # of the largest token count any rank had in the previous exact-mode dispatch (0: no head chunk). A quarter: the
+    # traffic model's best at EP64 (its rows cover the count exchange and the host's lead there; more pads more)
+    head_share: float = 0.25
 
     def __init__(self, group, device: torch.device, buffer_id: int, domains: Domains,
                  domain_transport: Any = "auto", leg: str = "nccl", num_nvl_bytes: int = 0,
@@ -254,6 +266,7 @@ class HierarchicalTransport(Transport):
         self._gate_value = 0  # the last value released into them: one more per call
         self._pinned: dict = {}  # pinned host blocks for the count read (faults.read_later)
         self._tuner = _ChunkTuner(self.CHUNK_CANDIDATES, self.TUNE_CALLS, device)
+        self._head = 0  # the next exact-mode dispatch's head chunk: slots per domain (the same on every rank; 0: none)
         self._fault = _faults.setdefault(self.rail_group, {})  # shared with every Buffer on these groups
         self._calls = 0  # calls made (the same count on every rank): names a call in the fault reports
         self._in_flight: collections.deque = collections.deque()  # (end event, issued at, call, fn) per call
@@ -443,16 +456,22 @@ class HierarchicalTransport(Transport):
         with self._leg(fn, "chunk agreement"):
             chunks = 1 if W else forced or self._tuner.next(lambda times: self._slowest(fn, times), fn)
         timing = None if W or forced else self._tuner.start(chunks)
-        bounds = chunk_bounds(n, chunks, self._chunk_ratio() if chunks > 1 else 1.0)
+        # slots per domain of the head chunk (sent ahead of the counts; 0: none, as where the leg cannot)
+        head = self._head if not W and getattr(self.rail, "can_send_ahead", lambda _: False)(x) else 0
+        h = min(n, head)  # this rank's tokens in it (the slots are the same on every rank)
+        bounds = [(h + a, h + b) for a, b in chunk_bounds(n - h, chunks, self._chunk_ratio() if chunks > 1 else 1.0)]
+        if head:
+            bounds.insert(0, (0, h))
+        ahead = None
         if W:  # fixed slots, no counts to learn
             subs, counts_known, starts = [req], None, None
         else:  # every chunk's layout computed here (the counts below are made from it), both legs' counts learnt
             subs = [self._chunk(req, a, b, c == 0) for c, (a, b) in enumerate(bounds)]
-            counts_known, starts = self._exchange_counts(fn, req, subs, bounds)
+            counts_known, starts, ahead = self._exchange_counts(fn, req, subs, bounds, head)
         parts = []
         marks = timing[2] if timing is not None and chunks == 1 else None  # a one-chunk call's legs, timed
         _mark_into(marks, self.device)
-        for c, r1 in enumerate(self._rail_chunks(fn, subs, cap, counts_known)):
+        for c, r1 in enumerate(self._rail_chunks(fn, subs, cap, counts_known, ahead)):
             h1 = r1.handle
             _mark_into(marks, self.device)
             r2, src_rank, src_idx = self._forward(fn, subs[c], r1, h1, None if starts is None else starts[:, c],
@@ -493,7 +512,7 @@ class HierarchicalTransport(Transport):
                        num_tokens_per_rank=per_rank, is_token_in_rank=itr, num_tokens_per_expert=per_expert,
                        bad_topk=req.bad_topk if first else None)
 
-    def _exchange_counts(self, fn: str, req: DispatchRequest, subs: list, bounds: list) -> tuple:
+    def _exchange_counts(self, fn: str, req: DispatchRequest, subs: list, bounds: list, head: int) -> tuple:
         """Both legs' counts of every chunk of an exact-mode dispatch, learnt before any row moves: one all_to_all over
         the rail group, one all_gather over the domain group, one host read. Every source sends its rail peer in each
         domain, per chunk, ``[tokens with an expert in that domain, tokens for each of its ranks (L), tokens for each
@@ -504,9 +523,13 @@ class HierarchicalTransport(Transport):
         (``Transport.prepare``: the portable transport packs the rows), so that once they are read only the rows'
         collectives are left before the rows cross. The counts are copied to the host before that work is enqueued,
         so the host's read waits for them alone and the packing runs while the host reads them and issues the rows'
-        collectives. Returns ``([(the inter-domain leg's request, its counts known and its local work prepared;
-        domain KnownCounts)] per chunk, [D, chunks] int32 first token of each chunk of every rail peer, or None for
-        one chunk)``; raises on bad expert ids (``req.bad_topk``)."""
+        collectives. With ``head`` slots (the first chunk is the head chunk), the head's rows are sent in them right
+        behind the count all_to_all, on the network stream, so that they cross while the counts travel and the host
+        reads them. Every rank also learns the largest token count of any rank (its rail peers' largest, gathered over
+        its domain), which sizes the next call's head chunk. Returns ``([(the inter-domain leg's request, its counts
+        known and its local work prepared; domain KnownCounts)] per chunk, [D, chunks] int32 first token of each chunk
+        of every rail peer, or None for one chunk, the head's ``Ahead`` or None)``; raises on bad expert ids
+        (``req.bad_topk``)."""
         D, L, C, dev = self.num_domains, self.local_size, len(subs), req.x.device
         e_dom = req.num_experts // D
         tables, legs = [], []
@@ -516,15 +539,25 @@ class HierarchicalTransport(Transport):
             legs.append(self._rail_request(sub, per_domain, in_domain, 0))
             tables.append(torch.cat([per_domain.view(D, 1), sub.num_tokens_per_rank.view(D, L),
                                      sub.num_tokens_per_expert.view(D, e_dom)], 1))
-        first = counts_to_device([a for a, _ in bounds], dev).view(1, C, 1).expand(D, C, 1)
-        send = torch.cat([torch.stack(tables, 1), first], 2)  # [D, C, V]
-        recv = torch.empty_like(send)  # [source domain, C, V]
+        marks = counts_to_device([a for a, _ in bounds] + [req.x.size(0)], dev)  # each chunk's first token, the tokens
+        send = torch.cat([torch.stack(tables, 1), marks[:C].view(1, C, 1).expand(D, C, 1),
+                          marks[C:].view(1, 1, 1).expand(D, C, 1)], 2)  # [D, C, V + 2]
+        recv = torch.empty_like(send)  # [source domain, C, V + 2]
+        net = None
+        if head and self.device.type == "cuda":  # the head's packing waits for its layout, not for the counts
+            net = self._streams()[1]
+            net.wait_stream(torch.cuda.current_stream(self.device))
         with self._leg(fn, COUNTS_PHASE):
             dist.all_to_all_single(recv, send, group=self.rail_group)
-        mine = recv[:, :, :-1].sum(0, dtype=torch.int32)  # [C, V - 1]: what this rank forwards
-        every = torch.empty(L * C, mine.size(1), dtype=torch.int32, device=dev)  # [L, C, V - 1], as gloo takes it
+        ahead = None
+        if head:  # behind the counts on the link; its packing on the network stream meanwhile
+            with torch.cuda.stream(net) if net is not None else contextlib.nullcontext(), self._leg(fn, HEAD_PHASE):
+                ahead = self.rail.send_ahead(legs[0], head)
+        mine = recv[:, :, :-2].sum(0, dtype=torch.int32)  # [C, V]: what this rank forwards
+        most = recv[:, 0, -1].amax().view(1, 1).expand(C, 1)  # the most tokens of a rail peer
+        every = torch.empty(L * C, mine.size(1) + 1, dtype=torch.int32, device=dev)  # [L, C, V + 1], as gloo takes
         with self._leg(fn, COUNTS_PHASE, within=True):
-            _all_gather_single(every, mine, group=self.domain_group)
+            _all_gather_single(every, torch.cat([mine, most], 1), group=self.domain_group)
             bad = req.bad_topk if req.bad_topk is not None else torch.zeros((), dtype=torch.int32, device=dev)
             # copied to the host ahead of the packing below: the host's read waits for the counts alone, and the
             # packing runs on the device while the host reads them and issues the rows' collectives
@@ -532,22 +565,28 @@ class HierarchicalTransport(Transport):
                                                 bad.view(1).to(torch.int32)]), fn,
                                      f"rank {self.rank}: the counts of both legs", self._pinned)
         with self._leg(fn, PACK_PHASE):  # the inter-domain leg's local work, while the counts travel
-            legs = [replace(leg, prepared=self.rail.prepare(leg)) for leg in legs]
+            legs = legs[:1 if head else 0] + [replace(leg, prepared=self.rail.prepare(leg))
+                                              for leg in legs[1 if head else 0:]]
         with self._leg(fn, COUNTS_PHASE):
             host = read()
         raise_if_bad_topk(fn, host[-1], req.num_experts)
-        known = _known_counts(host, C, L, D, e_dom, self.local_index)
+        known, most_tokens = _known_counts(host, C, L, D, e_dom, self.local_index)
+        self._head = math.ceil(most_tokens * self.head_share)  # (the same on every rank)
         # (the inter-domain leg's received per-expert counts are this rank's sums, already on the device)
-        return [(replace(leg, known=replace(rail, recv_per_expert_tensor=mine[c, 1 + L:])), domain)
-                for c, ((rail, domain), leg) in enumerate(zip(known, legs))], (recv[:, :, -1] if C > 1 else None)
+        return ([(replace(leg, known=replace(rail, recv_per_expert_tensor=mine[c, 1 + L:])), domain)
+                 for c, ((rail, domain), leg) in enumerate(zip(known, legs))], (recv[:, :, -2] if C > 1 else None),
+                ahead)
 
-    def _rail_chunks(self, fn: str, subs: list, cap: int, counts_known: Optional[list]):
+    def _rail_chunks(self, fn: str, subs: list, cap: int, counts_known: Optional[list], ahead: Any = None):
         """The inter-domain leg of each chunk of a dispatch (a generator of its results, in order). With several
         chunks on GPUs every chunk's rows are issued on the network stream before the first result is yielded (with
         their counts known, or one count exchange for all: ``Transport.dispatch_many``), so the link moves chunk
         after chunk while the caller forwards the earlier ones within the domain; each result is yielded once the
-        caller's stream waits for it."""
+        caller's stream waits for it. ``ahead``: the head chunk's rows, already sent (``_exchange_counts``)."""
         D, L = self.num_domains, self.local_size
+
+        def head() -> DispatchResult:  # its slots as the exact result (on the stream its rows were sent on)
+            return self.rail.receive_ahead(ahead, counts_known[0][0].known)
 
         def request(c: int, req: DispatchRequest) -> DispatchRequest:
             if counts_known is not None:
@@ -555,20 +594,29 @@ class HierarchicalTransport(Transport):
             in_domain = req.is_token_in_rank.view(req.x.size(0), D, L).any(2)
             return self._rail_request(req, in_domain.sum(0, dtype=torch.int32), in_domain, cap)
 
+        first = 1 if ahead is not None else 0
         if self.device.type != "cuda" or len(subs) == 1:
             for c, req in enumerate(subs):
-                with self._leg(fn, ROWS_PHASE):
-                    r1 = self.rail.dispatch(request(c, req))
+                with self._leg(fn, HEAD_PHASE if c < first else ROWS_PHASE):
+                    r1 = head() if c < first else self.rail.dispatch(request(c, req))
                 yield r1
             return
         main, net = self._streams()
         net.wait_stream(main)
         outs = []
-        with torch.cuda.stream(net), self._leg(fn, ROWS_PHASE):
-            for r1 in self.rail.dispatch_many([request(c, r) for c, r in enumerate(subs)]):
-                done = torch.cuda.Event()
-                done.record(net)
-                outs.append((r1, done))
+
+        def issued(r1: DispatchResult) -> None:  # its end on the network stream: its collectives are issued
+            done = torch.cuda.Event()
+            done.record(net)
+            outs.append((r1, done))
+
+        with torch.cuda.stream(net):
+            if first:
+                with self._leg(fn, HEAD_PHASE):
+                    issued(head())
+            with self._leg(fn, ROWS_PHASE):
+                for r1 in self.rail.dispatch_many([request(c, r) for c, r in enumerate(subs) if c >= first]):
+                    issued(r1)
         for r1, done in outs:
             yield _handed_over(r1, done, main)
 
@@ -975,7 +1023,8 @@ class _ChunkTuner:
         self.seen += 1
         if not counted:
             return None
-        # (the call fills the list with 3 marks when it runs in one chunk: its rows start, rows end, forwarding end)
+        # (the call fills the list with 3 marks when it runs in one chunk: its rows start, rows end, forwarding end;
+        # 5 with a head chunk)
         return chunks, _mark(self.device), []
 
     def stop(self, timing) -> None:
@@ -987,8 +1036,9 @@ class _ChunkTuner:
             self._add_ratio(marks, lambda a, b: b - a)
 
     def _add_ratio(self, marks: list, elapsed: Callable) -> None:
-        if len(marks) == 3:
-            rows, forwarding = elapsed(marks[0], marks[1]), elapsed(marks[1], marks[2])
+        # (a head chunk adds two marks before the last two: the rows then run from the first mark to the last but one)
+        if len(marks) >= 3:
+            rows, forwarding = elapsed(marks[0], marks[-2]), elapsed(marks[-2], marks[-1])
             if rows > 0:
                 self.ratios.append(forwarding / rows)
 
@@ -1142,11 +1192,12 @@ def _true_sources(h2: LowLatencyHandle, t_max: int, D: int, L: int, src_info: to
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def _known_counts(host: list, C: int, L: int, D: int, e_dom: int, l: int) -> list:
-    """``[(rail KnownCounts, domain KnownCounts)]`` per chunk from the host read of ``_exchange_counts`` (the domain's
-    gathered sums ``[L, C, V]`` with ``V = 1 + L + e_dom``, then this rank's sends ``[D, C]`` and receives ``[D, C]``
-    over the rail) for local index ``l``."""
-    V = 1 + L + e_dom
+def _known_counts(host: list, C: int, L: int, D: int, e_dom: int, l: int) -> tuple:
+    """``([(rail KnownCounts, domain KnownCounts)] per chunk, the most tokens of any rank)`` from the host read of
+    ``_exchange_counts`` (the domain's gathered sums ``[L, C, V]`` with ``V = 2 + L + e_dom``, the last their rail
+    peers' most tokens, then this rank's sends ``[D, C]`` and receives ``[D, C]`` over the rail) for local index
+    ``l``."""
+    V = 2 + L + e_dom
     e_local = e_dom // L
     every = [[host[(f * C + c) * V:(f * C + c + 1) * V] for c in range(C)] for f in range(L)]
     base = L * C * V
@@ -1155,13 +1206,13 @@ def _known_counts(host: list, C: int, L: int, D: int, e_dom: int, l: int) -> lis
     out = []
     for c in range(C):  # (slices and zips: this runs between the count read and the first rows crossing)
         rows = [every[f][c] for f in range(L)]
-        rail = KnownCounts(tuple(sends[c::C]), tuple(recvs[c::C]), tuple(rows[l][1 + L:]))
+        rail = KnownCounts(tuple(sends[c::C]), tuple(recvs[c::C]), tuple(rows[l][1 + L:-1]))
         domain = KnownCounts(
             tuple(rows[l][1:1 + L]), tuple(r[1 + l] for r in rows),
             tuple(map(sum, zip(*(r[mine] for r in rows)))),
             num_tokens_max=max(r[0] for r in rows), max_pair=max(max(r[1:1 + L]) for r in rows))
         out.append((rail, domain))
-    return out
+    return out, max(every[f][0][-1] for f in range(L))
 
 
 def _cat(parts: list) -> Optional[torch.Tensor]:
