@@ -23,13 +23,13 @@ bit-exact.
 
 Counts: an exact-mode call learns both legs' counts of every chunk before any row moves, in one exchange: every
 source sends its rail peer in each domain its tokens for that domain, for each of the domain's ranks and experts
-(one all_to_all over the rail's ranks, on a communicator of its own); each rank's sums are what it forwards, gathered
-over its domain (one all_gather); one host read. Neither leg then exchanges or reads counts of its own (``KnownCounts``: the one-sided
+(one all_to_all over the rail group); each rank's sums are what it forwards, gathered over its domain (one
+all_gather); one host read. Neither leg then exchanges or reads counts of its own (``KnownCounts``: the one-sided
 domain leg keeps its exchange on the device and checks it against them), so every launch of the call is enqueued
 while its rows still cross between domains and the forwarding starts on the device as soon as they land, instead of
 after a host read and the host's launches. The head chunk keeps the link busy during that round trip: a call's first
 tokens (``head_share`` of the largest token count any rank had in the previous exact-mode call, the same number of
-slots on every rank; the first call has none) cross beside the counts in fixed slots, one per head token for
+slots on every rank; the first call has none) cross right behind the counts in fixed slots, one per head token for
 every domain (the inter-domain leg's ``send_ahead``: no counts needed), while the counts travel and the host reads
 them; once they are read, the slots the sources filled become the chunk's exact result (``receive_ahead``), which is
 forwarded, cached and combined like any other chunk. Its slots that no token fills cross as padding (few where
@@ -145,9 +145,7 @@ log = logging.getLogger(__name__)
 
 
 def subgroups(group: Any, domains: Domains, rank: int) -> tuple:
-    """``(domain group, rail group, count group)`` of ``rank`` (a rank of ``group``; the count group has the rail
-    group's ranks: an exact-mode dispatch's counts travel on it beside its head chunk's rows, which a collective on
-    the same communicator would have to wait for), made once per (group, domains) with
+    """``(domain group, rail group)`` of ``rank`` (a rank of ``group``), made once per (group, domains) with
     ``faults.group_timeout`` as their timeout (``EPCOMM_TIMEOUT_S`` over gloo; longer over NCCL, so that the
     transport's own deadline and abort come before NCCL's watchdog). Only the members of a subgroup take part in
     making it. Groups that were aborted (a rank never joined) are made anew."""
@@ -159,7 +157,7 @@ def subgroups(group: Any, domains: Domains, rank: int) -> tuple:
         own = [ranks[r] for r in domains.domain_ranks(domains.domain_of(rank))]
         rail = [ranks[r] for r in domains.rail_ranks(domains.local_index(rank))]
         made = []
-        for members in (own, rail, rail):
+        for members in (own, rail):
             made.append(dist.new_group(members, timeout=timeout, use_local_synchronization=True))
         cache[key] = tuple(made)
     return cache[key]
@@ -248,7 +246,7 @@ class HierarchicalTransport(Transport):
         self.domains = domains
         self.num_domains, self.local_size = domains.num_domains, domains.local_size
         self.local_index, self.domain_index = domains.local_index(self.rank), domains.domain_of(self.rank)
-        self.domain_group, self.rail_group, self.count_group = subgroups(group, domains, self.rank)
+        self.domain_group, self.rail_group = subgroups(group, domains, self.rank)
         self.rail_ranks = domains.rail_ranks(self.local_index)
         if self.local_size == 1:  # nothing to forward within a domain of one rank: a copy
             domain_transport = "alltoall"
@@ -367,7 +365,7 @@ class HierarchicalTransport(Transport):
             return
         self._fault["message"] = message
         self._in_flight.clear()
-        groups = (self.rail_group, self.domain_group, self.count_group)
+        groups = (self.rail_group, self.domain_group)
         faults.abort_groups(groups)
         _forget_subgroups(groups)
 
@@ -525,11 +523,10 @@ class HierarchicalTransport(Transport):
         (``Transport.prepare``: the portable transport packs the rows), so that once they are read only the rows'
         collectives are left before the rows cross. The counts are copied to the host before that work is enqueued,
         so the host's read waits for them alone and the packing runs while the host reads them and issues the rows'
-        collectives. With ``head`` slots (the first chunk is the head chunk), the head's rows are sent in them on the
-        network stream right after the count all_to_all is issued (on the count group, a communicator of its own), so
-        that they cross while the counts travel and the host reads them. Every rank also learns the largest token
-        count of any rank (its rail peers' largest, gathered over its domain), which sizes the next call's head
-        chunk. Returns ``([(the inter-domain leg's request, its counts
+        collectives. With ``head`` slots (the first chunk is the head chunk), the head's rows are sent in them right
+        behind the count all_to_all, on the network stream, so that they cross while the counts travel and the host
+        reads them. Every rank also learns the largest token count of any rank (its rail peers' largest, gathered over
+        its domain), which sizes the next call's head chunk. Returns ``([(the inter-domain leg's request, its counts
         known and its local work prepared; domain KnownCounts)] per chunk, [D, chunks] int32 first token of each chunk
         of every rail peer, or None for one chunk, the head's ``Ahead`` or None)``; raises on bad expert ids
         (``req.bad_topk``)."""
@@ -550,10 +547,10 @@ class HierarchicalTransport(Transport):
         if head and self.device.type == "cuda":  # the head's packing waits for its layout, not for the counts
             net = self._streams()[1]
             net.wait_stream(torch.cuda.current_stream(self.device))
-        with self._leg(fn, COUNTS_PHASE):  # (on a communicator of their own: the head's rows do not wait for them)
-            dist.all_to_all_single(recv, send, group=self.count_group)
+        with self._leg(fn, COUNTS_PHASE):
+            dist.all_to_all_single(recv, send, group=self.rail_group)
         ahead = None
-        if head:  # beside the counts on the link; its packing on the network stream meanwhile
+        if head:  # behind the counts on the link; its packing on the network stream meanwhile
             with torch.cuda.stream(net) if net is not None else contextlib.nullcontext(), self._leg(fn, HEAD_PHASE):
                 ahead = self.rail.send_ahead(legs[0], head)
         mine = recv[:, :, :-2].sum(0, dtype=torch.int32)  # [C, V]: what this rank forwards
