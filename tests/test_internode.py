@@ -608,7 +608,9 @@ def _peer_missing(ctx, mode, local=2, stall_s=8.0, fault_timeout=None, warm_buff
     from the call to the error, message of the next call, seconds it took)``; every rank ends at a meeting point in
     the store, so that the stalled rank's peers (and the store, on rank 0) outlive it. ``fault_timeout``: the
     ``EPCOMM_TIMEOUT_S`` of the faulty call (after the first calls, made with the environment's); ``warm_buffer``:
-    compile every kernel with a first Buffer, so that the second one's first call is quick."""
+    compile every kernel with a first Buffer (its second dispatch the head chunk's), so that the second one's first
+    call is quick and its faulty call loads no kernel: loading one waits for the device, on which a collective
+    hangs."""
     import os
     import time
 
@@ -648,6 +650,8 @@ def _peer_missing(ctx, mode, local=2, stall_s=8.0, fault_timeout=None, warm_buff
     if warm_buffer:  # with the environment's timeout; the second Buffer's groups get fault_timeout's
         warm = Buffer(ctx.group, transport="alltoall", ranks_per_node=local)
         first_calls(warm)
+        if mode == "normal":  # a second dispatch sends a head chunk: its kernels are compiled here, not in the call
+            make_calls(warm)[0]()  # that a peer misses (a module loaded while a collective hangs waits for it)
         warm.destroy()
         if fault_timeout is not None:
             os.environ["EPCOMM_TIMEOUT_S"] = str(fault_timeout)
