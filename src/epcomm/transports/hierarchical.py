@@ -34,6 +34,10 @@ every domain (the inter-domain leg's ``send_ahead``: no counts needed), while th
 them; once they are read, the slots the sources filled become the chunk's exact result (``receive_ahead``), which is
 forwarded, cached and combined like any other chunk. Its slots that no token fills cross as padding (few where
 almost every token goes to every domain, as at a 2-node split; at EP64 with 8 nodes about half the head's slots).
+Once the chunk count is measured, so is the link's *reach* (the tokens it moved during a call's count round trip and
+host read): a head then holds at most ``HEAD_MARGIN`` (1.5) times the reach, so that a small call after a large
+one pads no more than about the round trip it hides, and a call whose quarter is under half the reach has none (its
+collective would cost more than it hides; such a call is latency-bound).
 
 Pipelining: an exact-mode call moves its tokens in chunks (each rank's tokens split in order, the same count on every
 rank); the inter-domain leg of chunk ``c + 1`` runs on a network stream while chunk ``c`` is forwarded within the
@@ -455,7 +459,7 @@ class HierarchicalTransport(Transport):
         forced = self._fixed_chunks()[0]
         with self._leg(fn, "chunk agreement"):
             chunks = 1 if W else forced or self._tuner.next(lambda times: self._slowest(fn, times), fn)
-        timing = None if W or forced else self._tuner.start(chunks)
+        timing = None if W or forced else self._tuner.start(chunks, n)
         # slots per domain of the head chunk (sent ahead of the counts; 0: none, as where the leg cannot)
         head = self._head if not W and getattr(self.rail, "can_send_ahead", lambda _: False)(x) else 0
         h = min(n, head)  # this rank's tokens in it (the slots are the same on every rank)
@@ -571,11 +575,21 @@ class HierarchicalTransport(Transport):
             host = read()
         raise_if_bad_topk(fn, host[-1], req.num_experts)
         known, most_tokens = _known_counts(host, C, L, D, e_dom, self.local_index)
-        self._head = math.ceil(most_tokens * self.head_share)  # (the same on every rank)
+        self._head = self._head_slots(most_tokens)
         # (the inter-domain leg's received per-expert counts are this rank's sums, already on the device)
         return ([(replace(leg, known=replace(rail, recv_per_expert_tensor=mine[c, 1 + L:])), domain)
                  for c, ((rail, domain), leg) in enumerate(zip(known, legs))], (recv[:, :, -2] if C > 1 else None),
                 ahead)
+
+    def _head_slots(self, most_tokens: int) -> int:
+        """The next exact-mode dispatch's head chunk, slots per domain (0: none), from the largest token count of any
+        rank in this one (the same on every rank): ``head_share`` of it, within ``head_bounds`` of the link's
+        measured reach once the chunk count is agreed."""
+        slots = math.ceil(most_tokens * self.head_share)
+        if self._tuner.reach is None or not slots:
+            return slots
+        fewest, most = head_bounds(self._tuner.reach)
+        return 0 if slots < fewest else min(slots, most)
 
     def _rail_chunks(self, fn: str, subs: list, cap: int, counts_known: Optional[list], ahead: Any = None):
         """The inter-domain leg of each chunk of a dispatch (a generator of its results, in order). With several
@@ -996,6 +1010,10 @@ class _ChunkTuner:
         self.medians: dict = {}
         self.ratios: list = []  # one-chunk calls: the forwarding's time over the rows' (their legs' marks)
         self.ratio = 1.0  # each chunk's share over the previous one's, once chosen (even until then)
+        self.reaches: list = []  # one-chunk calls: the tokens the link moves while the counts travel (see next)
+        # once agreed (None until then): the tokens the link moved during a call's count round trip and host read
+        # (the slowest rank's median), which bounds the head chunk (``HierarchicalTransport._head_slots``)
+        self.reach: Optional[float] = None
 
     def next(self, slowest_of: Callable[[torch.Tensor], list], fn: str) -> int:
         """The chunk count of this dispatch (collective when the schedule ends here: the agreement;
@@ -1006,55 +1024,75 @@ class _ChunkTuner:
         if self.seen < self.calls * len(self.candidates):
             return self.candidates[self.seen % len(self.candidates)]
         self._read(fn)
-        mine = torch.tensor([_median(self.times[c]) for c in self.candidates] + [_median(self.ratios)],
-                            dtype=torch.float64)
-        slowest = slowest_of(mine)  # (the largest ratio of any rank: the evenest split)
+        mine = torch.tensor([_median(self.times[c]) for c in self.candidates]
+                            + [_median(self.ratios), _median(self.reaches)], dtype=torch.float64)
+        slowest = slowest_of(mine)  # (the largest ratio of any rank: the evenest split; the largest reach)
         self.medians = dict(zip(self.candidates, slowest))
         self.chosen = pick_chunks(self.candidates, slowest[:len(self.candidates)])
-        self.ratio = chunk_ratio(slowest[-1])
+        self.ratio = chunk_ratio(slowest[-2])
+        if math.isfinite(slowest[-1]):
+            self.reach = float(slowest[-1])
         log.info("%s: %s", fn, self.describe())
         return self.chosen
 
-    def start(self, chunks: int):
-        """Begin timing a dispatch in ``chunks`` chunks (None once the count is chosen)."""
+    def start(self, chunks: int, tokens: int = 0):
+        """Begin timing a dispatch in ``chunks`` chunks of this rank's ``tokens`` (None once the count is chosen)."""
         if self.chosen is not None:
             return None
         counted = self.seen >= len(self.candidates)  # the first round may compile or size storage
         self.seen += 1
         if not counted:
             return None
-        # (the call fills the list with 3 marks when it runs in one chunk: its rows start, rows end, forwarding end;
-        # 5 with a head chunk)
-        return chunks, _mark(self.device), []
+        # (the call fills the list with 3 marks when it runs in one chunk: its counts read (the rows start), rows
+        # end, forwarding end; 5 with a head chunk)
+        return chunks, _mark(self.device), [], tokens
 
     def stop(self, timing) -> None:
-        chunks, begin, marks = timing
+        chunks, begin, marks, tokens = timing
         if self.device.type == "cuda":
-            self.pending.append((chunks, begin, _mark(self.device), time.monotonic(), marks))
+            self.pending.append((chunks, begin, _mark(self.device), time.monotonic(), marks, tokens))
         else:
             self.times[chunks].append((time.perf_counter() - begin) * 1e6)
-            self._add_ratio(marks, lambda a, b: b - a)
+            self._add_ratio(begin, marks, tokens, lambda a, b: b - a)
 
-    def _add_ratio(self, marks: list, elapsed: Callable) -> None:
+    def _add_ratio(self, begin, marks: list, tokens: int, elapsed: Callable) -> None:
         # (a head chunk adds two marks before the last two: the rows then run from the first mark to the last but one)
         if len(marks) >= 3:
             rows, forwarding = elapsed(marks[0], marks[-2]), elapsed(marks[-2], marks[-1])
             if rows > 0:
                 self.ratios.append(forwarding / rows)
+            moving = elapsed(begin, marks[-2])  # the call's start to its last rows' arrival
+            if tokens and moving > 0:  # the tokens crossing per unit of time, over the counts' time
+                self.reaches.append(tokens * elapsed(begin, marks[0]) / moving)
 
     def _read(self, fn: str) -> None:
-        for chunks, begin, end, issued, marks in self.pending:
+        for chunks, begin, end, issued, marks, tokens in self.pending:
             faults.host_wait(end, fn, "a timed dispatch", issued)
             self.times[chunks].append(begin.elapsed_time(end) * 1e3)
-            self._add_ratio(marks, lambda a, b: a.elapsed_time(b))
+            self._add_ratio(begin, marks, tokens, lambda a, b: a.elapsed_time(b))
         self.pending = []
 
     def describe(self) -> str:
         if self.chosen is None:
             return f"measuring {self.candidates} ({self.seen} of {self.calls * len(self.candidates)} dispatches made)"
         times = ", ".join(f"{c}: {t:.0f} us" for c, t in self.medians.items())
+        head = "" if self.reach is None else (f"; a head chunk of {head_bounds(self.reach)[0]} to "
+                                              f"{head_bounds(self.reach)[1]} tokens, else none")
         return (f"{self.chosen}, measured fastest (slowest rank's median per count: {times}); chunks "
-                f"{split_description(self.ratio)}")
+                f"{split_description(self.ratio)}{head}")
+
+
+# A head chunk holds at most this many times the tokens the link moved during a measured call's count round trip
+# (and its host read): enough to cover it with room for the host's lead and the link's drift, bounded so that a
+# small call after a large one pads no more than about that round trip's worth of slots.
+HEAD_MARGIN = 1.5
+
+
+def head_bounds(reach: float) -> tuple:
+    """``(fewest, most)`` tokens of a head chunk, given the tokens the link moves during a count round trip
+    (``reach``): a head of fewer than half of them hides less of the round trip than its own collective costs (a
+    small call: no head), one of more than ``HEAD_MARGIN`` times them only pads."""
+    return max(1, math.ceil(reach / 2)), max(1, math.ceil(HEAD_MARGIN * reach))
 
 
 # More chunks add fixed costs (a count exchange, a host read, launches per chunk) and more variance: a count is
