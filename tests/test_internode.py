@@ -474,31 +474,33 @@ def test_chunk_count_candidates_take_turns():
             tuner.stop(timing)
     assert order == [1, 2, 4] * 3 and timed == [False] * 3 + [True] * 6
     assert {c: len(t) for c, t in tuner.times.items()} == {1: 2, 2: 2, 4: 2} and tuner.ratios == [0.25, 0.25]
-    # the link moved 8 tokens in 5 time units, 1 of them the count round trip: 1.6 tokens while the counts travel
+    # the link moved 8 bytes of rows in 5 time units, 1 of them the count round trip: 1.6 bytes while the counts travel
     assert tuner.reaches == [1.6, 1.6] and tuner.reach is None
     agreed = []  # what the ranks agree on: each count's median time, the forwarding / rows ratio, the reach, largest
     assert tuner.next(lambda mine: agreed.append(mine.tolist()) or [30.0, 10.0, 20.0, 0.7, 100.0], "test") == 2
     assert len(agreed[0]) == 5 and agreed[0][3] == 0.25 and agreed[0][4] == 1.6
     assert tuner.ratio == 0.7 and tuner.start(2) is None and tuner.reach == 100.0
-    assert "each 0.70 times the previous one's tokens; a head chunk of 50 to 150 tokens, else none" in tuner.describe()
+    assert ("each 0.70 times the previous one's tokens; a head chunk of 1/2 to 3 times the 0 KB of rows the link "
+            "moves during a count round trip, else none") in tuner.describe()
 
 
 def test_head_chunk_bounded_by_the_measured_reach():
-    """The head chunk's slots: a quarter of the previous call's largest token count until the link's reach (tokens
-    moved during a count round trip) is agreed; then at most HEAD_MARGIN times the reach (a small call after a large
-    one pads no more than about a round trip's worth), and none where a quarter is under half the reach (its own
-    collective would cost more than it hides)."""
+    """The head chunk's slots: a quarter of the previous call's largest token count until the link's reach (bytes of
+    rows moved during a count round trip) is agreed; then at most HEAD_MARGIN times the reach's rows of this call's
+    row size (a small call after a large one pads no more than a few round trips' worth), and none where the quarter
+    is under half of them (its own collective would cost more than it hides)."""
     from types import SimpleNamespace
 
     from epcomm.transports.hierarchical import HEAD_MARGIN, HierarchicalTransport, head_bounds
 
-    assert HEAD_MARGIN == 1.5 and head_bounds(100.0) == (50, 150) and head_bounds(0.1) == (1, 1)
-    fake = SimpleNamespace(head_share=HierarchicalTransport.head_share, _tuner=SimpleNamespace(reach=None))
-    slots = lambda most: HierarchicalTransport._head_slots(fake, most)  # noqa: E731
+    assert HEAD_MARGIN == 3.0 and head_bounds(100.0) == (50, 300) and head_bounds(0.1) == (1, 1)
     assert HierarchicalTransport.head_share == 0.25
-    assert [slots(m) for m in (0, 8, 4096, 16384)] == [0, 2, 1024, 4096]  # a quarter, not yet bounded
-    fake._tuner.reach = 700.0  # e.g. 4096 tokens in 15 ms, 2.5 ms of them the count round trip
-    assert [slots(m) for m in (0, 8, 1396, 1400, 4096, 16384)] == [0, 0, 0, 350, 1024, 1050]
+    fake = SimpleNamespace(_tuner=SimpleNamespace(reach=None))
+    slots = lambda s, row: HierarchicalTransport._head_slots(fake, s, row)  # noqa: E731
+    assert [slots(s, 7392) for s in (0, 2, 1024, 4096)] == [0, 2, 1024, 4096]  # not yet bounded
+    fake._tuner.reach = 200 * 7392.0  # e.g. 4096 FP8 rows in 15 ms, 0.73 ms of them the count round trip
+    assert [slots(s, 7392) for s in (0, 2, 99, 100, 512, 1024)] == [0, 0, 0, 100, 512, 600]
+    assert [slots(s, 14336) for s in (51, 52, 1024)] == [0, 52, 310]  # BF16 rows: twice the bytes, half the rows
 
 
 def test_chunks_shrink_by_the_measured_ratio():

@@ -34,10 +34,10 @@ every domain (the inter-domain leg's ``send_ahead``: no counts needed), while th
 them; once they are read, the slots the sources filled become the chunk's exact result (``receive_ahead``), which is
 forwarded, cached and combined like any other chunk. Its slots that no token fills cross as padding (few where
 almost every token goes to every domain, as at a 2-node split; at EP64 with 8 nodes about half the head's slots).
-Once the chunk count is measured, so is the link's *reach* (the tokens it moved during a call's count round trip and
-host read): a head then holds at most ``HEAD_MARGIN`` (1.5) times the reach, so that a small call after a large
-one pads no more than about the round trip it hides, and a call whose quarter is under half the reach has none (its
-collective would cost more than it hides; such a call is latency-bound).
+Once the chunk count is measured, so is the link's *reach* (the bytes of rows it moved during a call's count round
+trip and host read): a head then holds at most ``HEAD_MARGIN`` (3) times the reach's rows, so that a small call
+after a large one pads no more than a few round trips' worth, and a call whose quarter is under half the reach has
+none (its collective would cost more than it hides; such a call is latency-bound).
 
 Pipelining: an exact-mode call moves its tokens in chunks (each rank's tokens split in order, the same count on every
 rank); the inter-domain leg of chunk ``c + 1`` runs on a network stream while chunk ``c`` is forwarded within the
@@ -459,9 +459,12 @@ class HierarchicalTransport(Transport):
         forced = self._fixed_chunks()[0]
         with self._leg(fn, "chunk agreement"):
             chunks = 1 if W else forced or self._tuner.next(lambda times: self._slowest(fn, times), fn)
-        timing = None if W or forced else self._tuner.start(chunks, n)
+        row_bytes = x.size(1) * x.element_size() + (0 if req.x_scales is None else
+                                                    req.x_scales.size(1) * req.x_scales.element_size())
+        timing = None if W or forced else self._tuner.start(chunks, n * row_bytes)
         # slots per domain of the head chunk (sent ahead of the counts; 0: none, as where the leg cannot)
-        head = self._head if not W and getattr(self.rail, "can_send_ahead", lambda _: False)(x) else 0
+        head = (self._head_slots(self._head, row_bytes)
+                if not W and getattr(self.rail, "can_send_ahead", lambda _: False)(x) else 0)
         h = min(n, head)  # this rank's tokens in it (the slots are the same on every rank)
         bounds = [(h + a, h + b) for a, b in chunk_bounds(n - h, chunks, self._chunk_ratio() if chunks > 1 else 1.0)]
         if head:
@@ -575,20 +578,19 @@ class HierarchicalTransport(Transport):
             host = read()
         raise_if_bad_topk(fn, host[-1], req.num_experts)
         known, most_tokens = _known_counts(host, C, L, D, e_dom, self.local_index)
-        self._head = self._head_slots(most_tokens)
+        self._head = math.ceil(most_tokens * self.head_share)  # (the same on every rank)
         # (the inter-domain leg's received per-expert counts are this rank's sums, already on the device)
         return ([(replace(leg, known=replace(rail, recv_per_expert_tensor=mine[c, 1 + L:])), domain)
                  for c, ((rail, domain), leg) in enumerate(zip(known, legs))], (recv[:, :, -2] if C > 1 else None),
                 ahead)
 
-    def _head_slots(self, most_tokens: int) -> int:
-        """The next exact-mode dispatch's head chunk, slots per domain (0: none), from the largest token count of any
-        rank in this one (the same on every rank): ``head_share`` of it, within ``head_bounds`` of the link's
-        measured reach once the chunk count is agreed."""
-        slots = math.ceil(most_tokens * self.head_share)
+    def _head_slots(self, slots: int, row_bytes: int) -> int:
+        """An exact-mode dispatch's head chunk, slots per domain (0: none; the same on every rank): ``slots``
+        (``head_share`` of the previous call's largest token count) within ``head_bounds`` of the link's measured
+        reach in rows of ``row_bytes`` (x's and its scales' bytes per token), once the chunk count is agreed."""
         if self._tuner.reach is None or not slots:
             return slots
-        fewest, most = head_bounds(self._tuner.reach)
+        fewest, most = head_bounds(self._tuner.reach / row_bytes)
         return 0 if slots < fewest else min(slots, most)
 
     def _rail_chunks(self, fn: str, subs: list, cap: int, counts_known: Optional[list], ahead: Any = None):
@@ -1010,9 +1012,9 @@ class _ChunkTuner:
         self.medians: dict = {}
         self.ratios: list = []  # one-chunk calls: the forwarding's time over the rows' (their legs' marks)
         self.ratio = 1.0  # each chunk's share over the previous one's, once chosen (even until then)
-        self.reaches: list = []  # one-chunk calls: the tokens the link moves while the counts travel (see next)
-        # once agreed (None until then): the tokens the link moved during a call's count round trip and host read
-        # (the slowest rank's median), which bounds the head chunk (``HierarchicalTransport._head_slots``)
+        self.reaches: list = []  # one-chunk calls: the bytes the link moves while the counts travel (see next)
+        # once agreed (None until then): the bytes of rows the link moved during a call's count round trip and host
+        # read (the slowest rank's median), which bound the head chunk (``HierarchicalTransport._head_slots``)
         self.reach: Optional[float] = None
 
     def next(self, slowest_of: Callable[[torch.Tensor], list], fn: str) -> int:
@@ -1035,8 +1037,9 @@ class _ChunkTuner:
         log.info("%s: %s", fn, self.describe())
         return self.chosen
 
-    def start(self, chunks: int, tokens: int = 0):
-        """Begin timing a dispatch in ``chunks`` chunks of this rank's ``tokens`` (None once the count is chosen)."""
+    def start(self, chunks: int, row_bytes: int = 0):
+        """Begin timing a dispatch in ``chunks`` chunks of this rank's ``row_bytes`` (its tokens' rows; None once the
+        count is chosen)."""
         if self.chosen is not None:
             return None
         counted = self.seen >= len(self.candidates)  # the first round may compile or size storage
@@ -1045,51 +1048,52 @@ class _ChunkTuner:
             return None
         # (the call fills the list with 3 marks when it runs in one chunk: its counts read (the rows start), rows
         # end, forwarding end; 5 with a head chunk)
-        return chunks, _mark(self.device), [], tokens
+        return chunks, _mark(self.device), [], row_bytes
 
     def stop(self, timing) -> None:
-        chunks, begin, marks, tokens = timing
+        chunks, begin, marks, row_bytes = timing
         if self.device.type == "cuda":
-            self.pending.append((chunks, begin, _mark(self.device), time.monotonic(), marks, tokens))
+            self.pending.append((chunks, begin, _mark(self.device), time.monotonic(), marks, row_bytes))
         else:
             self.times[chunks].append((time.perf_counter() - begin) * 1e6)
-            self._add_ratio(begin, marks, tokens, lambda a, b: b - a)
+            self._add_ratio(begin, marks, row_bytes, lambda a, b: b - a)
 
-    def _add_ratio(self, begin, marks: list, tokens: int, elapsed: Callable) -> None:
+    def _add_ratio(self, begin, marks: list, row_bytes: int, elapsed: Callable) -> None:
         # (a head chunk adds two marks before the last two: the rows then run from the first mark to the last but one)
         if len(marks) >= 3:
             rows, forwarding = elapsed(marks[0], marks[-2]), elapsed(marks[-2], marks[-1])
             if rows > 0:
                 self.ratios.append(forwarding / rows)
             moving = elapsed(begin, marks[-2])  # the call's start to its last rows' arrival
-            if tokens and moving > 0:  # the tokens crossing per unit of time, over the counts' time
-                self.reaches.append(tokens * elapsed(begin, marks[0]) / moving)
+            if row_bytes and moving > 0:  # the bytes crossing per unit of time, over the counts' time
+                self.reaches.append(row_bytes * elapsed(begin, marks[0]) / moving)
 
     def _read(self, fn: str) -> None:
-        for chunks, begin, end, issued, marks, tokens in self.pending:
+        for chunks, begin, end, issued, marks, row_bytes in self.pending:
             faults.host_wait(end, fn, "a timed dispatch", issued)
             self.times[chunks].append(begin.elapsed_time(end) * 1e3)
-            self._add_ratio(begin, marks, tokens, lambda a, b: a.elapsed_time(b))
+            self._add_ratio(begin, marks, row_bytes, lambda a, b: a.elapsed_time(b))
         self.pending = []
 
     def describe(self) -> str:
         if self.chosen is None:
             return f"measuring {self.candidates} ({self.seen} of {self.calls * len(self.candidates)} dispatches made)"
         times = ", ".join(f"{c}: {t:.0f} us" for c, t in self.medians.items())
-        head = "" if self.reach is None else (f"; a head chunk of {head_bounds(self.reach)[0]} to "
-                                              f"{head_bounds(self.reach)[1]} tokens, else none")
+        head = "" if self.reach is None else (f"; a head chunk of 1/2 to {HEAD_MARGIN:g} times the "
+                                              f"{self.reach / 1e3:.0f} KB of rows the link moves during a count "
+                                              f"round trip, else none")
         return (f"{self.chosen}, measured fastest (slowest rank's median per count: {times}); chunks "
                 f"{split_description(self.ratio)}{head}")
 
 
-# A head chunk holds at most this many times the tokens the link moved during a measured call's count round trip
-# (and its host read): enough to cover it with room for the host's lead and the link's drift, bounded so that a
-# small call after a large one pads no more than about that round trip's worth of slots.
-HEAD_MARGIN = 1.5
+# A head chunk holds at most this many times the rows the link moved during a measured call's count round trip (and
+# its host read): enough to cover it and the host's lead after it (which that measurement leaves out) with room for
+# the link's drift, bounded so that a small call after a large one pads no more than a few round trips' worth.
+HEAD_MARGIN = 3.0
 
 
 def head_bounds(reach: float) -> tuple:
-    """``(fewest, most)`` tokens of a head chunk, given the tokens the link moves during a count round trip
+    """``(fewest, most)`` tokens of a head chunk, given the rows (in tokens) the link moves during a count round trip
     (``reach``): a head of fewer than half of them hides less of the round trip than its own collective costs (a
     small call: no head), one of more than ``HEAD_MARGIN`` times them only pads."""
     return max(1, math.ceil(reach / 2)), max(1, math.ceil(HEAD_MARGIN * reach))
