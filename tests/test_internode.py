@@ -891,9 +891,12 @@ def test_model_head_chunk_crosses_while_the_counts_travel():
     assert slots > 130.0  # (the head outlasts the count exchange and the lead: both hidden)
     assert abs(head.pipelined_us - (slots + base.network_us * 0.75 + head.forward_us * 0.75 + head.reorder_us)) < 1e-3
     assert head.pipelined_us < paid.pipelined_us and head.crossing_bytes == base.crossing_bytes
-    short = internode_estimate(*args, chunks=1, ratio=1.0, fixed_us=3000.0, head_share=0.25)  # counts outlast the head
-    assert abs(short.pipelined_us - (3000.0 + base.network_us * 0.75 + short.forward_us * 0.75
-                                     + short.reorder_us)) < 1e-3
+    # bounded as the transport bounds it (the tokens the link moves during the count exchange, at the call's pace):
+    # where the exchange outlasts twice the head's rows there is none, and without an exchange none either
+    short = internode_estimate(*args, chunks=1, ratio=1.0, fixed_us=3000.0, head_share=0.25)
+    assert abs(short.pipelined_us - (3000.0 + base.pipelined_us)) < 1e-3
+    assert abs(internode_estimate(*args, chunks=1, ratio=1.0, head_share=0.25).pipelined_us
+               - base.pipelined_us) < 0.2  # (one token's head)
     assert internode.HostCosts().model_args("dispatch FP8")["head_share"] == HierarchicalTransport.head_share > 0
 
 

@@ -126,7 +126,9 @@ def internode_estimate(ranks: int, gpus_per_node: int, num_tokens: int, hidden: 
     chunks ``0..k`` and the forwarding's for chunks ``k..``. ``head_share``: an exact-mode dispatch's head chunk (that
     share of the tokens, ahead of the ``chunks``) crosses in fixed slots, every slot to every remote domain whether a
     token fills it or not, from the call's start, while the counts travel and the host reads them; its forwarding
-    and the other chunks' rows wait for the count read and the host's lead."""
+    and the other chunks' rows wait for the count read and the host's lead. The head is bounded as the transport
+    bounds it (``head_bounds`` of the tokens the link moves during ``fixed_us``, at the call's pace): none where the
+    count exchange is short against the head's share, at most a few round trips' worth where it is long."""
     domains = ranks // gpus_per_node
     rows = expected_domains(num_experts, domains, topk, max_groups)
     crossing = num_tokens * rows * (domains - 1) / domains * row_bytes(hidden, kind)
@@ -144,8 +146,14 @@ def internode_estimate(ranks: int, gpus_per_node: int, num_tokens: int, hidden: 
         from ..transports.hierarchical import chunk_ratio
 
         ratio = chunk_ratio(forward_us / network_us if network_us > 0 else float("inf"))
-    rest = 1.0 - head_share
     start = fixed_us + lead_us  # the counts are read and the first rows' collective issued
+    if head_share:  # bounded as the transport bounds it: by the rows the link moves during the count round trip
+        from ..transports.hierarchical import head_bounds
+
+        fewest, most = head_bounds(num_tokens * fixed_us / (start + network_us))
+        head = math.ceil(num_tokens * head_share)
+        head_share = 0.0 if head < fewest else min(head, most) / num_tokens
+    rest = 1.0 - head_share
     stages = [(start, network_us * rest * share, forward_us * rest * share) for share in chunk_shares(chunks, ratio)]
     if head_share:  # (its padded slots: every remote domain gets one row per token of it)
         stages.insert(0, (0.0, num_tokens * head_share * (domains - 1) * row_bytes(hidden, kind) / (nic_gbps * 1e9)
