@@ -1037,9 +1037,9 @@ class _ChunkTuner:
         log.info("%s: %s", fn, self.describe())
         return self.chosen
 
-    def start(self, chunks: int, row_bytes: int = 0):
-        """Begin timing a dispatch in ``chunks`` chunks of this rank's ``row_bytes`` (its tokens' rows; None once the
-        count is chosen)."""
+    def start(self, chunks: int, nbytes: int = 0):
+        """Begin timing a dispatch in ``chunks`` chunks of ``nbytes`` of this rank's rows (x and its scales); None once
+        the count is chosen."""
         if self.chosen is not None:
             return None
         counted = self.seen >= len(self.candidates)  # the first round may compile or size storage
@@ -1048,31 +1048,31 @@ class _ChunkTuner:
             return None
         # (the call fills the list with 3 marks when it runs in one chunk: its counts read (the rows start), rows
         # end, forwarding end; 5 with a head chunk)
-        return chunks, _mark(self.device), [], row_bytes
+        return chunks, _mark(self.device), [], nbytes
 
     def stop(self, timing) -> None:
-        chunks, begin, marks, row_bytes = timing
+        chunks, begin, marks, nbytes = timing
         if self.device.type == "cuda":
-            self.pending.append((chunks, begin, _mark(self.device), time.monotonic(), marks, row_bytes))
+            self.pending.append((chunks, begin, _mark(self.device), time.monotonic(), marks, nbytes))
         else:
             self.times[chunks].append((time.perf_counter() - begin) * 1e6)
-            self._add_ratio(begin, marks, row_bytes, lambda a, b: b - a)
+            self._add_ratio(begin, marks, nbytes, lambda a, b: b - a)
 
-    def _add_ratio(self, begin, marks: list, row_bytes: int, elapsed: Callable) -> None:
+    def _add_ratio(self, begin, marks: list, nbytes: int, elapsed: Callable) -> None:
         # (a head chunk adds two marks before the last two: the rows then run from the first mark to the last but one)
         if len(marks) >= 3:
             rows, forwarding = elapsed(marks[0], marks[-2]), elapsed(marks[-2], marks[-1])
             if rows > 0:
                 self.ratios.append(forwarding / rows)
             moving = elapsed(begin, marks[-2])  # the call's start to its last rows' arrival
-            if row_bytes and moving > 0:  # the bytes crossing per unit of time, over the counts' time
-                self.reaches.append(row_bytes * elapsed(begin, marks[0]) / moving)
+            if nbytes and moving > 0:  # the bytes crossing per unit of time, over the counts' time
+                self.reaches.append(nbytes * elapsed(begin, marks[0]) / moving)
 
     def _read(self, fn: str) -> None:
-        for chunks, begin, end, issued, marks, row_bytes in self.pending:
+        for chunks, begin, end, issued, marks, nbytes in self.pending:
             faults.host_wait(end, fn, "a timed dispatch", issued)
             self.times[chunks].append(begin.elapsed_time(end) * 1e3)
-            self._add_ratio(begin, marks, row_bytes, lambda a, b: a.elapsed_time(b))
+            self._add_ratio(begin, marks, nbytes, lambda a, b: a.elapsed_time(b))
         self.pending = []
 
     def describe(self) -> str:
