@@ -54,11 +54,14 @@ def _across_domains(ctx, cases, chunks):
 def test_one_sided_domain_leg_across_simulated_nodes(monkeypatch):
     """2 simulated nodes of 2 ranks with these kernels forwarding within each node: the domain leg is given its
     counts (learnt with the inter-domain leg's) and keeps its exchange on the device, checked against them. (In one
-    chunk; ``test_gated_cached_dispatch_forwards_once_per_call`` runs every mode in three.)"""
+    chunk; ``test_gated_cached_dispatch_forwards_once_per_call`` runs every mode in three.) The second case's
+    dispatch sends a head chunk (slots sized by the first); the third's handle has fixed slots (``num_worst_tokens``),
+    whose cached dispatch takes the mapped path too."""
     chunks = 1
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     cases = [NormalCase(num_tokens=(5, 0, 7, 3), hidden=64, num_experts=8, topk=3, dtype="bf16", bias=1, seed=51),
-             NormalCase(num_tokens=6, hidden=128, num_experts=8, topk=2, dtype="fp8", routing="dropped", seed=52)]
+             NormalCase(num_tokens=6, hidden=128, num_experts=8, topk=2, dtype="fp8", routing="dropped", seed=52),
+             NormalCase(num_tokens=(4, 6, 0, 5), hidden=128, num_experts=8, topk=3, dtype="fp8", worst=True, seed=53)]
     results = spawn(_across_domains, 4, cases, chunks, device="cpu", timeout_s=600)
     problems = [f"rank {r}: {label}: {fails}" for r, res in enumerate(results) for label, fails in res]
     assert not problems, "\n".join(problems)
