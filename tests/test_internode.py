@@ -248,6 +248,18 @@ def _packed_ahead(ctx, chunks, head_share):
     alltoall.AllToAllTransport.prepare, faults.read_later = prepare, read_later
     alltoall.AllToAllTransport._plan_gpu = plan_gpu
     alltoall.AllToAllTransport.send_ahead, alltoall.AllToAllTransport.receive_ahead = send_ahead, receive_ahead
+    rt = buf.runtime
+    domain_combine, outer_combine, chunk_handles = rt.domain.combine, rt.combine, []
+
+    def outer(req):  # (the combined handle's domain-leg handles, one per chunk)
+        chunk_handles[:] = req.handle.state.domain
+        return outer_combine(req)
+
+    def combine(req):  # the combine's chunks, in the order it sums them (their places in the handle)
+        events.append(("summed", req.x.size(0), [h is req.handle for h in chunk_handles].index(True)))
+        return domain_combine(req)
+
+    rt.combine, rt.domain.combine = outer, combine
     try:
         failures += check_normal(ctx, buf, case).failures
     finally:
@@ -263,8 +275,8 @@ def test_rail_rows_packed_while_the_counts_travel(chunks, head_share, monkeypatc
     after the counts' copy to the host (the read waits for the counts alone, not for the packing), and the leg's
     dispatch uses them (no second plan): once the counts are read only the rows' collective is left before the rows
     cross. The head chunk (the second dispatch of a Buffer; 3 slots per domain here, 17 tokens at most in the first)
-    is planned, packed and sent before the counts' copy is even issued, and made a result after the read.
-    Bit-exact against the reference, FP8 with dropped slots and an empty rank."""
+    is planned, packed and sent before the counts' copy is even issued, and made a result after the read; a combine
+    sums the chunks smallest first. Bit-exact against the reference, FP8 with dropped slots and an empty rank."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     for failures, events in spawn(_packed_ahead, 4, chunks, head_share, device="cpu", timeout_s=600):
         assert failures == [], failures
@@ -275,6 +287,10 @@ def test_rail_rows_packed_while_the_counts_travel(chunks, head_share, monkeypatc
             ["read"] + (["received ahead"] if head else [])
         assert events[:len(expected)] == expected, events
         assert "planned" not in events[len(expected):] and "sent ahead" not in events[len(expected):], events
+        # the combines sum their chunks in the same order on every rank, smallest first by plan: a head chunk of 3
+        # tokens before the one chunk after it (up to 14 tokens); else the last chunk first
+        summed = [e[2] for e in events if isinstance(e, tuple)]  # (the check's combine)
+        assert summed == ([0, 1] if head else list(reversed(range(chunks)))), events
 
 
 def _fused_rows(ctx):

@@ -202,6 +202,7 @@ class _HandleState:
     rows: tuple  # rows of the outputs from each chunk, in order
     order: torch.Tensor  # [M] int64: output row i is row order[i] of the chunks' rows, one after the other
     back: torch.Tensor  # [M] int64: the inverse of order
+    head: bool = False  # the first chunk is a head chunk (sent ahead of the counts)
     # mapped cached dispatches (``_mapped``), by row bytes: (the domain leg's merged handle, the output row of each of
     # its rows, where each chunk's rows start in the rows received from the inter-domain leg (and their end; on the
     # host and on the device), the inter-domain leg's merged packing; the last three None for one chunk), or None
@@ -506,7 +507,8 @@ class HierarchicalTransport(Transport):
             num_recv_tokens=sum(h.num_recv_tokens for h in handles), num_recv_tokens_per_rank=None,
             num_recv_tokens_per_expert=per_expert, recv_src_rank=src_rank[order], recv_src_idx=src_idx[order],
             num_worst_tokens=W, state=_HandleState(tuple(p[3] for p in parts), tuple(handles), tuple(bounds),
-                                                   tuple(h.num_recv_tokens for h in handles), order, back))
+                                                   tuple(h.num_recv_tokens for h in handles), order, back,
+                                                   ahead is not None))
         return DispatchResult(*(_take([getattr(r, f) for r in r2s], order) for f in
                                 ("recv_x", "recv_scales", "recv_topk_idx", "recv_topk_weights")), counts, handle)
 
@@ -849,8 +851,9 @@ class HierarchicalTransport(Transport):
     def combine(self, req: CombineRequest) -> tuple:
         """Each chunk's sums within the domain, then its partials back over the network; on GPUs the partials of a
         chunk cross while the next chunk is summed (the network stream waits for each chunk's sums only), the chunks
-        taken smallest first (the dispatch's chunks shrink), so that only the first, small chunk's sums are exposed
-        before the link is busy."""
+        taken smallest first (the dispatch's chunks shrink: the last first; a head chunk before a single chunk after
+        it; the same order on every rank), so that only the first, small chunk's sums are exposed before the link is
+        busy."""
         fn = "Buffer.combine"
         st: _HandleState = req.handle.state
         x, w = _take([req.x], st.back), _take([req.topk_weights], st.back)  # back to the legs' order
@@ -858,7 +861,8 @@ class HierarchicalTransport(Transport):
         pipelined = self.device.type == "cuda" and len(st.rail) > 1
         issued: list = [None] * len(st.rail)  # (each chunk's result, its end event on the network stream or None)
         partials = []  # alive until the caller's stream has waited for the network stream (made on the caller's)
-        for c in reversed(range(len(st.rail))):
+        C = len(st.rail)
+        for c in (range(C) if st.head and C == 2 else reversed(range(C))):
             rows = slice(starts[c], starts[c] + st.rows[c])
             with self._leg(fn, "sums within the domain", within=True):
                 part, part_w = self.domain.combine(CombineRequest(
