@@ -50,8 +50,8 @@ before the first is forwarded (cached dispatches too, whose FP8 scales ride at t
 network; where the domain leg is one-sided, a cached call's domain leg is one gated push for all chunks that waits on
 the device for each chunk's flag and writes every row and its scales at their place in the output's order:
 ``_mapped``; else the rows are gathered and split once at the end), so the link never waits for the host between
-chunks; a combine takes the chunks the other way round, smallest first, each chunk's partials crossing while the
-next chunk is summed within the domain; each chunk adds a few launches and collectives, so the best count depends on
+chunks; a combine takes the chunks the other way round, smallest first (a head chunk before a single chunk after
+it), each chunk's partials crossing while the next chunk is summed within the domain; each chunk adds a few launches and collectives, so the best count depends on
 the link.
 The count is measured: the first exact-mode dispatches try ``CHUNK_CANDIDATES`` in turn (1 first: it sizes the
 domain's storage for whole calls), ``TUNE_CALLS`` rounds (the first not counted; in turn, so that a link whose rate
