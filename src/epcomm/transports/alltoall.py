@@ -322,12 +322,15 @@ class AllToAllTransport(Transport):
         counts known beforehand (``req.known``)."""
         known = req.known
         num_send = sum(known.num_tokens_per_rank)
-        per_expert = list(known.num_recv_tokens_per_expert)
         return self._exchange_rows(req, rows[:num_send], records[:num_send], list(known.num_tokens_per_rank),
-                                   list(known.num_recv_tokens_per_rank),
-                                   lambda: (per_expert, counts_to_device(per_expert, self.device)
-                                            if known.recv_per_expert_tensor is None else known.recv_per_expert_tensor),
-                                   state)
+                                   list(known.num_recv_tokens_per_rank), self._known_expert_counts(known), state)
+
+    def _known_expert_counts(self, known: KnownCounts):
+        """``expert_counts`` of ``_received`` for counts known beforehand: the per-expert list, and its tensor (the
+        caller's, where it has one on the device; else copied)."""
+        per_expert = list(known.num_recv_tokens_per_expert)
+        return lambda: (per_expert, counts_to_device(per_expert, self.device)
+                        if known.recv_per_expert_tensor is None else known.recv_per_expert_tensor)
 
     def _exchange_rows(self, req: DispatchRequest, rows: torch.Tensor, records: torch.Tensor, send_counts: list,
                        recv_counts: list, expert_counts, state: "_NormalState") -> DispatchResult:
@@ -432,8 +435,7 @@ class AllToAllTransport(Transport):
         if slots is None:  # destination r's rows start at slot r * capacity (the pack writes pos - first[r])
             slots = self._slot_first[(num_ranks, capacity)] = -capacity * torch.arange(
                 num_ranks, dtype=torch.int32, device=req.x.device)
-        rows, recs = self._pack(req.x, req.x_scales, req.topk_idx, req.topk_weights, req.is_token_in_rank, plan.pos,
-                                slots, req.num_experts, num_ranks * capacity)
+        rows, recs = self._pack_plan(req, plan, slots, num_ranks * capacity)
         send = torch.cat([_as_bytes(rows), _as_bytes(recs)], 1)  # (slots no row fills hold what was there)
         recv = torch.empty_like(send)
         self._a2a(recv, send)
@@ -448,16 +450,10 @@ class AllToAllTransport(Transport):
         filled = [(s * cap, c) for s, c in enumerate(recv_counts) if c]
 
         def columns(lo: int, hi: int) -> torch.Tensor:  # one copy: the filled rows' columns [lo, hi)
-            if not filled:
-                return recv[:0, lo:hi].contiguous()
-            return torch.cat([recv[a:a + c, lo:hi] for a, c in filled]) if len(filled) > 1 else \
-                recv[filled[0][0]:filled[0][0] + filled[0][1], lo:hi].contiguous()
+            return torch.cat([recv[a:a + c, lo:hi] for a, c in filled]) if filled else recv[:0, lo:hi].contiguous()
 
-        per_expert = list(known.num_recv_tokens_per_expert)
         return self._received(ahead.req, columns(0, rb), columns(rb, recv.size(1)).view(torch.int32),
-                              list(known.num_tokens_per_rank), recv_counts,
-                              lambda: (per_expert, counts_to_device(per_expert, self.device)
-                                       if known.recv_per_expert_tensor is None else known.recv_per_expert_tensor),
+                              list(known.num_tokens_per_rank), recv_counts, self._known_expert_counts(known),
                               self._gpu_state(ahead.plan, known.num_tokens_per_rank))
 
     def dispatch_many(self, reqs: list):
@@ -515,10 +511,12 @@ class AllToAllTransport(Transport):
                BLOCK_T=256, BLOCK_E=pow2_block(e_local), BLOCK_K=pow2_block(k))
         return _Plan(ctl, table, recv_table, pos, first)
 
-    def _pack_plan(self, req: DispatchRequest, plan: "_Plan") -> tuple:
-        """``(rows, records)`` of every (token, destination) pair of ``req`` (``_pack``), in the plan's positions."""
+    def _pack_plan(self, req: DispatchRequest, plan: "_Plan", first: Optional[torch.Tensor] = None,
+                   num_rows: Optional[int] = None) -> tuple:
+        """``(rows, records)`` of every (token, destination) pair of ``req`` (``_pack``), in the plan's positions
+        (``first``: minus each destination's first row, the plan's when None; ``num_rows``: as ``_pack``)."""
         return self._pack(req.x, req.x_scales, req.topk_idx, req.topk_weights, req.is_token_in_rank, plan.pos,
-                          plan.first, req.num_experts)
+                          plan.first if first is None else first, req.num_experts, num_rows)
 
     def _check_plan(self, req: DispatchRequest, host: list) -> None:
         bad_layout, bad_topk = host[:2]

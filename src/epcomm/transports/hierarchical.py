@@ -574,8 +574,8 @@ class HierarchicalTransport(Transport):
                                                 bad.view(1).to(torch.int32)]), fn,
                                      f"rank {self.rank}: the counts of both legs", self._pinned)
         with self._leg(fn, PACK_PHASE):  # the inter-domain leg's local work, while the counts travel
-            legs = legs[:1 if head else 0] + [replace(leg, prepared=self.rail.prepare(leg))
-                                              for leg in legs[1 if head else 0:]]
+            sent = 1 if head else 0  # (the head's leg was sent ahead: nothing to prepare)
+            legs = legs[:sent] + [replace(leg, prepared=self.rail.prepare(leg)) for leg in legs[sent:]]
         with self._leg(fn, COUNTS_PHASE):
             host = read()
         raise_if_bad_topk(fn, host[-1], req.num_experts)
