@@ -374,7 +374,6 @@ def _rail_per_expert(ctx):
     the count exchange's sums on the device, no host copy) against the pairs its rail peers' routing sends to each
     of this domain's experts in that chunk, computed here; and the domain's portable leg fusing rows and records."""
     from epcomm.buffer import Buffer
-    from epcomm.core.layout import chunk_bounds
     from epcomm.testing.routing import make_inputs
     from epcomm.transports.hierarchical import HierarchicalTransport
 
@@ -390,7 +389,11 @@ def _rail_per_expert(ctx):
         lay = buf.get_dispatch_layout(mine.topk_idx, num_experts)
         handle = buf.dispatch(mine.x, num_tokens_per_rank=lay[0], is_token_in_rank=lay[3],
                               num_tokens_per_expert=lay[2], topk_idx=mine.topk_idx, topk_weights=mine.topk_weights)[4]
-        for c, (a, b) in enumerate(chunk_bounds(n, 2)):
+        bounds = handle.state.bounds
+        # (at a multiple of 4 tokens: 3 top-k weights of 4 bytes and a row of 4 ranks' bools per token)
+        if len(bounds) != 2 or bounds[0][0] != 0 or bounds[1] != (bounds[0][1], n) or bounds[0][1] != 8:
+            problems.append(f"chunk bounds {bounds}")
+        for c, (a, b) in enumerate(bounds):
             want = [0] * e_dom
             for s in rt.rail_ranks:  # this rank's rail peers (itself included), every one with n tokens
                 ids = inputs[s].topk_idx[a:b]
@@ -523,8 +526,10 @@ def test_chunks_shrink_by_the_measured_ratio():
     """Where the forwarding is faster than the rows' transfer, chunks shrink by that ratio (at least
     CHUNK_RATIO_FLOOR): each chunk's forwarding hides behind the next one's transfer; otherwise they are even. The
     bounds cover the tokens in order, whatever the ratio."""
-    from epcomm.core.layout import chunk_bounds, chunk_shares
-    from epcomm.transports.hierarchical import CHUNK_RATIO_FLOOR, chunk_ratio, split_description
+    import torch
+
+    from epcomm.core.layout import chunk_bounds, chunk_shares, token_alignment
+    from epcomm.transports.hierarchical import CHUNK_RATIO_FLOOR, _aligned, chunk_ratio, split_description
 
     assert CHUNK_RATIO_FLOOR == 0.25 and split_description(0.5) == "each 0.50 times the previous one's tokens"
     assert chunk_ratio(0.1) == 0.25 and chunk_ratio(0.26) == 0.26 and chunk_ratio(0.8) == 0.8
@@ -533,13 +538,21 @@ def test_chunks_shrink_by_the_measured_ratio():
     assert chunk_shares(4, 0.5) == [8 / 15, 4 / 15, 2 / 15, 1 / 15]
     assert chunk_bounds(4096, 4) == [(0, 1024), (1024, 2048), (2048, 3072), (3072, 4096)]
     assert chunk_bounds(4096, 4, 0.5) == [(0, 2185), (2185, 3277), (3277, 3823), (3823, 4096)]
+    # chunk bounds where every per-token tensor's slice starts 16-byte aligned (Triton specialises on it)
+    assert token_alignment(7168, 224, 64, 32, 64) == 1 and token_alignment(256, 24, 12, 4) == 4
+    assert token_alignment(132, 1) == 16 and token_alignment() == 1
+    assert chunk_bounds(9, 2, align=4) == [(0, 8), (8, 9)] and chunk_bounds(20, 4, align=16)[1] == (16, 20)
+    w = torch.rand(5, 2)  # rows sliced where the data decides (a combine's chunks): copied where misaligned
+    assert _aligned(w) is w and _aligned(w[1:]).data_ptr() % 16 == 0 and torch.equal(_aligned(w[1:]), w[1:])
     for n in (0, 1, 2, 5, 17, 4096):
         for chunks in (1, 2, 3, 4):
             for ratio in (1.0, 0.8, 0.5, 0.25):
-                bounds = chunk_bounds(n, chunks, ratio)
-                assert len(bounds) == chunks and bounds[0][0] == 0 and bounds[-1][1] == n, (n, chunks, ratio)
-                assert all(a <= b for a, b in bounds) and all(bounds[c][1] == bounds[c + 1][0]
-                                                              for c in range(chunks - 1)), bounds
+                for align in (1, 4, 16):
+                    bounds = chunk_bounds(n, chunks, ratio, align)
+                    assert len(bounds) == chunks and bounds[0][0] == 0 and bounds[-1][1] == n, (n, chunks, ratio)
+                    assert all(a <= b for a, b in bounds) and all(bounds[c][1] == bounds[c + 1][0]
+                                                                  for c in range(chunks - 1)), bounds
+                    assert all(a % align == 0 or a == n for a, _ in bounds), bounds
 
 
 def test_chunk_count_pick_needs_a_clear_gain():
@@ -648,9 +661,10 @@ def _peer_missing(ctx, mode, local=2, stall_s=8.0, fault_timeout=None, warm_buff
     from the call to the error, message of the next call, seconds it took)``; every rank ends at a meeting point in
     the store, so that the stalled rank's peers (and the store, on rank 0) outlive it. ``fault_timeout``: the
     ``EPCOMM_TIMEOUT_S`` of the faulty call (after the first calls, made with the environment's); ``warm_buffer``:
-    compile every kernel with a first Buffer (its second dispatch the head chunk's), so that the second one's first
-    call is quick and its faulty call loads no kernel: loading one waits for the device, on which a collective
-    hangs."""
+    compile every kernel with a first Buffer, so that the second one's first call is quick. With NCCL the faulty
+    dispatch is the second Buffer's first with a head chunk: it must load no kernel variant that the first dispatch
+    did not (loading one waits for the device, where its count exchange hangs, and NCCL's watchdog would end the
+    process)."""
     import os
     import time
 
@@ -690,8 +704,6 @@ def _peer_missing(ctx, mode, local=2, stall_s=8.0, fault_timeout=None, warm_buff
     if warm_buffer:  # with the environment's timeout; the second Buffer's groups get fault_timeout's
         warm = Buffer(ctx.group, transport="alltoall", ranks_per_node=local)
         first_calls(warm)
-        if mode == "normal":  # a second dispatch sends a head chunk: its kernels are compiled here, not in the call
-            make_calls(warm)[0]()  # that a peer misses (a module loaded while a collective hangs waits for it)
         warm.destroy()
         if fault_timeout is not None:
             os.environ["EPCOMM_TIMEOUT_S"] = str(fault_timeout)
@@ -761,6 +773,50 @@ def check_peer_missing(out: list, mode: str, timeout: float, slack: float, local
         if not (took_again < 1.0 and "cannot be used again" in again):
             problems.append(f"rank {rank}: the next call took {took_again:.1f} s and raised: {again}")
     assert not problems, "\n".join(problems)
+
+
+def test_call_watch_reports_a_host_blocked_in_a_native_call(monkeypatch):
+    """``faults.CallWatch``: a call whose thread stays in one native call (a frame that does not move) for more than
+    EPCOMM_TIMEOUT_S is reported once, naming the frame; a call whose thread moves on before that, and one waiting
+    in a bounded wait of ``faults`` (which ends by itself), are not."""
+    import threading
+    import time
+
+    from epcomm.transports import faults
+
+    monkeypatch.setenv("EPCOMM_TIMEOUT_S", "0.4")
+    watch, seen = faults.CallWatch(period_s=0.02), []
+
+    class Never:
+        def query(self):
+            return False
+
+    def blocked():
+        key = watch.begin(lambda s, w: seen.append(("blocked", s, w)))
+        time.sleep(1.0)  # one native call
+        watch.end(key)
+
+    def moving():
+        key = watch.begin(lambda s, w: seen.append(("moving", s, w)))
+        time.sleep(0.2)
+        time.sleep(0.2)
+        time.sleep(0.2)
+        time.sleep(0.2)
+        watch.end(key)
+
+    def bounded():
+        key = watch.begin(lambda s, w: seen.append(("bounded", s, w)))
+        with pytest.raises(faults.WaitExpired):
+            faults.host_wait(Never(), "f", "nothing", limit_s=0.9)
+        watch.end(key)
+
+    threads = [threading.Thread(target=f) for f in (blocked, moving, bounded)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [s[0] for s in seen] == ["blocked"], seen
+    assert 0.4 < seen[0][1] < 0.8 and seen[0][2].startswith("test_internode.py:") and "in blocked" in seen[0][2], seen
 
 
 @pytest.mark.parametrize("mode", ["normal", "low_latency", "combine"])

@@ -211,3 +211,23 @@ def test_waiting_kernels_do_not_specialise_on_per_call_counts():
     for kernel in kernels:
         specialised = [p.name for p in kernel.params if p.name in per_call and not p.do_not_specialize]
         assert not specialised, f"{kernel.fn.__name__} specialises on {specialised}"
+
+
+@pytest.mark.parametrize("num_rows", [0, 3])
+def test_pack_passes_addresses_that_select_one_variant(monkeypatch, num_rows):
+    """The portable transport's pack takes its buffers' addresses as integers: an empty buffer's address (0) would
+    be a 32-bit argument, another variant of the kernel, compiled and loaded in the middle of a call (where loading
+    waits for the device, so for any collective that hangs there). Every pack passes 64-bit addresses."""
+    import types
+
+    from epcomm.kernels import ep
+    from epcomm.transports.alltoall import AllToAllTransport
+
+    seen = {}
+    monkeypatch.setattr(ep, "launch_push", lambda **kw: seen.update(kw))
+    fake = types.SimpleNamespace(_zero_bases={}, _errors=torch.zeros(4, dtype=torch.int32), rank=0)
+    n = 1 if num_rows else 0
+    x, itr = torch.zeros(n, 8, dtype=torch.bfloat16), torch.ones(n, 3, dtype=torch.bool)
+    rows, recs = AllToAllTransport._pack(fake, x, None, None, None, itr, None, None, 4, num_rows)
+    assert rows.shape == (num_rows, 4) and recs.size(0) == num_rows
+    assert L.arg_key(seen["area_off"]) == L.arg_key(seen["meta_off"]) == L.arg_key(1 << 40), seen

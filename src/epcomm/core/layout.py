@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -46,19 +48,31 @@ def chunk_shares(chunks: int, ratio: float = 1.0) -> list:
     return [w / total for w in weights]
 
 
-def chunk_bounds(num_tokens: int, chunks: int, ratio: float = 1.0) -> list:
+def chunk_bounds(num_tokens: int, chunks: int, ratio: float = 1.0, align: int = 1) -> list:
     """``chunks`` consecutive ``(first, end)`` token ranges (some may be empty): how a pipelined call splits a rank's
-    tokens. ``ratio`` 1: ``ceil(num_tokens / chunks)`` tokens each, the last ones shorter; otherwise chunk ``c`` ends
-    at the rounded ``num_tokens`` times the first ``c + 1`` shares of ``chunk_shares``."""
+    tokens. ``ratio`` 1: ``ceil(num_tokens / chunks)`` tokens each (rounded up to a multiple of ``align``), the last
+    ones shorter; otherwise chunk ``c`` ends at ``num_tokens`` times the first ``c + 1`` shares of ``chunk_shares``,
+    rounded to a multiple of ``align``. Every bound but ``num_tokens`` is a multiple of ``align``."""
     if ratio == 1.0:
-        per = -(-num_tokens // chunks) if chunks else 0
+        per = align_up(-(-num_tokens // chunks), align) if chunks else 0
         return [(min(c * per, num_tokens), min((c + 1) * per, num_tokens)) for c in range(chunks)]
     ends, total = [], 0.0
     for share in chunk_shares(chunks, ratio):
         total += share
-        ends.append(min(num_tokens, round(num_tokens * total)))
+        ends.append(min(num_tokens, round(num_tokens * total / align) * align))
     ends[-1] = num_tokens
     return [(ends[c - 1] if c else 0, ends[c]) for c in range(chunks)]
+
+
+def token_alignment(*row_bytes: int) -> int:
+    """The fewest tokens whose rows of each of ``row_bytes`` (bytes per token of a per-token tensor) span a multiple
+    of 16 bytes: chunk bounds at multiples of it slice every such tensor at 16-byte aligned addresses (where the
+    tensor starts aligned). Triton specialises a kernel on whether each pointer is 16-byte aligned, so slices of
+    varying alignment would each compile and load another variant of the same kernel, in the middle of a call."""
+    a = 1
+    for b in row_bytes:
+        a = a * (16 // math.gcd(16, a * b))
+    return a
 
 
 def align_up(value: int, alignment: int) -> int:

@@ -377,8 +377,10 @@ class AllToAllTransport(Transport):
         ns = scales.size(1) if scales is not None else 0
         k = topk_idx.size(1) if topk_idx is not None else 0
         num_rows = n * num_ranks if num_rows is None else num_rows
-        rows = torch.empty(num_rows, xw, dtype=torch.int32, device=x.device)
-        recs = torch.empty(num_rows, record_words(ns, k, topk_weights is not None), dtype=torch.int32,
+        # (at least one row allocated, whose address the kernel takes as an integer: an empty tensor's address is 0,
+        # a 32-bit argument, so another variant of the kernel, compiled and loaded in the middle of a call)
+        rows = torch.empty(max(num_rows, 1), xw, dtype=torch.int32, device=x.device)
+        recs = torch.empty(max(num_rows, 1), record_words(ns, k, topk_weights is not None), dtype=torch.int32,
                            device=x.device)
         # every "destination" base is 0 and the offsets are the local buffers' addresses: no per-call table
         zero_bases = self._zero_bases.get(num_ranks)
@@ -389,7 +391,7 @@ class AllToAllTransport(Transport):
                     arrive_off=0, epoch=self._errors, counter=self._errors, t_begin=0, t_end=n, cap=0, rank=self.rank,
                     world=num_ranks, num_experts=num_experts, grid=max(1, min(num_sms(x.device) * 4, -(-n // 4))),
                     tokens_per_step=4, use_ptx=x.is_cuda, single_round=False, publish=False, dummy=self._errors)
-        return rows, recs
+        return rows[:num_rows], recs[:num_rows]
 
     def _dispatch_gpu(self, req: DispatchRequest) -> DispatchResult:
         """Exact-mode dispatch on GPUs: a plan kernel (positions, checks, count table), the count all_to_all,

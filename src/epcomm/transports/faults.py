@@ -8,6 +8,16 @@ the process. A transport that owns the groups of the stuck collective then ends 
 group is marked aborted before its communicators are, so NCCL's watchdog does not take the process down, and the
 stuck kernels exit) after asking the other ranks where they are (``where_are``), and raises.
 
+A host wait that epcomm does not bound is one inside a native call that waits for the device: loading a kernel's
+module the first time it is launched waits until the device's queue drains, so a call whose earlier collective hangs
+(a peer never joined) blocks there for good, holding the CUDA context's lock: no thread of the process can then
+abort the groups (an abort's CUDA calls wait behind the load), and NCCL's watchdog ends the process. The transports
+keep such loads out of their calls (every kernel variant a call launches is one its first call of that kind loaded:
+``core.layout.token_alignment``); ``CallWatch`` (one thread per process) finds a call that blocks anyway: its thread's
+Python frame has not moved for ``EPCOMM_TIMEOUT_S`` outside this module's bounded waits; the call's transport is then
+told (``on_blocked``, from the watch's thread; it must make no CUDA call) and says in the log where the host is stuck
+and which ranks never joined, before the watchdog ends the process.
+
 Groups that epcomm makes for itself get a timeout of ``group_timeout`` (longer than ``EPCOMM_TIMEOUT_S`` over
 NCCL, so that epcomm's own deadline comes first; exactly ``EPCOMM_TIMEOUT_S`` over gloo, whose collectives block
 the host and raise at the group's timeout by themselves).
@@ -17,6 +27,8 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
+import sys
 import threading
 import time
 from typing import Any, Optional, Sequence
@@ -199,5 +211,89 @@ def abort_groups(groups: Sequence[Any]) -> None:
             log.warning("aborting a process group did not finish within %.0f s", backstop_s())
 
 
-__all__ = ["WaitExpired", "group_timeout", "backstop_s", "done", "host_wait", "host_list", "where_are",
+class CallWatch:
+    """Watches the calls in progress (``begin`` / ``end``) from one daemon thread, started with the first call: a call
+    whose thread has been in the same Python frame and line for more than ``EPCOMM_TIMEOUT_S`` (a native call that
+    blocks, as a module load behind a hung collective does), outside this module's bounded waits (``host_wait``,
+    ``where_are``, ``abort_groups``: they end by themselves), is reported once to its ``on_blocked(seconds, where)``
+    (``where``: the frame, ``file:line in function``), from the watch's thread. Costs a call two dictionary operations;
+    the thread looks every ``period_s``."""
+
+    def __init__(self, period_s: float = 0.25) -> None:
+        self.period_s = period_s
+        self._calls: dict = {}
+        self._lock = threading.Lock()
+        self._thread: Optional[threading.Thread] = None
+
+    def begin(self, on_blocked) -> object:
+        """A call starts on this thread: returns the key that ``end`` takes; ``on_blocked(seconds, where)``."""
+        key = object()
+        with self._lock:
+            self._calls[key] = [threading.get_ident(), on_blocked, None, time.monotonic(), False]
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, daemon=True, name="epcomm-call-watch")
+                self._thread.start()
+        return key
+
+    def end(self, key: object) -> None:
+        with self._lock:
+            self._calls.pop(key, None)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.period_s)
+            self.check()
+
+    def check(self) -> None:
+        """One look at the calls in progress (the watch's thread runs it every ``period_s``)."""
+        frames = sys._current_frames()  # noqa: SLF001 - the one way to see where another thread is
+        now, limit = time.monotonic(), env.timeout_s()
+        fire = []
+        with self._lock:
+            for call in self._calls.values():
+                frame = frames.get(call[0])
+                spot = None if frame is None else (frame.f_code, frame.f_lineno)
+                if spot != call[2] or _bounded(frame):
+                    call[2], call[3] = spot, now
+                elif not call[4] and now - call[3] > limit:
+                    call[4] = True
+                    fire.append((call[1], now - call[3], _where(frame)))
+        for on_blocked, seconds, where in fire:
+            try:
+                on_blocked(seconds, where)
+            except Exception:  # noqa: BLE001 - the watch must go on; the call raises on its own thread
+                log.exception("reporting a blocked call failed")
+
+
+_HERE = os.path.abspath(__file__)
+
+
+def _bounded(frame) -> bool:
+    """Whether ``frame`` or a caller of it runs one of this module's waits (bounded by themselves)."""
+    while frame is not None:
+        if os.path.abspath(frame.f_code.co_filename) == _HERE:
+            return True
+        frame = frame.f_back
+    return False
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(_HERE))
+
+
+def _where(frame) -> str:
+    """``file:line in function`` of ``frame``, and of the innermost epcomm frame below it when that is another."""
+    def spot(f) -> str:
+        return f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno} in {f.f_code.co_name}"
+
+    own = frame
+    while own is not None and not os.path.abspath(own.f_code.co_filename).startswith(_PACKAGE):
+        own = own.f_back
+    return spot(frame) if own is None or own is frame else f"{spot(frame)}, called from {spot(own)}"
+
+
+# the process's watch of calls in progress (CUDA transports whose collectives can hang behind a native call)
+WATCH = CallWatch()
+
+
+__all__ = ["CallWatch", "WATCH", "WaitExpired", "group_timeout", "backstop_s", "done", "host_wait", "host_list", "where_are",
            "describe_peers", "abort_groups"]

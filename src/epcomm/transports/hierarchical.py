@@ -120,7 +120,7 @@ import torch.distributed as dist
 from .. import env
 from ..core.config import Config
 from ..core.handles import DispatchHandle, LowLatencyHandle
-from ..core.layout import align_all, chunk_bounds
+from ..core.layout import align_all, chunk_bounds, token_alignment
 from ..core.validate import raise_if_bad_topk
 from ..errors import EpcommError, EpcommTimeoutError
 from ..fp8 import FP8_DTYPE, per_token_cast_to_fp8
@@ -177,13 +177,21 @@ def _forget_subgroups(aborted: tuple) -> None:
 def _guarded(fn: str):
     """Decorate a call of the transport (``fn``: its name for messages): at its entry, raise at once if this
     transport's groups were aborted, count the call and look at the calls still running on the stream (``_settle``);
-    at its exit, note the call as running on the stream until its end event completes (CUDA, not while capturing)."""
+    on GPUs, the call is watched while it runs (``faults.WATCH``: a host blocked in a native call behind a hung
+    collective is reported, ``_blocked``); at its exit, note the call as running on the stream until its end event
+    completes (CUDA, not while capturing)."""
 
     def wrap(method):
         @functools.wraps(method)
         def run(self, *args, **kwargs):
             self._enter(fn)
-            out = method(self, *args, **kwargs)
+            # (on GPUs a native call can wait for a hung collective)
+            watched = faults.WATCH.begin(functools.partial(self._blocked, fn)) if self.device.type == "cuda" else None
+            try:
+                out = method(self, *args, **kwargs)
+            finally:
+                if watched is not None:
+                    faults.WATCH.end(watched)
             self._leave(fn)
             return out
 
@@ -276,6 +284,7 @@ class HierarchicalTransport(Transport):
         self._calls = 0  # calls made (the same count on every rank): names a call in the fault reports
         self._in_flight: collections.deque = collections.deque()  # (end event, issued at, call, fn) per call
         self._report_scope = f"epcomm/fault/{getattr(group, 'group_name', '')}/{buffer_id}"
+        self._phase: Optional[tuple] = None  # (phase, within) of the part running now (_leg), for fault reports
 
     @classmethod
     def capabilities(cls) -> Capabilities:
@@ -327,6 +336,7 @@ class HierarchicalTransport(Transport):
         events = log is not None and self.phase_events
         start = _mark(self.device) if events else None
         began = time.perf_counter() if log is not None else 0.0
+        outer, self._phase = self._phase, (phase, within)
         try:
             yield
             if log is not None:
@@ -337,14 +347,28 @@ class HierarchicalTransport(Transport):
             raise
         except RuntimeError as exc:
             raise self._fail(fn, phase, within, exc) from exc
+        finally:
+            self._phase = outer
 
     def _fail(self, fn: str, phase: str, within: bool, exc: Exception) -> EpcommTimeoutError:
         """A collective of ``phase`` did not complete in time: ask the ranks of its leg where they are (the store,
         bounded), abort the inter-domain and domain groups (their stuck kernels exit; NCCL's watchdog leaves the
         process alone), mark every transport on these groups as ended, and return the error to raise. A call
         still running on the stream from before (``_in_flight``) is the one blamed when it has not completed."""
-        call = self._calls
         late = next(((c, f) for e, _, c, f in self._in_flight if not faults.done(e)), None)
+        here, peers, where = self._locate(phase, within, late)
+        message = (f"rank {self.rank}: {here} with {peers} did not complete within EPCOMM_TIMEOUT_S="
+                   f"{env.timeout_s():g} s: {where}; the inter-domain and domain groups were aborted, this Buffer "
+                   f"cannot be used again ({type(exc).__name__}: {str(exc)[:400]})")
+        self._abort(message)
+        self.errors.record(NORMAL, f"{fn}: {message}")
+        return EpcommTimeoutError(f"{fn}: {message}")
+
+    def _locate(self, phase: str, within: bool, late: Optional[tuple] = None) -> tuple:
+        """``(where this rank is stuck, with which ranks, where they are in words)`` after a wait expired; the other
+        ranks of the leg are asked (``faults.where_are``: the store, bounded). ``late``: an earlier call ``(number,
+        fn)`` still running on the stream, blamed first."""
+        call = self._calls
         if late is not None:  # an earlier call's collectives (over either group) are what this wait is behind
             call, members = late[0], list(range(self.num_ranks))
             here, peers = f"the collectives of {late[1]}, still running on the stream", f"ranks {members}"
@@ -357,13 +381,21 @@ class HierarchicalTransport(Transport):
         grace = min(max(1.0, 0.25 * env.timeout_s()), 10.0)
         where = faults.where_are(f"{self._report_scope}/{call}", self.rank, here,
                                  [r for r in members if r != self.rank], grace)
-        cause = f"{type(exc).__name__}: {exc}"
-        message = (f"rank {self.rank}: {here} with {peers} did not complete within EPCOMM_TIMEOUT_S="
-                   f"{env.timeout_s():g} s: {faults.describe_peers(where)}; the inter-domain and domain groups were "
-                   f"aborted, this Buffer cannot be used again ({cause[:400]})")
-        self._abort(message)
-        self.errors.record(NORMAL, f"{fn}: {message}")
-        return EpcommTimeoutError(f"{fn}: {message}")
+        return here, peers, faults.describe_peers(where)
+
+    def _blocked(self, fn: str, seconds: float, where: str) -> None:
+        """``faults.WATCH``'s report (from its thread) that this call's host has been blocked in one native call for
+        ``seconds``, at ``where``. The one such call known to block for good: a kernel module's first load, which
+        waits for the device's queue to drain, behind a collective a peer never joined. It holds the CUDA context's
+        lock while it waits, so no thread of this process can abort the groups (an abort's CUDA calls wait behind it;
+        measured on torch 2.11 with NCCL 2.28): NCCL's watchdog ends the process at the groups' timeout. What can be
+        done is said here first, with the ranks that never joined, in the log (an error). No CUDA call here."""
+        phase, within = self._phase if self._phase is not None else ("the call's host work", False)
+        here, peers, seen = self._locate(phase, within)
+        log.error("rank %d: %s: the host has been blocked for %.0f s in one native call at %s (a kernel's first load "
+                  "waits for the device, behind a collective that does not complete), in %s with %s: %s; no thread "
+                  "can end it (its CUDA calls would wait behind the load): NCCL's watchdog ends this process at the "
+                  "groups' timeout", self.rank, fn, seconds, where, here, peers, seen)
 
     def _abort(self, message: str) -> None:
         if self._fault:
@@ -466,8 +498,15 @@ class HierarchicalTransport(Transport):
         # slots per domain of the head chunk (sent ahead of the counts; 0: none, as where the leg cannot)
         head = (self._head_slots(self._head, row_bytes)
                 if not W and getattr(self.rail, "can_send_ahead", lambda _: False)(x) else 0)
+        # chunk bounds at multiples of `align` tokens: every per-token tensor's chunks start 16-byte aligned, as the
+        # whole tensor does, so no chunk launches a kernel variant of its own (which would be compiled and loaded
+        # mid-call, where loading waits for the device and so for any collective that hangs there)
+        align = token_alignment(*(t.stride(0) * t.element_size() for t in (
+            x, req.x_scales, req.topk_idx, req.topk_weights, req.is_token_in_rank) if t is not None and t.dim() == 2))
         h = min(n, head)  # this rank's tokens in it (the slots are the same on every rank)
-        bounds = [(h + a, h + b) for a, b in chunk_bounds(n - h, chunks, self._chunk_ratio() if chunks > 1 else 1.0)]
+        h = h if h == n else h - h % align
+        bounds = [(h + a, h + b) for a, b in chunk_bounds(n - h, chunks, self._chunk_ratio() if chunks > 1 else 1.0,
+                                                          align)]
         if head:
             bounds.insert(0, (0, h))
         ahead = None
@@ -514,6 +553,7 @@ class HierarchicalTransport(Transport):
 
     def _chunk(self, req: DispatchRequest, a: int, b: int, first: bool) -> DispatchRequest:
         """Tokens ``[a, b)`` of ``req`` as a request of their own (their layout computed on the device)."""
+        a, b = (a, b) if a < b else (0, 0)  # (an empty chunk at the start: aligned as its tensors are)
         idx = req.topk_idx[a:b]
         per_rank, per_expert, itr = self.get_dispatch_layout(idx, req.num_experts)
         return replace(req, x=req.x[a:b], x_scales=None if req.x_scales is None else req.x_scales[a:b], topk_idx=idx,
@@ -755,7 +795,7 @@ class HierarchicalTransport(Transport):
         def leg(c):
             a, b = st.bounds[c]
             with self._leg(fn, "cached tokens to their domains"):
-                return self.rail.dispatch(_cached(rows[a:b], None, st.rail[c], req))
+                return self.rail.dispatch(_cached(rows[a:b] if a < b else rows[:0], None, st.rail[c], req))
 
         outs = []
         for c, r1 in enumerate(self._pipelined([lambda c=c: leg(c) for c in range(len(st.rail))])):
@@ -866,7 +906,8 @@ class HierarchicalTransport(Transport):
             rows = slice(starts[c], starts[c] + st.rows[c])
             with self._leg(fn, "sums within the domain", within=True):
                 part, part_w = self.domain.combine(CombineRequest(
-                    x[rows], st.domain[c], None if w is None else w[rows], (), req.config, req.overlapped))
+                    _aligned(x[rows]), st.domain[c], None if w is None else _aligned(w[rows]), (), req.config,
+                    req.overlapped))
             partials.append((part, part_w))
             a, b = st.bounds[c]
 
@@ -1259,6 +1300,12 @@ def _known_counts(host: list, C: int, L: int, D: int, e_dom: int, l: int) -> tup
             num_tokens_max=max(r[0] for r in rows), max_pair=max(max(r[1:1 + L]) for r in rows))
         out.append((rail, domain))
     return out, max(every[f][0][-1] for f in range(L))
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (rows sliced at an offset the data decides), copied where it does not start 16-byte aligned: the kernels
+    it goes to would otherwise compile and load another variant in the middle of a call (``token_alignment``)."""
+    return t if t.numel() == 0 or t.data_ptr() % 16 == 0 else t.clone()
 
 
 def _cat(parts: list) -> Optional[torch.Tensor]:
