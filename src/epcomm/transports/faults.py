@@ -295,5 +295,5 @@ def _where(frame) -> str:
 WATCH = CallWatch()
 
 
-__all__ = ["CallWatch", "WATCH", "WaitExpired", "group_timeout", "backstop_s", "done", "host_wait", "host_list", "where_are",
-           "describe_peers", "abort_groups"]
+__all__ = ["CallWatch", "WATCH", "WaitExpired", "group_timeout", "backstop_s", "done", "host_wait", "host_list",
+           "where_are", "describe_peers", "abort_groups"]

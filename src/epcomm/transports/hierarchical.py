@@ -51,8 +51,11 @@ network; where the domain leg is one-sided, a cached call's domain leg is one ga
 the device for each chunk's flag and writes every row and its scales at their place in the output's order:
 ``_mapped``; else the rows are gathered and split once at the end), so the link never waits for the host between
 chunks; a combine takes the chunks the other way round, smallest first (a head chunk before a single chunk after
-it), each chunk's partials crossing while the next chunk is summed within the domain; each chunk adds a few launches and collectives, so the best count depends on
-the link.
+it), each chunk's partials crossing while the next chunk is summed within the domain; each chunk adds a few launches
+and collectives, so the best count depends on the link. Chunk bounds fall at multiples of ``token_alignment``
+tokens (1 at DeepSeek's shapes), so that every per-token tensor's chunks start aligned as the tensor does: no chunk
+launches a kernel variant of its own (one first loaded in the middle of a call waits for the device, so for any
+collective that hangs there: "Faults" below).
 The count is measured: the first exact-mode dispatches try ``CHUNK_CANDIDATES`` in turn (1 first: it sizes the
 domain's storage for whole calls), ``TUNE_CALLS`` rounds (the first not counted; in turn, so that a link whose rate
 drifts weighs on every count alike), then the ranks agree (one all_reduce of their times, the slowest rank's
@@ -97,7 +100,11 @@ longer, ``2 * EPCOMM_TIMEOUT_S + 40`` s, leaves the process alone, and the stuck
 ``EpcommTimeoutError`` (the Buffer keeps it as its sticky error and raises that). Every later call of any Buffer on
 these groups raises at once with the same message; such a Buffer cannot be used again (make a new one once the ranks
 are back).
-The domain leg's one-sided kernels keep their own device timeouts (their count read has a longer backstop). Bad
+The domain leg's one-sided kernels keep their own device timeouts (their count read has a longer backstop). One wait
+is out of reach: a kernel module's first load waits for the device (holding the CUDA context's lock), so behind a
+hung collective the host blocks there and NCCL's watchdog ends the process; calls launch no variant their first call
+of the kind did not (chunk bounds above; the legs pass empty and one-row tensors as full ones), and a call watch
+(``faults.WATCH``) logs any host that blocks anyway, with the frame and the ranks that never joined (``_blocked``). Bad
 input that differs between ranks (hidden size, top-k, experts, ``num_max_dispatch_tokens_per_rank``, dtypes) is
 caught at the first call of each kind, before any data moves: the ranks compare the call's shape.
 """

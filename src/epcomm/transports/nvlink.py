@@ -565,9 +565,10 @@ class NVLinkTransport(Transport):
         single = rounds.num_rounds == 1
         cum = None if single else torch.cat([torch.zeros(1, num_ranks, dtype=torch.int64, device=dev),
                                              torch.cumsum(itr, dim=0, dtype=torch.int64)])
-        # the outputs as the kernels take them (None: nothing to write)
-        out_x, out_scales, out_idx, out_w, out_src = [t if t is not None and num_recv else None
-                                                      for t in (outs or (None,) * 5)]
+        # the outputs as the kernels take them (None: none). An empty one is passed as it is (its kernel writes no
+        # row), not as a dummy: the same variant as a call that receives rows (another one would be compiled and
+        # loaded in the middle of a call)
+        out_x, out_scales, out_idx, out_w, out_src = outs or (None,) * 5
         out_x = out_x.view(torch.int32) if out_x is not None else None
         out_scales = out_scales.view(torch.int32) if out_scales is not None else None
         out_idx = out_idx if k else None
