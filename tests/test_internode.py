@@ -293,31 +293,28 @@ def test_rail_rows_packed_while_the_counts_travel(chunks, head_share, monkeypatc
         assert summed == ([0, 1] if head else list(reversed(range(chunks)))), events
 
 
-def _variants_after_the_first_call(ctx, transport):
-    """Exact-mode calls in 3 chunks (dispatch, cached dispatch, combine; checked against the reference) on one Buffer:
-    a first round, then rounds whose token counts change (odd counts, a rank that becomes empty and one that stops
-    being, the head chunk, empty chunks): ``([(round, kernel, what differs from its earlier variants)], the checks'
+def _variants_after_the_first_call(ctx, transport, warm):
+    """Exact-mode calls (dispatch, cached dispatch, combine; checked against the reference) on one Buffer: a first
+    round, then rounds whose token counts change (odd counts, a rank that becomes empty and one that stops being, the
+    head chunk, empty chunks): ``([(round, kernel, what differs from its earlier variants, where)], the checks'
     failures)`` for every kernel variant (``kernels.launch.Launcher``'s key: Triton's specialisation) first launched
-    after the first round."""
-    import inspect
+    after the first round. In 3 chunks; with ``warm``, the first round is ``Buffer.warmup`` of the calls' shape and
+    the chunk count is the tuner's (its first calls try 1, 2 and 4 chunks)."""
     import traceback
 
     from epcomm.buffer import Buffer
     from epcomm.kernels import launch as L
     from epcomm.testing.checks import NormalCase, check_normal
+    from test_hardening_device import _variant  # (the intranode counterpart's key of a variant)
 
     from epcomm.transports.hierarchical import HierarchicalTransport
 
-    HierarchicalTransport.pipeline_chunks = 3  # (the tuner's first calls try other counts: other kinds of call)
+    HierarchicalTransport.pipeline_chunks = None if warm else 3  # (the tuner's counts: other kinds of call)
     seen, new, stage = set(), [], [0]
     orig = L.Launcher.__call__
 
-    def call(self, grid, args, kwargs):  # (the interpreter's kernels: the launcher's key, from the signature)
-        k = self.kernel
-        names = [p.name for p in inspect.signature(k.fn).parameters.values() if "constexpr" not in str(p.annotation)]
-        plain = set(k.kwargs.get("do_not_specialize") or ())
-        key = (k.fn.__name__, tuple(sorted(kwargs.items())),
-               tuple(L.arg_key(a, name not in plain) for a, name in zip(args, names)))
+    def call(self, grid, args, kwargs):
+        key = _variant(self, args, kwargs)
         if key not in seen:
             if stage[0]:  # what differs from the nearest variant of this kernel launched so far
                 def diff(o):
@@ -341,25 +338,30 @@ def _variants_after_the_first_call(ctx, transport):
         failures = []
         plans = [(9, 5, 13, 6), (12, 0, 7, 16), (3, 10, 0, 9), (16, 16, 16, 1), (1, 2, 3, 4), (0, 7, 5, 11),
                  (13, 1, 8, 0)]
-        for stage[0], tokens in enumerate(plans):
+        if warm:
+            buf.warmup(128, 8, 3, 8, dtypes=("fp8",))
+            stage[0] = 1
+        for tokens in plans:
             case = NormalCase(num_tokens=tokens, hidden=128, num_experts=8, topk=3, dtype="fp8", routing="dropped",
                               seed=40 + stage[0])
             failures += check_normal(ctx, buf, case).failures
+            stage[0] += 1
         buf.destroy()
     finally:
         L.Launcher.__call__ = orig
     return new, failures
 
 
-@pytest.mark.parametrize("transport", ["alltoall", "nvlink"])
-def test_no_kernel_variant_first_launched_after_the_first_call(transport, monkeypatch):
-    """Across nodes, no kernel variant is first launched after a Buffer's first calls: a variant is compiled and its
-    module loaded at its first launch, and loading waits for the device, so behind a collective that hangs (a peer
-    lost) the host would block where no timeout reaches it. Token counts that change between calls (chunk bounds,
-    the head chunk, empty chunks and empty ranks) must not select new variants (pointer alignment, integer widths);
-    interpreter runs of both legs' kernels, 2 nodes of 2 ranks, FP8 with dropped slots."""
+@pytest.mark.parametrize("transport,warm", [("alltoall", False), ("alltoall", True), ("nvlink", True)])
+def test_no_kernel_variant_first_launched_after_the_first_call(transport, warm, monkeypatch):
+    """Across nodes, no kernel variant is first launched after a Buffer's first calls (or, ``warm``, after
+    ``Buffer.warmup``, whatever chunk count the tuner then tries): a variant is compiled and its module loaded at its
+    first launch, and loading waits for the device, so behind a collective that hangs (a peer lost) the host would
+    block where no timeout reaches it. Token counts that change between calls (chunk bounds, the head chunk, empty
+    chunks and empty ranks) must not select new variants (pointer alignment, integer widths, strides); interpreter
+    runs of both legs' kernels, 2 nodes of 2 ranks, FP8 with dropped slots."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    for new, failures in spawn(_variants_after_the_first_call, 4, transport, device="cpu", timeout_s=900):
+    for new, failures in spawn(_variants_after_the_first_call, 4, transport, warm, device="cpu", timeout_s=900):
         assert failures == [], failures
         assert new == [], new
 

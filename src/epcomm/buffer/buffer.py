@@ -297,7 +297,8 @@ class Buffer:
                 (with weights) per payload in ``dtypes`` (``torch.bfloat16``, ``torch.float16``, ``torch.float32``
                 or ``"fp8"``), on ``num_tokens`` tokens per rank of synthetic routing; with ``num_worst_tokens``
                 also that dispatch and its combine. They run as calls (their first-call compilation and barrier
-                included); with ``num_nvl_bytes=0`` they also size the one-sided transports' storage.
+                included); with ``num_nvl_bytes=0`` they also size the one-sided transports' storage. Across nodes
+                they run once per chunk count the later calls may use (and with a head chunk), not timed.
             layouts, expert_alignment: the normal-mode calls are made with each ``dispatch`` layout in ``layouts``
                 (``"expert_major"`` adds its kernels, e.g. before capturing its calls in a CUDA graph).
             num_max_dispatch_tokens_per_rank: if > 0 (T), low-latency mode: for each ``use_fp8`` (with
@@ -346,18 +347,22 @@ class Buffer:
         else:
             x, out_dtype = torch.zeros(n, hidden, dtype=dtype, device=dev), dtype
         per_rank, _, per_expert, in_rank, _ = self.get_dispatch_layout(idx, num_experts)
-        recv_x, _, recv_w, _, handle, _ = self.dispatch(
-            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-            topk_idx=idx, topk_weights=weights, num_worst_tokens=worst, layout=layout,
-            expert_alignment=expert_alignment)
-        self.dispatch(x, handle=handle)
-        if handle.expert_major:
-            rows = torch.zeros(handle.num_recv_rows, hidden, dtype=out_dtype, device=dev)
+
+        def round_of_calls() -> None:
+            recv_x, _, recv_w, _, handle, _ = self.dispatch(
+                x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                topk_idx=idx, topk_weights=weights, num_worst_tokens=worst, layout=layout,
+                expert_alignment=expert_alignment)
+            self.dispatch(x, handle=handle)
+            if handle.expert_major:
+                rows = torch.zeros(handle.num_recv_rows, hidden, dtype=out_dtype, device=dev)
+                self.combine(rows, handle, topk_weights=recv_w)
+                self.combine(rows, handle, weighted=False)
+                return
+            rows = torch.zeros(handle.num_recv_tokens, hidden, dtype=out_dtype, device=dev)
             self.combine(rows, handle, topk_weights=recv_w)
-            self.combine(rows, handle, weighted=False)
-            return
-        rows = torch.zeros(handle.num_recv_tokens, hidden, dtype=out_dtype, device=dev)
-        self.combine(rows, handle, topk_weights=recv_w)
+
+        self.runtime.warm_normal(round_of_calls)  # (once, or once per path the transport's later calls can take)
 
     # ------------------------------------------------------------------ normal mode
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,

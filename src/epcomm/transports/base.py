@@ -299,6 +299,13 @@ class Transport(abc.ABC):
             compile_then_meet(self.group, self.device, enqueue, fn)
         enqueue()
 
+    def warm_normal(self, run: Callable[[], None]) -> None:
+        """Collective (``Buffer.warmup``): ``run()`` makes one normal-mode round of calls (dispatch, cached dispatch,
+        combine) of a configuration; a transport whose later calls of it can take other paths (another chunk
+        count ...) runs it once per path, so that none of them first loads a kernel in the middle of a later call.
+        The default: once."""
+        run()
+
     def warmup_low_latency(self, shape: tuple) -> None:
         """Collective: size the low-latency storage for calls of ``shape`` (``low_latency.call_shape``) and compile
         every kernel variant they can launch (any token count, plain or hook), then meet the other ranks. Nothing

@@ -292,6 +292,7 @@ class HierarchicalTransport(Transport):
         self._in_flight: collections.deque = collections.deque()  # (end event, issued at, call, fn) per call
         self._report_scope = f"epcomm/fault/{getattr(group, 'group_name', '')}/{buffer_id}"
         self._phase: Optional[tuple] = None  # (phase, within) of the part running now (_leg), for fault reports
+        self._warm_chunks: Optional[int] = None  # the chunk count of Buffer.warmup's calls (warm_normal)
 
     @classmethod
     def capabilities(cls) -> Capabilities:
@@ -496,7 +497,7 @@ class HierarchicalTransport(Transport):
                              f"tokens: pass num_worst_tokens >= {n * self.num_ranks}")
         self._agree(fn, ("dispatch", x.dtype, x.size(1), req.x_scales is not None, req.topk_idx.size(1),
                          req.topk_weights is not None, req.num_experts, bool(W)))
-        forced = self._fixed_chunks()[0]
+        forced = self._warm_chunks or self._fixed_chunks()[0]
         with self._leg(fn, "chunk agreement"):
             chunks = 1 if W else forced or self._tuner.next(lambda times: self._slowest(fn, times), fn)
         row_bytes = x.size(1) * x.element_size() + (0 if req.x_scales is None else
@@ -1011,6 +1012,22 @@ class HierarchicalTransport(Transport):
         return LowLatencyCombineResult(out, None)
 
     # ------------------------------------------------------------------ lifecycle
+    def warm_normal(self, run: Callable[[], None]) -> None:
+        """``Transport.warm_normal``: the round once per chunk count the calls may use (``CHUNK_CANDIDATES``, or the
+        fixed count), the first count again with a head chunk (the later rounds have one, sized by the earlier), so
+        that the tuner's first calls, the gated cached dispatch and the head's path load no kernel in the middle of a
+        later call (module docstring, "Faults"). The warm calls are not timed (the tuner's state is left as it was)
+        and the next call's head is sized as before them."""
+        fixed = self._fixed_chunks()[0]
+        counts = (fixed,) if fixed else self.CHUNK_CANDIDATES
+        head = self._head
+        try:
+            for chunks in counts + counts[:1]:
+                self._warm_chunks = chunks
+                run()
+        finally:
+            self._warm_chunks, self._head = None, head
+
     def warmup_low_latency(self, shape: tuple) -> None:
         t_max, hidden, topk, num_experts, fp8, round_scale, ue8m0, dtype = shape
         D = self.num_domains
