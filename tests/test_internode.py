@@ -352,7 +352,7 @@ def _variants_after_the_first_call(ctx, transport, warm):
     return new, failures
 
 
-@pytest.mark.parametrize("transport,warm", [("alltoall", False), ("alltoall", True), ("nvlink", True)])
+@pytest.mark.parametrize("transport,warm", [("alltoall", False), ("nvlink", True)])
 def test_no_kernel_variant_first_launched_after_the_first_call(transport, warm, monkeypatch):
     """Across nodes, no kernel variant is first launched after a Buffer's first calls (or, ``warm``, after
     ``Buffer.warmup``, whatever chunk count the tuner then tries): a variant is compiled and its module loaded at its

@@ -362,7 +362,10 @@ class Buffer:
             rows = torch.zeros(handle.num_recv_tokens, hidden, dtype=out_dtype, device=dev)
             self.combine(rows, handle, topk_weights=recv_w)
 
-        self.runtime.warm_normal(round_of_calls)  # (once, or once per path the transport's later calls can take)
+        if worst:  # (fixed slots: one path)
+            round_of_calls()
+        else:  # once, or once per path the transport's later calls can take
+            self.runtime.warm_normal(round_of_calls)
 
     # ------------------------------------------------------------------ normal mode
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
