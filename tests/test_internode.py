@@ -602,7 +602,8 @@ def test_chunks_shrink_by_the_measured_ratio():
     import torch
 
     from epcomm.core.layout import chunk_bounds, chunk_shares, token_alignment
-    from epcomm.transports.hierarchical import CHUNK_RATIO_FLOOR, _aligned, chunk_ratio, split_description
+    from epcomm.kernels.launch import one_variant
+    from epcomm.transports.hierarchical import CHUNK_RATIO_FLOOR, chunk_ratio, split_description
 
     assert CHUNK_RATIO_FLOOR == 0.25 and split_description(0.5) == "each 0.50 times the previous one's tokens"
     assert chunk_ratio(0.1) == 0.25 and chunk_ratio(0.26) == 0.26 and chunk_ratio(0.8) == 0.8
@@ -616,7 +617,12 @@ def test_chunks_shrink_by_the_measured_ratio():
     assert token_alignment(132, 1) == 16 and token_alignment() == 1
     assert chunk_bounds(9, 2, align=4) == [(0, 8), (8, 9)] and chunk_bounds(20, 4, align=16)[1] == (16, 20)
     w = torch.rand(5, 2)  # rows sliced where the data decides (a combine's chunks): copied where misaligned
-    assert _aligned(w) is w and _aligned(w[1:]).data_ptr() % 16 == 0 and torch.equal(_aligned(w[1:]), w[1:])
+    assert one_variant(w) is w and one_variant(w[1:]).data_ptr() % 16 == 0 and torch.equal(one_variant(w[1:]), w[1:])
+    wide = torch.rand(3, 8)  # one row or none of a wider buffer's columns: copied to rows of their own width
+    for t in (wide[:1, :4], wide[:0, :4]):
+        assert one_variant(t).stride() == (4, 1) and torch.equal(one_variant(t), t)
+    rows = wide[:2]  # whole rows of a contiguous tensor: as they are
+    assert one_variant(rows) is rows
     for n in (0, 1, 2, 5, 17, 4096):
         for chunks in (1, 2, 3, 4):
             for ratio in (1.0, 0.8, 0.5, 0.25):

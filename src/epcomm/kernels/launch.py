@@ -69,6 +69,18 @@ _I64_MAX = (1 << 63) - 1
 _ahead: Optional[list] = None  # inside compile_only(): (launcher, key, kwargs, compiled or future) to load
 
 
+def one_variant(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (2-D rows, made by slicing at offsets a call's data decides), or a copy of it where a kernel would take
+    it for another variant than a fresh tensor of its shape (``arg_key``, and the row stride where a launcher passes
+    it): a row stride other than its width (torch's ``contiguous`` keeps a view of one row or none as it is, with the
+    wider buffer's stride) or a start that is not 16-byte aligned. Such a variant would be compiled and loaded in the
+    middle of a call, where loading waits for the device (``transports.faults``)."""
+    dense = t.stride(0) == t.size(1) and (t.size(1) <= 1 or t.stride(1) == 1)
+    if dense and (t.numel() == 0 or t.data_ptr() % 16 == 0):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 def arg_key(value: Any, specialize: bool = True):
     """What Triton specialises a runtime argument ``value`` on, as a hashable key (a ``torch.dtype`` stands for a
     16-byte aligned tensor of that dtype)."""

@@ -36,6 +36,7 @@ from ..core.validate import check_precast, raise_if_bad_routing
 from ..errors import EpcommError
 from ..fp8 import FP8_DTYPE, pack_ue8m0, per_token_cast_to_fp8
 from ..kernels import triton_available
+from ..kernels.launch import one_variant
 from .device_errors import LOW_LATENCY, NORMAL, DeviceErrors
 from .faults import read_later
 from .plan import exclusive_cumsum, send_plan
@@ -53,14 +54,6 @@ class _Done:
 
 
 _DONE = _Done()
-
-
-def _dense(t: torch.Tensor) -> torch.Tensor:
-    """``t`` (2-D) with rows of its own width one after the other: a copy where its row stride is another. (Torch's
-    ``contiguous`` keeps a view of one row or none as it is, with the wider buffer's row stride; kernels take the row
-    stride for a variant of their own, which would then be compiled and loaded in the middle of a call.)"""
-    return t if t.stride(0) == t.size(1) and (t.size(1) <= 1 or t.stride(1) == 1) else \
-        t.clone(memory_format=torch.contiguous_format)
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -191,7 +184,7 @@ class AllToAllTransport(Transport):
         outs, col = [], 0
         for t, v in zip(parts, views):
             width = v.size(1)
-            outs.append(_dense(recv[:, col:col + width]).view(t.dtype).view(out_rows, *t.shape[1:]))
+            outs.append(one_variant(recv[:, col:col + width]).view(t.dtype).view(out_rows, *t.shape[1:]))
             col += width
         return outs
 
@@ -460,10 +453,10 @@ class AllToAllTransport(Transport):
         filled = [(s * cap, c) for s, c in enumerate(recv_counts) if c]
 
         def columns(lo: int, hi: int) -> torch.Tensor:  # one copy: the filled rows' columns [lo, hi)
-            # (fresh tensors with their own width as the rows' stride, as the exact dispatch's: the kernels they go to
-            # take the row stride for a variant of their own)
-            return _dense(torch.cat([recv[a:a + c, lo:hi] for a, c in filled]) if filled
-                          else recv.new_empty(0, hi - lo))
+            # (none filled: a fresh tensor too, not a view of no rows, whose row stride would be the slots' width: the
+            # kernels the rows go to take the row stride for a variant of its own)
+            return (torch.cat([recv[a:a + c, lo:hi] for a, c in filled]) if filled
+                    else recv.new_empty(0, hi - lo))
 
         return self._received(ahead.req, columns(0, rb), columns(rb, recv.size(1)).view(torch.int32),
                               list(known.num_tokens_per_rank), recv_counts, self._known_expert_counts(known),

@@ -131,6 +131,7 @@ from ..core.layout import align_all, chunk_bounds, token_alignment
 from ..core.validate import raise_if_bad_topk
 from ..errors import EpcommError, EpcommTimeoutError
 from ..fp8 import FP8_DTYPE, per_token_cast_to_fp8
+from ..kernels.launch import one_variant
 from ..topology.domains import Domains
 from .alltoall import AllToAllTransport, _as_bytes
 from .base import (Capabilities, CombineRequest, DispatchRequest, DispatchResult, KnownCounts,
@@ -914,7 +915,7 @@ class HierarchicalTransport(Transport):
             rows = slice(starts[c], starts[c] + st.rows[c])
             with self._leg(fn, "sums within the domain", within=True):
                 part, part_w = self.domain.combine(CombineRequest(
-                    _aligned(x[rows]), st.domain[c], None if w is None else _aligned(w[rows]), (), req.config,
+                    one_variant(x[rows]), st.domain[c], None if w is None else one_variant(w[rows]), (), req.config,
                     req.overlapped))
             partials.append((part, part_w))
             a, b = st.bounds[c]
@@ -1324,12 +1325,6 @@ def _known_counts(host: list, C: int, L: int, D: int, e_dom: int, l: int) -> tup
             num_tokens_max=max(r[0] for r in rows), max_pair=max(max(r[1:1 + L]) for r in rows))
         out.append((rail, domain))
     return out, max(every[f][0][-1] for f in range(L))
-
-
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """``t`` (rows sliced at an offset the data decides), copied where it does not start 16-byte aligned: the kernels
-    it goes to would otherwise compile and load another variant in the middle of a call (``token_alignment``)."""
-    return t if t.numel() == 0 or t.data_ptr() % 16 == 0 else t.clone()
 
 
 def _cat(parts: list) -> Optional[torch.Tensor]:
