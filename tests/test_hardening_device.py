@@ -551,9 +551,10 @@ def _compiled_variants(ctx, warm: bool):
         failures += check_low_latency(ctx, buf, LowLatencyCase(num_tokens=(8, 3), max_tokens=8, hidden=h,
                                                                num_experts=e, topk=k, hook=True, seed=84)).failures
     measuring[0] = True
-    for tokens, ll_tokens in ((mine, (1, 6)), ((0, 33), (5, 0))):  # then an empty rank
+    for tokens, ll_tokens, columns in ((mine, (1, 6), True), ((0, 33), (5, 0), False)):  # then an empty rank
+        # (column-major scales too, DeepEP's layout: their column stride is the token count)
         failures += check_normal(ctx, buf, NormalCase(num_tokens=tokens, hidden=h, num_experts=e, topk=k,
-                                                      dtype="fp8", seed=81)).failures
+                                                      dtype="fp8", seed=81, column_major_scales=columns)).failures
         failures += check_low_latency(ctx, buf, LowLatencyCase(num_tokens=ll_tokens, max_tokens=8, hidden=h,
                                                                num_experts=e, topk=k, hook=True, seed=82)).failures
     buf.destroy()

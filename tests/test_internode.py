@@ -542,7 +542,7 @@ def test_chunk_count_is_measured_and_agreed():
     for rank, (failures, chosen, seen, text, described) in enumerate(results):
         assert failures == [], (rank, failures)
         assert chosen == 1, (rank, text)
-        assert seen == 12 and "measured fastest" in text and "normal-mode chunks: 1, measured" in described, text
+        assert seen == 12 and "measured fastest" in text and "normal-mode chunks: 1 chunk, measured" in described, text
 
 
 def test_chunk_count_candidates_take_turns():
@@ -553,27 +553,56 @@ def test_chunk_count_candidates_take_turns():
     from epcomm.transports.hierarchical import _ChunkTuner
 
     tuner = _ChunkTuner((1, 2, 4), 3, torch.device("cpu"))
+    tuner.offer_head(False)  # (an inter-domain leg that cannot send a head: the counts alone)
     order, timed = [], []
     for _ in range(9):
-        chunks = tuner.next(None, "test")
-        order.append(chunks)
-        timing = tuner.start(chunks, 8)
+        candidate = tuner.next(None, "test")
+        order.append(candidate)
+        timing = tuner.start(candidate, 8)
         timed.append(timing is not None)
         if timing is not None:
-            if chunks == 1:  # a one-chunk call of 8 tokens begun at 0: its counts read at 1, rows 1 -> 5,
+            if candidate[0] == 1:  # a one-chunk call of 8 tokens begun at 0: its counts read at 1, rows 1 -> 5,
                 timing = (timing[0], 0.0, timing[2], timing[3])  # forwarding 5 -> 6 (0.25 of the rows' time)
                 timing[2].extend([1.0, 5.0, 6.0])
             tuner.stop(timing)
-    assert order == [1, 2, 4] * 3 and timed == [False] * 3 + [True] * 6
-    assert {c: len(t) for c, t in tuner.times.items()} == {1: 2, 2: 2, 4: 2} and tuner.ratios == [0.25, 0.25]
+    assert order == [(1, False), (2, False), (4, False)] * 3 and timed == [False] * 3 + [True] * 6
+    assert {c: len(t) for c, t in tuner.times.items()} == {(1, False): 2, (2, False): 2, (4, False): 2}
+    assert tuner.ratios == [0.25, 0.25]
     # the link moved 8 bytes of rows in 5 time units, 1 of them the count round trip: 1.6 bytes while the counts travel
     assert tuner.reaches == [1.6, 1.6] and tuner.reach is None
     agreed = []  # what the ranks agree on: each count's median time, the forwarding / rows ratio, the reach, largest
-    assert tuner.next(lambda mine: agreed.append(mine.tolist()) or [30.0, 10.0, 20.0, 0.7, 100.0], "test") == 2
+    assert tuner.next(lambda mine: agreed.append(mine.tolist()) or [30.0, 10.0, 20.0, 0.7, 100.0], "test") == (2, False)
     assert len(agreed[0]) == 5 and agreed[0][3] == 0.25 and agreed[0][4] == 1.6
-    assert tuner.ratio == 0.7 and tuner.start(2) is None and tuner.reach == 100.0
-    assert ("each 0.70 times the previous one's tokens; a head chunk of 1/2 to 3 times the 0 KB of rows the link "
-            "moves during a count round trip, else none") in tuner.describe()
+    assert tuner.ratio == 0.7 and tuner.start((2, False)) is None and tuner.reach == 100.0 and tuner.chosen == 2
+    assert tuner.describe().startswith("2 chunks, measured fastest") and "head" not in tuner.describe()
+
+
+@pytest.mark.parametrize("head_gain", [0.02, 0.2])
+def test_head_chunk_is_measured_with_each_count(head_gain):
+    """Where the inter-domain leg can send a head chunk, every chunk count is measured without and with one (the
+    simpler first) and the head is kept only where it is faster by more than CHUNK_GAIN: it costs the host a chunk's
+    work after the count read, which pays only where the round trip it hides is longer."""
+    import torch
+
+    from epcomm.transports.hierarchical import _ChunkTuner
+
+    tuner = _ChunkTuner((1, 2), 2, torch.device("cpu"))
+    tuner.offer_head(True)
+    order = []
+    for _ in range(8):
+        candidate = tuner.next(None, "test")
+        order.append(candidate)
+        timing = tuner.start(candidate, 8)
+        if timing is not None:
+            tuner.stop(timing)
+    assert order == [(1, False), (1, True), (2, False), (2, True)] * 2
+    tuner.offer_head(True)  # (again: no change once measuring)
+    assert len(tuner.candidates) == 4
+    times = [100.0, 100.0 * (1 - head_gain), 99.0, 97.0, 0.5, float("nan")]
+    assert tuner.next(lambda mine: times, "test") == (1, head_gain > 0.05)
+    assert tuner.describe().startswith("1 chunk with a head chunk, measured" if head_gain > 0.05
+                                       else "1 chunk, measured fastest")
+    assert "2 chunks with a head chunk: 97 us" in tuner.describe()
 
 
 def test_head_chunk_bounded_by_the_measured_reach():
@@ -1049,6 +1078,44 @@ def test_model_head_chunk_crosses_while_the_counts_travel():
     assert abs(internode_estimate(*args, chunks=1, ratio=1.0, head_share=0.25).pipelined_us
                - base.pipelined_us) < 0.2  # (one token's head)
     assert internode.HostCosts().model_args("dispatch FP8")["head_share"] == HierarchicalTransport.head_share > 0
+
+
+def test_model_takes_the_head_chunk_only_where_it_pays():
+    """The model weighs a dispatch with a head chunk against one without, each with its own measured host times (the
+    head's receive and forwarding cost the host a chunk's work after the count read), and keeps the faster, as the
+    transport's tuner does: a long count exchange favours the head, a slow host after the read does not."""
+    from types import SimpleNamespace
+
+    from epcomm.bench import internode
+
+    opts = SimpleNamespace(tokens=4096, hidden=7168, topk=8, experts=256)
+    row = lambda impl, op, us: {"routing": "uniform", "impl": impl, "op": op, "time_us": str(us)}  # noqa: E731
+    one, nohead = internode.phased_impl(1), internode.phased_impl(1, head=False)
+    after, lead = f"dispatch BF16: {internode.HOST_AFTER_READ}", f"dispatch BF16: {internode.HOST_LEAD}"
+    counts = f"dispatch BF16: {internode.COUNTS_PHASE}"
+
+    def costs(fixed, with_head, without):
+        rows = [row(one, counts, fixed), row(one, after, with_head), row(one, lead, 600.0),
+                row(nohead, after, without), row(nohead, lead, 150.0)]
+        return internode.HostCosts.measured(rows)
+
+    assert internode.phased_impl(1, head=False) == "hierarchical, 1 chunk, no head, by phase"
+    slow_counts = costs(2000.0, 3000.0, 2900.0)  # the head costs the host little: it hides the long exchange
+    assert (slow_counts.nohead_host, slow_counts.nohead_lead) == (2900.0, 150.0)
+    assert slow_counts.heads("dispatch FP8") == (True, False) and slow_counts.heads(internode.CACHED_FP8) == (True,)
+    assert "without a head chunk 2900 us" in slow_counts.describe()
+    e, head = internode.best_of_heads(opts, 64, 8, "fp8", 50.0, 322.0, 0, slow_counts, "dispatch FP8")
+    assert head
+    dear = costs(300.0, 6000.0, 2900.0)  # a short exchange and a dear head: none
+    e2, head2 = internode.best_of_heads(opts, 64, 8, "fp8", 50.0, 322.0, 0, dear, "dispatch FP8")
+    assert not head2
+    with_head = internode.best_estimate(opts, 64, 8, "fp8", 50.0, 322.0, 0, dear.model_args("dispatch FP8"))
+    assert e2.pipelined_us < with_head.pipelined_us
+    assert "head_share" not in dear.model_args("dispatch FP8", head=False)
+    rows = internode.model_rows(opts if hasattr(opts, "max_groups") else SimpleNamespace(**vars(opts), max_groups=4),
+                                50.0, 322.0, dear)
+    assert {r["head chunk"] for r in rows if r["op"] == "dispatch FP8"} == {"no"}
+    assert {r["head chunk"] for r in rows if r["op"] != "dispatch FP8"} == {""}
 
 
 def test_model_charges_the_one_sided_node_leg():

@@ -143,7 +143,9 @@ def bench_worker(ctx, opts: InternodeBenchOptions) -> list:
                 buf.dispatch(x, **layout)
             fp8 = t(lambda: buf.dispatch(x8, **layout))
             bf16 = t(lambda: buf.dispatch(x, **layout))
-            chunks = (fixed or hier.runtime._tuner.chosen or "") if buf is hier else ""
+            chunks = ""
+            if buf is hier:  # (the tuner's choice: a count, and whether its calls send a head chunk)
+                chunks = fixed or (f"{tuner.chosen}{' + head' if tuner.head else ''}" if tuner.chosen else "")
             add(routing, name, "dispatch FP8", fp8, cross, "fp8", opts.tokens, chunks)
             add(routing, name, "dispatch BF16", bf16, cross, "bf16", opts.tokens, chunks)
             recv_x, _, _, _, handle, _ = buf.dispatch(x, **layout)  # a handle in the chosen chunks
@@ -155,10 +157,10 @@ def bench_worker(ctx, opts: InternodeBenchOptions) -> list:
             del recv_x, handle
         if routing not in phased:  # where a BF16 dispatch's time goes, in 1 and 4 chunks (the first round only)
             phased.add(routing)
-            for chunks, ops in _by_phase(ctx, hier, x, layout_of(hier, idx, w), opts.iters).items():
-                rows.extend({**base, "routing": routing, "impl": phased_impl(chunks), "op": op, "chunks": chunks,
-                             "time_us": us, "crossing rows/token": "", "crossing MB/rank": "", "link GB/s": ""}
-                            for op, us in ops.items())
+            for (chunks, head), ops in _by_phase(ctx, hier, x, layout_of(hier, idx, w), opts.iters).items():
+                rows.extend({**base, "routing": routing, "impl": phased_impl(chunks, head), "op": op,
+                             "chunks": chunks, "time_us": us, "crossing rows/token": "", "crossing MB/rank": "",
+                             "link GB/s": ""} for op, us in ops.items())
             if len(phased) == 1:  # (host times: one routing's)
                 rows.extend({**base, "routing": routing, "impl": NODE_LEG, "op": op, "chunks": 1, "time_us": us,
                              "crossing rows/token": "", "crossing MB/rank": "", "link GB/s": ""}
@@ -220,18 +222,21 @@ def bench_worker(ctx, opts: InternodeBenchOptions) -> list:
 CACHED_FP8 = "dispatch FP8, cached handle"
 
 # chunk counts whose BF16 dispatch is broken down by phase, their calls taking turns: the host's time per call, and
-# per further chunk from the difference (over 3 chunks: a single chunk's share of a drift is a third)
+# per further chunk from the difference (over 3 chunks: a single chunk's share of a drift is a third); each with a
+# head chunk where the inter-domain leg can send one, and the first count also without (the transport measures both)
 PHASED_CHUNKS = (1, 4)
 
 
-def phased_impl(chunks: int) -> str:
-    return f"hierarchical, {chunks} chunk{'s' * (chunks > 1)}, by phase"
+def phased_impl(chunks: int, head: bool = True) -> str:
+    return f"hierarchical, {chunks} chunk{'s' * (chunks > 1)}{'' if head else ', no head'}, by phase"
 
 
 def _by_phase(ctx, hier, x, layout: dict, iters: int) -> dict:
     """Where a BF16 dispatch's time goes in each of ``PHASED_CHUNKS`` (``HierarchicalTransport.phase_log``), and the
-    host times of its combine and of an FP8 dispatch with its cached handle: ``{chunks: {op: us}}``, the median over
-    calls of the slowest rank; the counts take turns call by call (a drift of the host's speed weighs on each alike).
+    host times of its combine and of an FP8 dispatch with its cached handle: ``{(chunks, head): {op: us}}``, the
+    median over calls of the slowest rank; where the inter-domain leg can send a head chunk, the calls send one, and
+    the first count's is also measured without one (no combine or cached call there); the modes take turns call by
+    call (a drift of the host's speed weighs on each alike).
     Each phase's parts are summed per call, as the device ran them (calls that record CUDA events around them) and
     (``(host)``) as the host spent them (other calls, which record the host's times alone: the events cost the host
     time); the host's milestones (``host_milestones``) split the call's host time at the count read: up to it, and
@@ -242,13 +247,17 @@ def _by_phase(ctx, hier, x, layout: dict, iters: int) -> dict:
     from ..transports.hierarchical import host_milestones
 
     x8 = per_token_cast_to_fp8(x)
-    handles = {}
-    for chunks in PHASED_CHUNKS:
-        HierarchicalTransport.pipeline_chunks = chunks
-        recv_x, _, _, _, handle, _ = hier.dispatch(x, **layout)
-        handles[chunks] = (recv_x, handle)
-    durations: dict = {c: {} for c in PHASED_CHUNKS}
     runtime = hier.runtime
+    modes = [(c, True) for c in PHASED_CHUNKS]
+    if runtime.rail.can_send_ahead(x) and HierarchicalTransport.head_share > 0:
+        modes.append((PHASED_CHUNKS[0], False))
+    handles = {}
+    for chunks, head in modes:
+        HierarchicalTransport.pipeline_chunks, HierarchicalTransport.head_chunk = chunks, head
+        recv_x, _, _, _, handle, _ = hier.dispatch(x, **layout)
+        if head:
+            handles[chunks] = (recv_x, handle)
+    durations: dict = {m: {} for m in modes}
 
     def host_time(label: str, got: dict, call) -> None:
         """The host's time of ``call()`` and of each of its parts (``label: the call (host)``, ``label: <phase>
@@ -266,9 +275,9 @@ def _by_phase(ctx, hier, x, layout: dict, iters: int) -> dict:
             torch.cuda.synchronize()
 
     for _ in range(max(3, iters)):
-        for chunks in PHASED_CHUNKS:
-            HierarchicalTransport.pipeline_chunks = chunks
-            got = durations[chunks]
+        for chunks, head in modes:
+            HierarchicalTransport.pipeline_chunks, HierarchicalTransport.head_chunk = chunks, head
+            got = durations[(chunks, head)]
             for events in (True, False):
                 dist.barrier(group=ctx.group)
                 runtime.phase_log, runtime.phase_events = [], events
@@ -292,17 +301,18 @@ def _by_phase(ctx, hier, x, layout: dict, iters: int) -> dict:
                     got.setdefault(phase + " (host)", []).append(sum(parts))
                 if ctx.device.type == "cuda":
                     torch.cuda.synchronize()
-            recv_x, handle = handles[chunks]
-            host_time("combine", got, lambda: hier.combine(recv_x, handle))
-            host_time(CACHED_FP8, got, lambda: hier.dispatch(x8, handle=handle))
-    HierarchicalTransport.pipeline_chunks = None
+            if head:
+                recv_x, handle = handles[chunks]
+                host_time("combine", got, lambda: hier.combine(recv_x, handle))
+                host_time(CACHED_FP8, got, lambda: hier.dispatch(x8, handle=handle))
+    HierarchicalTransport.pipeline_chunks = HierarchicalTransport.head_chunk = None
     out: dict = {}
-    for chunks, got in durations.items():
-        out[chunks] = {}
+    for mode, got in durations.items():
+        out[mode] = {}
         for phase, us in got.items():
             op = (phase.replace("combine: ", "combine BF16: ") if phase.startswith(("combine", CACHED_FP8))
                   else f"dispatch BF16: {phase}")
-            out[chunks][op] = _slowest_median(ctx, us)
+            out[mode][op] = _slowest_median(ctx, us)
     return out
 
 
@@ -432,6 +442,10 @@ class HostCosts:
     # (call, the one-sided node leg's host us, the path's own domain leg's) per node-leg call, where measured
     # (``_node_leg``): every chunk of that call is charged the larger
     node_leg: tuple = ()
+    # a dispatch without a head chunk, where measured (the transport measures calls with and without one): its host
+    # time after the count read in one chunk and up to its first rows (each further chunk adds ``dispatch_chunk``)
+    nohead_host: Optional[float] = None
+    nohead_lead: float = 0.0
 
     def describe(self) -> str:
         def per_chunk(v):
@@ -441,25 +455,39 @@ class HostCosts:
                "where that is slower than the simulated node's one-GPU leg (" + ", ".join(
                    f"{call} {node:.0f} us against {own:.0f}" for call, node, own in self.node_leg) + ")"
                if self.node_leg else "")
+        nohead = ("" if self.nohead_host is None else
+                  f" (without a head chunk {self.nohead_host:.0f} us, {self.nohead_lead:.0f} us of it before its first "
+                  f"rows' collective)")
         return (f"{self.fixed:.0f} us of count exchange per dispatch before its rows cross; a dispatch's host time "
                 f"after the count read {self.dispatch_host:.0f} us in one chunk ({self.dispatch_lead:.0f} us of it "
-                f"before its first rows' collective), {per_chunk(self.dispatch_chunk)} more per further chunk; a "
+                f"before its first rows' collective){nohead}, {per_chunk(self.dispatch_chunk)} more per further "
+                f"chunk; a "
                 f"combine's host time {self.combine_host:.0f} us in one chunk, {per_chunk(self.combine_chunk)} more "
                 f"per further chunk; a cached dispatch's {self.cached_host:.0f} us in one chunk, "
                 f"{per_chunk(self.cached_chunk)} more per further chunk{leg}")
 
-    def model_args(self, op: str, fixed: Optional[float] = None) -> dict:
+    def model_args(self, op: str, fixed: Optional[float] = None, head: bool = True) -> dict:
         """``internode_estimate``'s cost arguments for ``op`` (a dispatch, a dispatch with a cached handle, else a
-        combine); ``fixed`` replaces the count exchange. Calls without a count read (combine, cached dispatch) are
-        charged their whole host time: nothing synchronises the host with its GPU in them. A cached dispatch's rows
-        are written in place (its node leg is one-sided: ``HierarchicalTransport._mapped``), not gathered after it."""
+        combine); ``fixed`` replaces the count exchange; ``head``: a dispatch with a head chunk (its rows crossing
+        while the counts travel: ``HierarchicalTransport.head_share``), else one without (its own host times where
+        measured). Calls without a count read (combine, cached dispatch) are charged their whole host time: nothing
+        synchronises the host with its GPU in them. A cached dispatch's rows are written in place (its node leg is
+        one-sided: ``HierarchicalTransport._mapped``), not gathered after it."""
         if "cached" in op:
             return dict(host_us=self.cached_host, host_chunk_us=self.cached_chunk, in_place=True)
-        if "dispatch" in op:  # (its head chunk crosses while the counts travel: HierarchicalTransport.head_share)
-            return dict(fixed_us=self.fixed if fixed is None else fixed, host_us=self.dispatch_host,
-                        lead_us=self.dispatch_lead, host_chunk_us=self.dispatch_chunk,
-                        head_share=HierarchicalTransport.head_share)
+        if "dispatch" in op:
+            fixed = self.fixed if fixed is None else fixed
+            if not head and self.nohead_host is not None:
+                return dict(fixed_us=fixed, host_us=self.nohead_host, lead_us=self.nohead_lead,
+                            host_chunk_us=self.dispatch_chunk)
+            return dict(fixed_us=fixed, host_us=self.dispatch_host, lead_us=self.dispatch_lead,
+                        host_chunk_us=self.dispatch_chunk, head_share=HierarchicalTransport.head_share)
         return dict(host_us=self.combine_host, host_chunk_us=self.combine_chunk)
+
+    def heads(self, op: str) -> tuple:
+        """The head options the transport measures for ``op``'s calls (an exact-mode dispatch: with a head chunk and,
+        where its host times were measured, without)."""
+        return (True, False) if "dispatch" in op and "cached" not in op and self.nohead_host is not None else (True,)
 
     @classmethod
     def measured(cls, rows: list) -> "HostCosts":
@@ -484,6 +512,10 @@ class HostCosts:
         costs = cls(one[counts], host, one.get(combine, 0.0), one.get(f"dispatch BF16: {HOST_LEAD}", 0.0),
                     more(after, host), more(combine, one.get(combine, 0.0)), one.get(cached, 0.0),
                     more(cached, one.get(cached, 0.0)))
+        nohead = _ops_of(rows, phased_impl(c1, head=False))
+        if after in nohead:
+            costs = replace(costs, nohead_host=nohead[after],
+                            nohead_lead=nohead.get(f"dispatch BF16: {HOST_LEAD}", 0.0))
         return costs.with_node_leg(rows)
 
     def with_node_leg(self, rows: list) -> "HostCosts":
@@ -503,8 +535,10 @@ class HostCosts:
             more = max(0.0, node[node_op] - own[own_op])
             host, chunk = fields[call]
             per_chunk = call != "cached" and getattr(costs, chunk) is not None
+            nohead = call == "dispatch" and costs.nohead_host is not None  # (one chunk: one node leg less)
             costs = replace(costs, **{host: getattr(costs, host) + more},
-                            **({chunk: getattr(costs, chunk) + more} if per_chunk else {}))
+                            **({chunk: getattr(costs, chunk) + more} if per_chunk else {}),
+                            **({"nohead_host": costs.nohead_host + more} if nohead else {}))
         return replace(costs, node_leg=tuple(seen))
 
 
@@ -517,6 +551,15 @@ def best_estimate(opts, ranks: int, gpus_per_node: int, kind: str, nic_gbps: flo
                 for c in HierarchicalTransport.CHUNK_CANDIDATES), key=lambda e: e.pipelined_us)
 
 
+def best_of_heads(opts, ranks: int, gpus_per_node: int, kind: str, nic_gbps: float, nvlink_gbps: float, groups: int,
+                  costs: "HostCosts", op: str, fixed: Optional[float] = None) -> tuple:
+    """``(estimate, head)``: ``best_estimate`` of ``op`` with and (where measured) without a head chunk, the faster,
+    as the transport measures both."""
+    return min(((best_estimate(opts, ranks, gpus_per_node, kind, nic_gbps, nvlink_gbps, groups,
+                               costs.model_args(op, fixed, head)), head) for head in costs.heads(op)),
+               key=lambda pair: pair[0].pipelined_us)
+
+
 def model_rows(opts, nic_gbps: float, nvlink_gbps: float, costs: HostCosts, gpus_per_node: int = 8) -> list:
     """The traffic model at EP16/32/64 (normal mode, FP8 dispatch and BF16 combine, uniform and group-limited
     routing) beside DeepEP's published figures."""
@@ -524,14 +567,16 @@ def model_rows(opts, nic_gbps: float, nvlink_gbps: float, costs: HostCosts, gpus
     for ranks in (16, 32, 64):
         for routing, groups in (("uniform", 0), ("group_limited", opts.max_groups)):
             for op, kind in (("dispatch FP8", "fp8"), (CACHED_FP8, "fp8"), ("combine BF16", "bf16")):
-                e = best_estimate(opts, ranks, gpus_per_node, kind, nic_gbps, nvlink_gbps, groups, costs.model_args(op))
+                e, head = best_of_heads(opts, ranks, gpus_per_node, kind, nic_gbps, nvlink_gbps, groups, costs, op)
                 pub = DEEPEP_PUBLISHED_NORMAL.get(ranks)
                 rows.append({"EP": ranks, "routing": routing, "op": op,
                              "crossing rows/token": round(e.crossing_rows_per_token, 2),
                              "network us": round(e.network_us), "forward us": round(e.forward_us),
                              "legs in sequence us": round(e.sequential_us),
                              "NIC share (sequence)": round(e.nic_share(nic_gbps, False), 3),
-                             "chunks": e.chunks, "chunk ratio": round(e.ratio, 2),
+                             "chunks": e.chunks, "head chunk": ("" if op != "dispatch FP8" else
+                                                                "yes" if head else "no"),
+                             "chunk ratio": round(e.ratio, 2),
                              "epcomm us (pipelined)": round(e.pipelined_us),
                              "NIC share": round(e.nic_share(nic_gbps), 3),
                              # (DeepEP's dispatch figures are of dispatches with a cached handle: like for like)
@@ -545,8 +590,8 @@ def fixed_for_share(opts, nic_gbps: float, nvlink_gbps: float, costs: HostCosts,
     NIC with the host issue times of ``costs``: a sentence naming the largest count exchange (us, in steps of 10)
     that allows it, or the share reached without one."""
     def best(fixed: float) -> float:
-        return best_estimate(opts, ranks, 8, "fp8", nic_gbps, nvlink_gbps, 0,
-                             costs.model_args("dispatch", fixed)).nic_share(nic_gbps)
+        return best_of_heads(opts, ranks, 8, "fp8", nic_gbps, nvlink_gbps, 0, costs, "dispatch",
+                             fixed)[0].nic_share(nic_gbps)
 
     if best(0.0) < share:
         return (f"stays at {best(0.0):.0%} of the NIC even without a count exchange (the host's time after the count "
@@ -607,7 +652,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.host_us is not None:  # every chunk's host time, none of it before the first rows
         h = args.host_us
         costs = replace(costs, dispatch_host=h, combine_host=h, dispatch_lead=0.0, dispatch_chunk=h, combine_chunk=h,
-                        cached_host=h, cached_chunk=h)
+                        cached_host=h, cached_chunk=h, nohead_host=None if costs.nohead_host is None else h,
+                        nohead_lead=0.0)
     model = model_rows(opts, args.nic_gbps, nvlink, costs)
     need = fixed_for_share(opts, args.nic_gbps, nvlink, costs, 64, 0.9)
     cached = best_estimate(opts, 64, 8, "fp8", args.nic_gbps, nvlink, 0, costs.model_args(CACHED_FP8)).nic_share(

@@ -906,8 +906,8 @@ def launch_push(*, x, scales, topk_idx, topk_weights, itr, pos, first, rows, bas
     k = topk_idx.size(1) if topk_idx is not None else 0
     has_w = topk_weights is not None
     x_words = x.view(torch.int32) if n else torch.empty(1, xw, dtype=torch.int32, device=x.device)
-    push_args = (x_words, scales.view(torch.int32) if ns else dummy, *scale_strides(scales),
-                 topk_idx if k else dummy, topk_weights if has_w else dummy, itr.view(torch.int8), pos, first)
+    push_args = (x_words, *scale_args(scales, dummy), topk_idx if k else dummy, topk_weights if has_w else dummy,
+                 itr.view(torch.int8), pos, first)
     meta = _push_meta(xw, ns, k, has_w, num_experts, world, tokens_per_step, single_round, use_ptx, xs % 4 == 0)
     if receive is None:
         launch(dispatch_push_kernel, (grid,), *push_args, rows, bases, area_off, meta_off, hdr_off, arrive_off, epoch,
@@ -930,17 +930,24 @@ def launch_push(*, x, scales, topk_idx, topk_weights, itr, pos, first, rows, bas
         **(_COOPERATIVE if use_ptx else {}), **meta)
 
 
-def scale_strides(scales) -> tuple:
-    """``scales``' strides (elements) as the push kernels take them: ``(0, 0)`` without scales. A stride that is never
-    used and that torch may report as anything (one scale per token: its column's; no token or one: a row's reported
-    as 0) takes a contiguous tensor's, so that such calls (an empty rank, one scale per token) launch the variant of
-    the others (Triton specialises on strides of 1 and multiples of 16: a new variant would be compiled and loaded in
-    the middle of a call). A view's row stride (the rows of a wider buffer) is kept."""
+def scale_args(scales, dummy) -> tuple:
+    """``(scales as int32 words or dummy, row stride, column stride)``: ``scales`` as the push kernels take them
+    (``(dummy, 0, 0)`` without scales). Only strides Triton compiles one variant for reach a kernel: column-major scales
+    (DeepEP's layout, whose column stride is the token count: Triton specialises on it being 1 or a multiple of 16)
+    are copied to rows first; a stride that is never used and that torch may report as anything (one scale per
+    token: its column's; no token or one: a row's reported as 0) takes a contiguous tensor's, so that such calls (an
+    empty rank, one scale per token) launch the variant of the others. A new variant would be compiled and loaded in
+    the middle of a call, where loading waits for the device (``transports.faults``). A view's row stride (the rows
+    of a wider buffer) is kept."""
+    import torch
+
     if scales is None or not scales.size(1):
-        return 0, 0
+        return dummy, 0, 0
     ns = scales.size(1)
+    if ns > 1 and scales.stride(1) != 1 and scales.size(0) > 1:
+        scales = scales.contiguous()
     s1 = scales.stride(1) if ns > 1 else 1
-    return (scales.stride(0) if scales.size(0) > 1 or scales.stride(0) else ns * s1), s1
+    return scales.view(torch.int32), (scales.stride(0) if scales.size(0) > 1 or scales.stride(0) else ns * s1), s1
 
 
 @functools.lru_cache(maxsize=256)

@@ -602,7 +602,7 @@ def launch_em_round(*, x, scales, topk_idx, topk_weights, itr, pos, first, rows_
     """One round of the one-sided expert-major dispatch: ``em_dispatch_kernel`` (``grid`` pushing programs plus
     ``grid`` receiving programs per source), or with ``strict`` ``em_push_kernel`` then ``em_copyout_kernel`` on
     ``grid`` programs; the arguments are those of ``epcomm.kernels.ep.launch_push`` and the copy-out."""
-    from .ep import _COOPERATIVE, PUSH_WARPS, _StreamingGrid, chunk_block, pow2_block, record_words, scale_strides
+    from .ep import _COOPERATIVE, PUSH_WARPS, _StreamingGrid, chunk_block, pow2_block, record_words, scale_args
 
     n = x.size(0)
     xw = x.size(1) * x.element_size() // 4
@@ -611,7 +611,7 @@ def launch_em_round(*, x, scales, topk_idx, topk_weights, itr, pos, first, rows_
     has_w = topk_weights is not None
     e_local = max(1, num_experts // world)
     x_words = x.view(torch.int32) if n else torch.empty(1, xw, dtype=torch.int32, device=x.device)
-    push = (x_words, scales.view(torch.int32) if ns else dummy, *scale_strides(scales), topk_idx,
+    push = (x_words, *scale_args(scales, dummy), topk_idx,
             topk_weights if has_w else dummy, itr.view(torch.int8), pos, first)
     t = targets
 

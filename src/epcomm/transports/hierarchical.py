@@ -31,13 +31,16 @@ after a host read and the host's launches. The head chunk keeps the link busy du
 tokens (``head_share`` of the largest token count any rank had in the previous exact-mode call, the same number of
 slots on every rank; the first call has none) cross right behind the counts in fixed slots, one per head token for
 every domain (the inter-domain leg's ``send_ahead``: no counts needed), while the counts travel and the host reads
-them; once they are read, the slots the sources filled become the chunk's exact result (``receive_ahead``), which is
-forwarded, cached and combined like any other chunk. Its slots that no token fills cross as padding (few where
+them; once they are read, the other chunks' rows are issued first and then the slots the sources filled become the
+head's exact result (``receive_ahead``, on the caller's stream while those rows cross), which is forwarded, cached
+and combined like any other chunk. Its slots that no token fills cross as padding (few where
 almost every token goes to every domain, as at a 2-node split; at EP64 with 8 nodes about half the head's slots).
 Once the chunk count is measured, so is the link's *reach* (the bytes of rows it moved during a call's count round
 trip and host read): a head then holds at most ``HEAD_MARGIN`` (3) times the reach's rows, so that a small call
 after a large one pads no more than a few round trips' worth, and a call whose quarter is under half the reach has
-none (its collective would cost more than it hides; such a call is latency-bound).
+none (its collective would cost more than it hides; such a call is latency-bound). A head costs the host a chunk's
+work more after the count read (its receive and forwarding), which only pays where the round trip it hides is
+longer: whether calls send one is measured with the chunk count (below).
 
 Pipelining: an exact-mode call moves its tokens in chunks (each rank's tokens split in order, the same count on every
 rank); the inter-domain leg of chunk ``c + 1`` runs on a network stream while chunk ``c`` is forwarded within the
@@ -57,11 +60,12 @@ tokens (1 at DeepSeek's shapes), so that every per-token tensor's chunks start a
 launches a kernel variant of its own (one first loaded in the middle of a call waits for the device, so for any
 collective that hangs there: "Faults" below).
 The count is measured: the first exact-mode dispatches try ``CHUNK_CANDIDATES`` in turn (1 first: it sizes the
-domain's storage for whole calls), ``TUNE_CALLS`` rounds (the first not counted; in turn, so that a link whose rate
-drifts weighs on every count alike), then the ranks agree (one all_reduce of their times, the slowest rank's
-counting) on the fastest and keep it (a larger count only when it is faster by more than ``CHUNK_GAIN``, 5%: the
-per-chunk costs and the noise favour fewer);
-``EPCOMM_INTERNODE_CHUNKS`` or ``pipeline_chunks`` fixes it instead. Results do not depend on the count. Received rows
+domain's storage for whole calls), each without and (where the inter-domain leg can send one) with a head chunk,
+``TUNE_CALLS`` rounds (the first not counted; in turn, so that a link whose rate drifts weighs on every candidate
+alike), then the ranks agree (one all_reduce of their times, the slowest rank's counting) on the fastest and keep it
+(a larger count, or a head, only when it is faster by more than ``CHUNK_GAIN``, 5%: the per-chunk costs and the
+noise favour the simpler);
+``EPCOMM_INTERNODE_CHUNKS`` or ``pipeline_chunks`` fixes the count instead (calls then send a head where they can). Results do not depend on the count. Received rows
 are then put in the intranode path's order (by source rank, then source token; one gather of the outputs, and one
 of the combine's input back), so the order does not depend on the chunks or the domains, and
 ``handle.recv_src_rank`` / ``recv_src_idx`` hold each row's global source rank and token. ``num_worst_tokens``
@@ -252,6 +256,9 @@ class HierarchicalTransport(Transport):
     # of the largest token count any rank had in the previous exact-mode dispatch (0: no head chunk). A quarter: the
     # traffic model's best at EP64 (its rows cover the count exchange and the host's lead there; more pads more)
     head_share: float = 0.25
+    # whether exact-mode calls send a head chunk: None, measured with the chunk count (a fixed count: sent where the
+    # leg can); True: sent wherever the leg can; False: never
+    head_chunk: Optional[bool] = None
 
     def __init__(self, group, device: torch.device, buffer_id: int, domains: Domains,
                  domain_transport: Any = "auto", leg: str = "nccl", num_nvl_bytes: int = 0,
@@ -499,14 +506,23 @@ class HierarchicalTransport(Transport):
         self._agree(fn, ("dispatch", x.dtype, x.size(1), req.x_scales is not None, req.topk_idx.size(1),
                          req.topk_weights is not None, req.num_experts, bool(W)))
         forced = self._warm_chunks or self._fixed_chunks()[0]
+        can_head = (not W and self.head_share > 0 and self.head_chunk is not False
+                    and getattr(self.rail, "can_send_ahead", lambda _: False)(x))
         with self._leg(fn, "chunk agreement"):
-            chunks = 1 if W else forced or self._tuner.next(lambda times: self._slowest(fn, times), fn)
+            if W:
+                chunks, with_head = 1, False
+            elif forced:
+                chunks, with_head = forced, True
+            else:
+                self._tuner.offer_head(can_head and self.head_chunk is None)
+                chunks, with_head = self._tuner.next(lambda times: self._slowest(fn, times), fn)
+                with_head = with_head or bool(self.head_chunk)
         row_bytes = x.size(1) * x.element_size() + (0 if req.x_scales is None else
                                                     req.x_scales.size(1) * req.x_scales.element_size())
-        timing = None if W or forced else self._tuner.start(chunks, n * row_bytes)
-        # slots per domain of the head chunk (sent ahead of the counts; 0: none, as where the leg cannot)
-        head = (self._head_slots(self._head, row_bytes)
-                if not W and getattr(self.rail, "can_send_ahead", lambda _: False)(x) else 0)
+        timing = None if W or forced else self._tuner.start((chunks, with_head), n * row_bytes)
+        # slots per domain of the head chunk (sent ahead of the counts; 0: none, as where the leg cannot or the tuner
+        # measured the calls faster without one)
+        head = self._head_slots(self._head, row_bytes) if can_head and with_head else 0
         # chunk bounds at multiples of `align` tokens: every per-token tensor's chunks start 16-byte aligned, as the
         # whole tensor does, so no chunk launches a kernel variant of its own (which would be compiled and loaded
         # mid-call, where loading waits for the device and so for any collective that hangs there)
@@ -671,19 +687,26 @@ class HierarchicalTransport(Transport):
         main, net = self._streams()
         net.wait_stream(main)
         outs = []
+        sent = None
+        if first:  # the head's slots are in once the network stream's work so far (its collective) is done
+            sent = torch.cuda.Event()
+            sent.record(net)
 
         def issued(r1: DispatchResult) -> None:  # its end on the network stream: its collectives are issued
             done = torch.cuda.Event()
             done.record(net)
             outs.append((r1, done))
 
-        with torch.cuda.stream(net):
-            if first:
-                with self._leg(fn, HEAD_PHASE):
-                    issued(head())
-            with self._leg(fn, ROWS_PHASE):
-                for r1 in self.rail.dispatch_many([request(c, r) for c, r in enumerate(subs) if c >= first]):
-                    issued(r1)
+        # the other chunks' collectives first, so that the link never waits for the host's work on the head's slots
+        with torch.cuda.stream(net), self._leg(fn, ROWS_PHASE):
+            for r1 in self.rail.dispatch_many([request(c, r) for c, r in enumerate(subs) if c >= first]):
+                issued(r1)
+        if first:  # then the head's slots made into its result on the caller's stream, while those rows cross
+            main.wait_event(sent)
+            ahead.recv.record_stream(main)
+            with self._leg(fn, HEAD_PHASE):
+                r1 = head()
+            yield r1
         for r1, done in outs:
             yield _handed_over(r1, done, main)
 
@@ -1066,19 +1089,23 @@ class HierarchicalTransport(Transport):
 
 
 class _ChunkTuner:
-    """Measures the exact-mode dispatch in each of ``candidates`` chunk counts (``calls`` rounds of one dispatch per
-    count, in turn; the first round not counted), then the ranks agree on the fastest (module docstring,
-    "Pipelining"). A dispatch's time runs from
+    """Measures the exact-mode dispatch in each of its candidates (``calls`` rounds of one dispatch per candidate, in
+    turn; the first round not counted), then the ranks agree on the fastest (module docstring, "Pipelining"). A
+    candidate is ``(chunks, head)``: a chunk count of ``counts`` and whether the call sends a head chunk ahead of its
+    counts (both, where the inter-domain leg can: ``offer_head``; the head trades the host's time of one chunk more
+    for the link's time during the count round trip, which only a measurement weighs). A dispatch's time runs from
     its start to the end of its work on the caller's stream (CUDA events, read at a later call: no extra
     synchronisation), or its host time on CPUs. Every rank makes the same dispatches, so every rank is at the same
     step of the schedule at each call."""
 
-    def __init__(self, candidates: tuple, calls: int, device: torch.device) -> None:
-        self.candidates, self.calls, self.device = tuple(candidates), int(calls), device
+    def __init__(self, counts: tuple, calls: int, device: torch.device) -> None:
+        self.counts, self.calls, self.device = tuple(counts), int(calls), device
+        self.candidates: tuple = tuple((c, False) for c in self.counts)
         self.times: dict = {c: [] for c in self.candidates}
         self.seen = 0  # exact-mode dispatches so far
-        self.pending: list = []  # (chunks, start event, end event, issued, marks) not yet read
-        self.chosen: Optional[int] = None
+        self.pending: list = []  # (candidate, start event, end event, issued, marks) not yet read
+        self.chosen: Optional[int] = None  # the chunk count, once agreed
+        self.head = False  # whether the chosen calls send a head chunk, once agreed
         self.medians: dict = {}
         self.ratios: list = []  # one-chunk calls: the forwarding's time over the rows' (their legs' marks)
         self.ratio = 1.0  # each chunk's share over the previous one's, once chosen (even until then)
@@ -1087,12 +1114,20 @@ class _ChunkTuner:
         # read (the slowest rank's median), which bound the head chunk (``HierarchicalTransport._head_slots``)
         self.reach: Optional[float] = None
 
-    def next(self, slowest_of: Callable[[torch.Tensor], list], fn: str) -> int:
-        """The chunk count of this dispatch (collective when the schedule ends here: the agreement;
+    def offer_head(self, can: bool) -> None:
+        """Before the first measured call: whether the calls can send a head chunk (the same on every rank); if so,
+        every chunk count is measured with and without one (the one without first: kept unless the head is faster by
+        more than ``CHUNK_GAIN``)."""
+        if can and self.seen == 0 and not any(h for _, h in self.candidates):
+            self.candidates = tuple((c, h) for c in self.counts for h in (False, True))
+            self.times = {c: [] for c in self.candidates}
+
+    def next(self, slowest_of: Callable[[torch.Tensor], list], fn: str) -> tuple:
+        """``(chunks, head)`` of this dispatch (collective when the schedule ends here: the agreement;
         ``slowest_of(times)`` returns the largest of every rank's ``times``, a float64 tensor). The candidates take
-        turns, one dispatch each per round, so that a link whose rate drifts weighs on every count alike."""
+        turns, one dispatch each per round, so that a link whose rate drifts weighs on every candidate alike."""
         if self.chosen is not None:
-            return self.chosen
+            return self.chosen, self.head
         if self.seen < self.calls * len(self.candidates):
             return self.candidates[self.seen % len(self.candidates)]
         self._read(fn)
@@ -1100,16 +1135,16 @@ class _ChunkTuner:
                             + [_median(self.ratios), _median(self.reaches)], dtype=torch.float64)
         slowest = slowest_of(mine)  # (the largest ratio of any rank: the evenest split; the largest reach)
         self.medians = dict(zip(self.candidates, slowest))
-        self.chosen = pick_chunks(self.candidates, slowest[:len(self.candidates)])
+        self.chosen, self.head = pick_chunks(self.candidates, slowest[:len(self.candidates)])
         self.ratio = chunk_ratio(slowest[-2])
         if math.isfinite(slowest[-1]):
             self.reach = float(slowest[-1])
         log.info("%s: %s", fn, self.describe())
-        return self.chosen
+        return self.chosen, self.head
 
-    def start(self, chunks: int, nbytes: int = 0):
-        """Begin timing a dispatch in ``chunks`` chunks of ``nbytes`` of this rank's rows (x and its scales); None once
-        the count is chosen."""
+    def start(self, candidate: tuple, nbytes: int = 0):
+        """Begin timing a dispatch of ``candidate`` (``(chunks, head)``) with ``nbytes`` of this rank's rows (x and its
+        scales); None once the count is chosen."""
         if self.chosen is not None:
             return None
         counted = self.seen >= len(self.candidates)  # the first round may compile or size storage
@@ -1118,14 +1153,14 @@ class _ChunkTuner:
             return None
         # (the call fills the list with 3 marks when it runs in one chunk: its counts read (the rows start), rows
         # end, forwarding end; 5 with a head chunk)
-        return chunks, _mark(self.device), [], nbytes
+        return candidate, _mark(self.device), [], nbytes
 
     def stop(self, timing) -> None:
-        chunks, begin, marks, nbytes = timing
+        candidate, begin, marks, nbytes = timing
         if self.device.type == "cuda":
-            self.pending.append((chunks, begin, _mark(self.device), time.monotonic(), marks, nbytes))
+            self.pending.append((candidate, begin, _mark(self.device), time.monotonic(), marks, nbytes))
         else:
-            self.times[chunks].append((time.perf_counter() - begin) * 1e6)
+            self.times[candidate].append((time.perf_counter() - begin) * 1e6)
             self._add_ratio(begin, marks, nbytes, lambda a, b: b - a)
 
     def _add_ratio(self, begin, marks: list, nbytes: int, elapsed: Callable) -> None:
@@ -1139,21 +1174,25 @@ class _ChunkTuner:
                 self.reaches.append(nbytes * elapsed(begin, marks[0]) / moving)
 
     def _read(self, fn: str) -> None:
-        for chunks, begin, end, issued, marks, nbytes in self.pending:
+        for candidate, begin, end, issued, marks, nbytes in self.pending:
             faults.host_wait(end, fn, "a timed dispatch", issued)
-            self.times[chunks].append(begin.elapsed_time(end) * 1e3)
+            self.times[candidate].append(begin.elapsed_time(end) * 1e3)
             self._add_ratio(begin, marks, nbytes, lambda a, b: a.elapsed_time(b))
         self.pending = []
 
     def describe(self) -> str:
         if self.chosen is None:
             return f"measuring {self.candidates} ({self.seen} of {self.calls * len(self.candidates)} dispatches made)"
-        times = ", ".join(f"{c}: {t:.0f} us" for c, t in self.medians.items())
-        head = "" if self.reach is None else (f"; a head chunk of 1/2 to {HEAD_MARGIN:g} times the "
-                                              f"{self.reach / 1e3:.0f} KB of rows the link moves during a count "
-                                              f"round trip, else none")
-        return (f"{self.chosen}, measured fastest (slowest rank's median per count: {times}); chunks "
-                f"{split_description(self.ratio)}{head}")
+        times = ", ".join(f"{_candidate(c, h)}: {t:.0f} us" for (c, h), t in self.medians.items())
+        head = "" if self.reach is None or not self.head else (
+            f"; a head chunk of 1/2 to {HEAD_MARGIN:g} times the {self.reach / 1e3:.0f} KB of rows the link moves "
+            f"during a count round trip, else none")
+        return (f"{_candidate(self.chosen, self.head)}, measured fastest (slowest rank's median per candidate: "
+                f"{times}); chunks {split_description(self.ratio)}{head}")
+
+
+def _candidate(chunks: int, head: bool) -> str:
+    return f"{chunks} chunk{'s' * (chunks > 1)}{' with a head chunk' if head else ''}"
 
 
 # A head chunk holds at most this many times the rows the link moved during a measured call's count round trip (and
@@ -1198,8 +1237,9 @@ def chunk_ratio(forwarding_over_rows: float) -> float:
 
 
 def pick_chunks(candidates: tuple, times: list, gain: float = CHUNK_GAIN) -> int:
-    """The chunk count to keep: going up ``candidates`` (increasing), each count that is faster than the one kept
-    so far by more than ``gain`` (a share of the kept one's time) replaces it."""
+    """The candidate to keep (a chunk count, or the tuner's ``(chunks, head)``): going up ``candidates`` (the
+    simplest first), each one that is faster than the one kept so far by more than ``gain`` (a share of the kept
+    one's time) replaces it."""
     kept = 0
     for i in range(1, len(candidates)):
         if times[i] < times[kept] * (1.0 - gain):
