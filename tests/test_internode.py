@@ -93,11 +93,15 @@ def _ll_true_sources(ctx, local, transport="alltoall"):
     return problems
 
 
-def _chunk_count(ctx, per_chunk_s: float):
+def _chunk_count(ctx, per_chunk_s: float, head_chunk=None):
     """Exact-mode dispatches across 2 domains while every chunk's inter-domain leg costs ``per_chunk_s`` more (a
     slow link's fixed cost): each call checked against the reference while the transport measures, then the
-    count it chose and how it describes it."""
+    count it chose and how it describes it (``head_chunk``: ``HierarchicalTransport.head_chunk``)."""
     import time
+
+    from epcomm.transports.hierarchical import HierarchicalTransport
+
+    HierarchicalTransport.head_chunk = head_chunk
 
     from epcomm.buffer import Buffer
     from epcomm.testing.checks import NormalCase, check_normal
@@ -535,10 +539,13 @@ def test_known_counts_from_the_exchange():
         KnownCounts((1, -2), (3, 0), ())
 
 
-def test_chunk_count_is_measured_and_agreed():
+@pytest.mark.parametrize("head_chunk", [None, True])
+def test_chunk_count_is_measured_and_agreed(head_chunk):
     """With a fixed cost per chunk, the measured count is 1 chunk, the same on every rank (they agree on the
-    slowest rank's times), and every call while measuring (1, 2 and 4 chunks) matches the reference."""
-    results = spawn(_chunk_count, 4, 0.03, device="cpu", timeout_s=600)
+    slowest rank's times), and every call while measuring (1, 2 and 4 chunks) matches the reference; also where
+    calls are told to send a head chunk (``head_chunk=True``: measured under the tuner's candidates without one,
+    as the leg cannot send one here)."""
+    results = spawn(_chunk_count, 4, 0.03, head_chunk, device="cpu", timeout_s=600)
     for rank, (failures, chosen, seen, text, described) in enumerate(results):
         assert failures == [], (rank, failures)
         assert chosen == 1, (rank, text)

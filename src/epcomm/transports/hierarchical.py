@@ -508,6 +508,7 @@ class HierarchicalTransport(Transport):
         forced = self._warm_chunks or self._fixed_chunks()[0]
         can_head = (not W and self.head_share > 0 and self.head_chunk is not False
                     and getattr(self.rail, "can_send_ahead", lambda _: False)(x))
+        candidate = None  # the tuner's (chunks, head) of this call, while it measures
         with self._leg(fn, "chunk agreement"):
             if W:
                 chunks, with_head = 1, False
@@ -515,11 +516,11 @@ class HierarchicalTransport(Transport):
                 chunks, with_head = forced, True
             else:
                 self._tuner.offer_head(can_head and self.head_chunk is None)
-                chunks, with_head = self._tuner.next(lambda times: self._slowest(fn, times), fn)
-                with_head = with_head or bool(self.head_chunk)
+                candidate = self._tuner.next(lambda times: self._slowest(fn, times), fn)
+                chunks, with_head = candidate[0], candidate[1] or bool(self.head_chunk)
         row_bytes = x.size(1) * x.element_size() + (0 if req.x_scales is None else
                                                     req.x_scales.size(1) * req.x_scales.element_size())
-        timing = None if W or forced else self._tuner.start((chunks, with_head), n * row_bytes)
+        timing = None if candidate is None else self._tuner.start(candidate, n * row_bytes)
         # slots per domain of the head chunk (sent ahead of the counts; 0: none, as where the leg cannot or the tuner
         # measured the calls faster without one)
         head = self._head_slots(self._head, row_bytes) if can_head and with_head else 0
