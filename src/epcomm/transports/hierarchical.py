@@ -65,12 +65,12 @@ domain's storage for whole calls), each without and (where the inter-domain leg 
 alike), then the ranks agree (one all_reduce of their times, the slowest rank's counting) on the fastest and keep it
 (a larger count, or a head, only when it is faster by more than ``CHUNK_GAIN``, 5%: the per-chunk costs and the
 noise favour the simpler);
-``EPCOMM_INTERNODE_CHUNKS`` or ``pipeline_chunks`` fixes the count instead (calls then send a head where they can). Results do not depend on the count. Received rows
-are then put in the intranode path's order (by source rank, then source token; one gather of the outputs, and one
-of the combine's input back), so the order does not depend on the chunks or the domains, and
-``handle.recv_src_rank`` / ``recv_src_idx`` hold each row's global source rank and token. ``num_worst_tokens``
-(no host synchronisation): each rank sends at most ``num_worst_tokens // num_ranks`` tokens to each domain (the
-inter-domain leg has fixed slots of that many rows per peer); more tokens raise at once.
+``EPCOMM_INTERNODE_CHUNKS`` or ``pipeline_chunks`` fixes the count instead (calls then send a head where they can).
+Results do not depend on the count. Received rows are then put in the intranode path's order (by source rank, then
+source token; one gather of the outputs, and one of the combine's input back), so the order does not depend on the
+chunks or the domains, and ``handle.recv_src_rank`` / ``recv_src_idx`` hold each row's global source rank and token.
+``num_worst_tokens`` (no host synchronisation): each rank sends at most ``num_worst_tokens // num_ranks`` tokens to
+each domain (the inter-domain leg has fixed slots of that many rows per peer); more tokens raise at once.
 
 Low-latency mode: (1) with ``use_fp8`` every source casts its tokens once (``epcomm.fp8``; float32 scales, powers
 of two with ``round_scale`` / ``use_ue8m0``); the tokens (FP8 rows and scales, about half the bytes of BF16; else
@@ -579,11 +579,10 @@ class HierarchicalTransport(Transport):
 
     def _chunk(self, req: DispatchRequest, a: int, b: int, first: bool) -> DispatchRequest:
         """Tokens ``[a, b)`` of ``req`` as a request of their own (their layout computed on the device)."""
-        a, b = (a, b) if a < b else (0, 0)  # (an empty chunk at the start: aligned as its tensors are)
-        idx = req.topk_idx[a:b]
+        idx = _tokens(req.topk_idx, a, b)
         per_rank, per_expert, itr = self.get_dispatch_layout(idx, req.num_experts)
-        return replace(req, x=req.x[a:b], x_scales=None if req.x_scales is None else req.x_scales[a:b], topk_idx=idx,
-                       topk_weights=None if req.topk_weights is None else req.topk_weights[a:b],
+        return replace(req, x=_tokens(req.x, a, b), x_scales=_tokens(req.x_scales, a, b), topk_idx=idx,
+                       topk_weights=_tokens(req.topk_weights, a, b),
                        num_tokens_per_rank=per_rank, is_token_in_rank=itr, num_tokens_per_expert=per_expert,
                        bad_topk=req.bad_topk if first else None)
 
@@ -828,7 +827,7 @@ class HierarchicalTransport(Transport):
         def leg(c):
             a, b = st.bounds[c]
             with self._leg(fn, "cached tokens to their domains"):
-                return self.rail.dispatch(_cached(rows[a:b] if a < b else rows[:0], None, st.rail[c], req))
+                return self.rail.dispatch(_cached(_tokens(rows, a, b), None, st.rail[c], req))
 
         outs = []
         for c, r1 in enumerate(self._pipelined([lambda c=c: leg(c) for c in range(len(st.rail))])):
@@ -946,7 +945,8 @@ class HierarchicalTransport(Transport):
 
             def leg(part=part, part_w=part_w, c=c, a=a, b=b):
                 with self._leg(fn, "partial sums back to their sources"):
-                    return self.rail.combine(CombineRequest(part, st.rail[c], part_w, tuple(t[a:b] for t in req.bias),
+                    bias = tuple(_tokens(t, a, b) for t in req.bias)
+                    return self.rail.combine(CombineRequest(part, st.rail[c], part_w, bias,
                                                             req.config, req.overlapped))
 
             issued[c] = self._on_network(leg) if pipelined else (leg(), None)
@@ -1237,7 +1237,7 @@ def chunk_ratio(forwarding_over_rows: float) -> float:
     return max(CHUNK_RATIO_FLOOR, float(forwarding_over_rows))
 
 
-def pick_chunks(candidates: tuple, times: list, gain: float = CHUNK_GAIN) -> int:
+def pick_chunks(candidates: tuple, times: list, gain: float = CHUNK_GAIN) -> Any:
     """The candidate to keep (a chunk count, or the tuner's ``(chunks, head)``): going up ``candidates`` (the
     simplest first), each one that is faster than the one kept so far by more than ``gain`` (a share of the kept
     one's time) replaces it."""
@@ -1298,6 +1298,14 @@ def host_milestones(log: list) -> dict:
 def _median(values: list) -> float:
     values = sorted(values)
     return values[len(values) // 2] if values else float("inf")
+
+
+def _tokens(t: Optional[torch.Tensor], a: int, b: int) -> Optional[torch.Tensor]:
+    """Tokens ``[a, b)`` (a chunk's bounds) of a per-token tensor ``t`` (None: None); an empty chunk is sliced at 0, so
+    that it starts aligned as ``t`` does (its end bound need not be: no kernel variant of its own)."""
+    if t is None:
+        return None
+    return t[a:b] if a < b else t[:0]
 
 
 def _cached(x: torch.Tensor, scales: Optional[torch.Tensor], handle: DispatchHandle,
