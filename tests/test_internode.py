@@ -1058,6 +1058,61 @@ def test_bench_internode_and_its_model(tmp_path):
             "dispatch BF16: host from the count read to the first rows"} <= {r["op"] for r in phases}
     assert {r["op"] for r in rows if r["impl"] == "hierarchical, 4 chunks, by phase"} >= {
         "dispatch BF16: host after the count read", "combine BF16: the call (host)"}
+    # the split-node targets' table, from the isolated rows (no host-ahead rows on CPUs: no device to be ahead of)
+    assert not any(r["impl"].endswith(internode.AHEAD) for r in rows)
+    assert "split-node targets" in model and "share of the raw link" in model
+    targets = internode.target_rows(rows)
+    assert {(t["routing"], t["timing"]) for t in targets} == {("uniform", "isolated"), ("group_limited", "isolated")}
+    assert {t["op"] for t in targets} == {op for op, _ in internode.TARGET_OPS}
+    # the model's host-ahead columns: never slower than the isolated call's; the same for the exact-mode dispatch
+    table = [line.split("|") for line in model.splitlines() if line.startswith("| 64 |")]
+    assert table and "NIC share (host ahead)" in model
+
+
+def test_targets_and_the_host_ahead_model():
+    """The targets' table pairs each hierarchical row with the flat path's and the raw link's of the same timing
+    (isolated, host ahead) and bytes (FP8 rows against the FP8 link row); the model with the host ahead charges a
+    combine and a cached dispatch no host time and keeps the exact-mode dispatch's (its count read synchronises)."""
+    from types import SimpleNamespace
+
+    import pytest
+    import torch
+
+    from epcomm.bench import internode
+    from epcomm.bench.timing import time_ahead
+
+    def row(impl, op, us, routing="uniform"):
+        return {"routing": routing, "impl": impl, "op": op, "time_us": us}
+
+    rows = []
+    for suffix, scale in (("", 1.0), (internode.AHEAD, 0.8)):
+        rows += [row("hierarchical" + suffix, "dispatch FP8", 1000.0 * scale),
+                 row("flat alltoall" + suffix, "dispatch FP8", 2000.0 * scale),
+                 row("raw link" + suffix, "all_to_all FP8 bytes", 900.0 * scale),
+                 row("raw link" + suffix, "all_to_all BF16 bytes", 1800.0 * scale),
+                 row("hierarchical" + suffix, "combine BF16", 2000.0 * scale),
+                 row("flat alltoall" + suffix, "combine BF16", 3000.0)]
+    targets = internode.target_rows(rows)
+    assert [(t["timing"], t["op"]) for t in targets] == [("isolated", "dispatch FP8"), ("isolated", "combine BF16"),
+                                                         ("host ahead", "dispatch FP8"), ("host ahead", "combine BF16")]
+    assert (targets[0]["speed-up"], targets[0]["share of the raw link"]) == (2.0, 0.9)
+    assert targets[1]["raw link us"] == 1800 and targets[1]["share of the raw link"] == 0.9  # BF16 against BF16
+    assert targets[3]["speed-up"] == round(3000.0 / 1600.0, 2)
+    costs = internode.HostCosts(fixed=700.0, dispatch_host=2000.0, combine_host=2400.0, dispatch_lead=150.0,
+                                dispatch_chunk=1400.0, combine_chunk=700.0, cached_host=2300.0, cached_chunk=150.0)
+    ahead = costs.host_ahead()
+    assert (ahead.combine_host, ahead.combine_chunk, ahead.cached_host, ahead.cached_chunk) == (0.0,) * 4
+    assert (ahead.fixed, ahead.dispatch_host, ahead.dispatch_lead, ahead.dispatch_chunk) == (700.0, 2000.0, 150.0,
+                                                                                             1400.0)
+    opts = SimpleNamespace(tokens=4096, hidden=7168, topk=8, experts=256, max_groups=4)
+    for r in internode.model_rows(opts, 50.0, 322.0, costs):
+        assert r["NIC share (host ahead)"] >= r["NIC share"], r
+        if r["op"] == "dispatch FP8":
+            assert r["epcomm us (host ahead)"] == r["epcomm us (pipelined)"], r
+    limited = [r for r in internode.model_rows(opts, 50.0, 322.0, costs) if r["EP"] == 64 and r["op"] != "dispatch FP8"]
+    assert all(r["NIC share (host ahead)"] > 0.9 > r["NIC share"] for r in limited if r["routing"] == "group_limited")
+    with pytest.raises(ValueError, match="^time_ahead: needs a CUDA device"):
+        time_ahead(lambda: None, None, torch.device("cpu"))
 
 
 def test_model_head_chunk_crosses_while_the_counts_travel():

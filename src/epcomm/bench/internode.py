@@ -28,14 +28,20 @@ routing), at DeepSeek's shape (4096 tokens per rank, hidden 7168, top-8, 256 exp
   (``_node_leg``); the model charges every chunk the larger of that and the simulated node's own leg
   (``HostCosts.with_node_leg``).
 
-Every call is timed isolated (a barrier before each; the median over iterations of the slowest rank); with
+Every call is timed isolated (a barrier before each: the device waits for all of the call's host work; the median
+over iterations of the slowest rank) and, on GPUs, for ``hierarchical``, ``flat alltoall`` and ``raw link`` (the
+rows the targets compare), also as a model's step meets it (``..., host ahead``: ``timing.time_ahead``, the device
+busy with earlier work while the host issues the call, as in DeepEP's benchmarks); ``a model's step`` times the
+expert GEMMs between a dispatch and its combine at this shape (how far ahead a step puts the host). A table of the
+split-node targets (speed-up over the flat all_to_all, share of the raw link's rate) closes the notes. With
 ``--rounds N`` the whole measurement runs N times, the implementations interleaved, and each row gives the median
 round and the range (a socket link's rate drifts by ~20% within a run). Columns:
 crossing rows per token (rows that leave the domain per token: distinct remote domains for the hierarchical path,
 distinct remote ranks for the flat ones), crossing MB per rank, and link GB/s (crossing bytes over the call's
 time). Then the traffic model (``epcomm.bench.traffic.internode_estimate``) at EP16, EP32 and EP64 from
 ``--nic-gbps`` (default 50 GB/s per GPU, ConnectX-7 400 Gb/s) and ``--nvlink-gbps`` (the intranode dispatch's
-measured rate), beside DeepEP's published internode figures."""
+measured rate), beside DeepEP's published internode figures; its host terms are this run's, charged as for an
+isolated call and (``(host ahead)`` columns, ``HostCosts.host_ahead``) as in a step."""
 
 from __future__ import annotations
 
@@ -48,7 +54,7 @@ import torch
 from ..testing import run
 from ..transports.hierarchical import COUNTS_PHASE, HierarchicalTransport, phase_durations_us
 from .report import bench_parser, finish, format_table
-from .timing import time_op
+from .timing import time_ahead, time_op
 from .traffic import (DEEPEP_PUBLISHED_LOW_LATENCY, DEEPEP_PUBLISHED_NORMAL, distinct_domains, internode_estimate,
                       row_bytes)
 
@@ -66,6 +72,10 @@ class InternodeBenchOptions:
     domain_transport: str
     iters: int
     rounds: int = 1  # the whole measurement repeated, each row the median of its rounds (links that drift)
+
+
+CACHED_FP8 = "dispatch FP8, cached handle"
+AHEAD = ", host ahead"  # an implementation's rows timed with the host ahead of the device (``time_ahead``)
 
 
 def _inputs(ctx, opts, routing: str, num_tokens: int, num_domains: int):
@@ -101,8 +111,13 @@ def bench_worker(ctx, opts: InternodeBenchOptions) -> list:
     phased: set = set()
     base = {"ranks": world, "domains": f"{D}x{L}", "domain leg": hier.runtime.domain.name}
 
+    cuda = ctx.device.type == "cuda"
+
     def t(fn):
         return time_op(fn, ctx.group, ctx.device, iters=opts.iters, warmup=3)
+
+    def ahead(fn):
+        return time_ahead(fn, ctx.group, ctx.device, iters=opts.iters, warmup=3)
 
     def layout_of(buf, idx, w) -> dict:
         """``Buffer.dispatch``'s layout arguments for top-k ``idx`` with weights ``w``."""
@@ -141,20 +156,22 @@ def bench_worker(ctx, opts: InternodeBenchOptions) -> list:
                 if buf is not hier or hier.runtime._fixed_chunks()[0] or tuner.chosen is not None:
                     break
                 buf.dispatch(x, **layout)
-            fp8 = t(lambda: buf.dispatch(x8, **layout))
-            bf16 = t(lambda: buf.dispatch(x, **layout))
             chunks = ""
             if buf is hier:  # (the tuner's choice: a count, and whether its calls send a head chunk)
                 chunks = fixed or (f"{tuner.chosen}{' + head' if tuner.head else ''}" if tuner.chosen else "")
-            add(routing, name, "dispatch FP8", fp8, cross, "fp8", opts.tokens, chunks)
-            add(routing, name, "dispatch BF16", bf16, cross, "bf16", opts.tokens, chunks)
-            recv_x, _, _, _, handle, _ = buf.dispatch(x, **layout)  # a handle in the chosen chunks
-            add(routing, name, "combine BF16", t(lambda: buf.combine(recv_x, handle)), cross, "bf16", opts.tokens,
-                chunks)
-            # what DeepEP's published internode figures time: a dispatch with a cached handle (no count exchange)
-            add(routing, name, CACHED_FP8, t(lambda: buf.dispatch(x8, handle=handle)), cross, "fp8", opts.tokens,
-                chunks)
-            del recv_x, handle
+            # isolated calls; then (GPUs, the paths the targets compare) with the host ahead, as in a model's step
+            for impl, timer in [(name, t)] + ([(name + AHEAD, ahead)] if fixed is None and cuda else []):
+                add(routing, impl, "dispatch FP8", timer(lambda: buf.dispatch(x8, **layout)), cross, "fp8",
+                    opts.tokens, chunks)
+                add(routing, impl, "dispatch BF16", timer(lambda: buf.dispatch(x, **layout)), cross, "bf16",
+                    opts.tokens, chunks)
+                recv_x, _, _, _, handle, _ = buf.dispatch(x, **layout)  # a handle in the chosen chunks
+                add(routing, impl, "combine BF16", timer(lambda: buf.combine(recv_x, handle)), cross, "bf16",
+                    opts.tokens, chunks)
+                # what DeepEP's published internode figures time: a dispatch with a cached handle (no count exchange)
+                add(routing, impl, CACHED_FP8, timer(lambda: buf.dispatch(x8, handle=handle)), cross, "fp8",
+                    opts.tokens, chunks)
+                del recv_x, handle
         if routing not in phased:  # where a BF16 dispatch's time goes, in 1 and 4 chunks (the first round only)
             phased.add(routing)
             for (chunks, head), ops in _by_phase(ctx, hier, x, layout_of(hier, idx, w), opts.iters).items():
@@ -189,9 +206,10 @@ def bench_worker(ctx, opts: InternodeBenchOptions) -> list:
             recv_splits = got.tolist()
             src = torch.empty(sum(send), dtype=torch.uint8, device=ctx.device)
             dst = torch.empty(sum(recv_splits), dtype=torch.uint8, device=ctx.device)
-            add(routing, "raw link", f"all_to_all {kind.upper()} bytes",
-                t(lambda: dist.all_to_all_single(dst, src, recv_splits, send, group=rail_group)), hier_cross, kind,
-                opts.tokens)
+            for impl, timer in [("raw link", t)] + ([("raw link" + AHEAD, ahead)] if cuda else []):
+                add(routing, impl, f"all_to_all {kind.upper()} bytes",
+                    timer(lambda: dist.all_to_all_single(dst, src, recv_splits, send, group=rail_group)), hier_cross,
+                    kind, opts.tokens)
         # what a chunk costs besides its bytes (host synchronisations, launches): one chunk of a few tokens
         small = _inputs(ctx, opts, routing, 8, D)
         sx, sidx, sw = (v.to(ctx.device) for v in small[ctx.rank])
@@ -214,12 +232,54 @@ def bench_worker(ctx, opts: InternodeBenchOptions) -> list:
                 t(lambda: buf.low_latency_combine(y, lidx, lw, handle)), ll_cross * (D - 1) / D, "bf16",
                 opts.ll_tokens)
             del recv, handle, y
+    if cuda:  # how far a step's expert GEMMs put the host ahead of a combine (the model's host-ahead rows)
+        rows.append({**base, "routing": opts.routings[0], "impl": STEP, "op": EXPERT_GEMMS, "chunks": "",
+                     "time_us": t(_expert_gemms(opts, ctx.device)).median_us, "crossing rows/token": "",
+                     "crossing MB/rank": "", "link GB/s": ""})
     hier.destroy()
     flat.destroy()
     return _median_of_rounds(rows) if opts.rounds > 1 else rows
 
 
-CACHED_FP8 = "dispatch FP8, cached handle"
+STEP = "a model's step"
+EXPERT_GEMMS = "expert GEMMs (BF16)"
+EXPERT_INTERMEDIATE = 2048  # DeepSeek-V3's moe_intermediate_size
+
+
+def _expert_gemms(opts, device):
+    """A step's expert phase at the benchmark's shape, as the device runs it between a dispatch and its combine:
+    every received (token, expert) pair (``tokens * topk`` per rank on average, whatever the EP size) through its
+    expert's gate/up and down projections (hidden -> 2 x ``EXPERT_INTERMEDIATE`` -> hidden, BF16; one dense
+    product each, the grouped GEMMs' FLOPs)."""
+    pairs, h, i = opts.tokens * opts.topk, opts.hidden, EXPERT_INTERMEDIATE
+    x = torch.randn(pairs, h, device=device, dtype=torch.bfloat16)
+    w1 = torch.randn(h, 2 * i, device=device, dtype=torch.bfloat16)
+    w2 = torch.randn(i, h, device=device, dtype=torch.bfloat16)
+    return lambda: (x @ w1)[:, :i] @ w2
+
+
+TARGET_OPS = (("dispatch FP8", "fp8"), ("dispatch BF16", "bf16"), ("combine BF16", "bf16"), (CACHED_FP8, "fp8"))
+
+
+def target_rows(rows: list) -> list:
+    """The split-node targets from a run's rows: per routing, timing (isolated calls; the host ahead, where
+    measured) and operation, the hierarchical path's time against the flat all_to_all's (the speed-up) and against
+    the raw inter-domain link moving the same crossing bytes (its share of the link's rate)."""
+    times = {(r["routing"], r["impl"], r["op"]): float(r["time_us"]) for r in rows}
+    out = []
+    for routing in dict.fromkeys(r["routing"] for r in rows):
+        for timing, suffix in (("isolated", ""), ("host ahead", AHEAD)):
+            for op, kind in TARGET_OPS:
+                hier = times.get((routing, "hierarchical" + suffix, op))
+                flat = times.get((routing, "flat alltoall" + suffix, op))
+                raw = times.get((routing, "raw link" + suffix, f"all_to_all {kind.upper()} bytes"))
+                if hier and flat and raw:
+                    out.append({"routing": routing, "timing": timing, "op": op, "hierarchical us": round(hier),
+                                "flat alltoall us": round(flat), "speed-up": round(flat / hier, 2),
+                                "raw link us": round(raw), "share of the raw link": round(raw / hier, 2)})
+    return out
+
+
 
 # chunk counts whose BF16 dispatch is broken down by phase, their calls taking turns: the host's time per call, and
 # per further chunk from the difference (over 3 chunks: a single chunk's share of a drift is a third); each with a
@@ -484,6 +544,13 @@ class HostCosts:
                         host_chunk_us=self.dispatch_chunk, head_share=HierarchicalTransport.head_share)
         return dict(host_us=self.combine_host, host_chunk_us=self.combine_chunk)
 
+    def host_ahead(self) -> "HostCosts":
+        """These costs as a model's step meets the calls: the host ahead of its GPU (it issues a call while the GPU
+        still runs the step's earlier work), so a call that never synchronises the host (a combine, a cached
+        dispatch) costs no host time; an exact-mode dispatch keeps its host time after the count read (the read
+        synchronises; its host time before the read is not charged in either case)."""
+        return replace(self, combine_host=0.0, combine_chunk=0.0, cached_host=0.0, cached_chunk=0.0)
+
     def heads(self, op: str) -> tuple:
         """The head options the transport measures for ``op``'s calls (an exact-mode dispatch: with a head chunk and,
         where its host times were measured, without)."""
@@ -568,6 +635,8 @@ def model_rows(opts, nic_gbps: float, nvlink_gbps: float, costs: HostCosts, gpus
         for routing, groups in (("uniform", 0), ("group_limited", opts.max_groups)):
             for op, kind in (("dispatch FP8", "fp8"), (CACHED_FP8, "fp8"), ("combine BF16", "bf16")):
                 e, head = best_of_heads(opts, ranks, gpus_per_node, kind, nic_gbps, nvlink_gbps, groups, costs, op)
+                ahead, _ = best_of_heads(opts, ranks, gpus_per_node, kind, nic_gbps, nvlink_gbps, groups,
+                                         costs.host_ahead(), op)
                 pub = DEEPEP_PUBLISHED_NORMAL.get(ranks)
                 rows.append({"EP": ranks, "routing": routing, "op": op,
                              "crossing rows/token": round(e.crossing_rows_per_token, 2),
@@ -579,6 +648,9 @@ def model_rows(opts, nic_gbps: float, nvlink_gbps: float, costs: HostCosts, gpus
                              "chunk ratio": round(e.ratio, 2),
                              "epcomm us (pipelined)": round(e.pipelined_us),
                              "NIC share": round(e.nic_share(nic_gbps), 3),
+                             "chunks (host ahead)": ahead.chunks,
+                             "epcomm us (host ahead)": round(ahead.pipelined_us),
+                             "NIC share (host ahead)": round(ahead.nic_share(nic_gbps), 3),
                              # (DeepEP's dispatch figures are of dispatches with a cached handle: like for like)
                              "DeepEP published RDMA GB/s": ("" if not pub or op == "dispatch FP8" else
                                                             pub[0] if "dispatch" in op else pub[1])})
@@ -658,9 +730,23 @@ def main(argv: list[str] | None = None) -> int:
     need = fixed_for_share(opts, args.nic_gbps, nvlink, costs, 64, 0.9)
     cached = best_estimate(opts, 64, 8, "fp8", args.nic_gbps, nvlink, 0, costs.model_args(CACHED_FP8)).nic_share(
         args.nic_gbps)
-    notes = ("Isolated calls (a barrier before each), the median over iterations of the slowest rank"
+    targets = target_rows(rows)
+    step = _ops_of(rows, STEP).get(EXPERT_GEMMS)
+    condition = ("" if step is None else
+                 f" It holds where the step's GPU work before a call outlasts the call's host issue time: on this "
+                 f"device the expert GEMMs between a dispatch and its combine at this shape take {step:.0f} us "
+                 f"(`{STEP}` row), against a combine's host time of {costs.combine_host:.0f} us in one chunk and a "
+                 f"cached dispatch's {costs.cached_host:.0f} us; in a training step's backward no call synchronises "
+                 f"the host at all (a combine's backward is a cached dispatch, a dispatch's a combine).")
+    notes = ("Isolated calls (a barrier before each: the device waits for all of the call's host work), the median "
+             "over iterations of the slowest rank"
              + (f"; the whole measurement ran {opts.rounds} times (implementations interleaved): each row is its "
-                "median round, with the range over the rounds" if opts.rounds > 1 else "") + ". Crossing rows "
+                "median round, with the range over the rounds" if opts.rounds > 1 else "") + ". Rows `..."
+             f"{AHEAD}` (GPUs; the paths the targets compare): each call timed as a model's step meets it, the device "
+             "busy with matrix products while the host issues the call, the time from the products' end (a barrier "
+             "lines the ranks up there) to the call's end (`epcomm.bench.timing.time_ahead`): the host's work is "
+             "hidden up to the first host read (an exact-mode dispatch's count read), as in DeepEP's own benchmarks "
+             "(back-to-back calls, its host ahead). Crossing rows "
              "per token: rows that leave their domain per source token (hierarchical: distinct remote domains of the "
              "token's experts; flat: distinct remote ranks; low-latency dispatch rows travel in FP8, cast at the "
              "source). "
@@ -674,10 +760,17 @@ def main(argv: list[str] | None = None) -> int:
              "the network's). "
              f"With this run's host issue times, the FP8 dispatch at EP64 (uniform routing) {need}; with a cached "
              f"handle (no count exchange: what DeepEP's published dispatch figures time, its tests tuning "
-             f"`dispatch(x, handle=...)`) it reaches {cached:.0%}:\n\n"
+             f"`dispatch(x, handle=...)`) it reaches {cached:.0%}. The columns `(host ahead)` charge the host's time "
+             f"as a model's step meets it (DeepEP's timing): a combine and a cached dispatch, which never "
+             f"synchronise the host, none; an exact-mode dispatch its host time after the count read, as the other "
+             f"columns do.{condition}\n\n"
              + format_table(model, list(model[0].keys())) +
              "\n\nDeepEP published low latency (128 tokens, us, dispatch / combine): "
-             + ", ".join(f"EP{k} {v[0]} / {v[1]}" for k, v in DEEPEP_PUBLISHED_LOW_LATENCY.items()))
+             + ", ".join(f"EP{k} {v[0]} / {v[1]}" for k, v in DEEPEP_PUBLISHED_LOW_LATENCY.items())
+             + ("\n\nThe split-node targets (at least 1.5x the flat all_to_all and 90% of the raw link's rate on the "
+                "crossing bytes), from the rows below:\n\n" + format_table(targets) if targets else ""))
     print(format_table(model, list(model[0].keys())))
+    if targets:
+        print(format_table(targets))
     return finish(rows, name, args.out, "bench internode", notes, None,
                   ["routing", "impl", "op", "time_us", "crossing rows/token", "link GB/s"])

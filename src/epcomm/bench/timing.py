@@ -16,6 +16,14 @@ iterations:
   launches, not the host work. It needs calls without host synchronisation (cached handles,
   ``num_worst_tokens``, low-latency calls).
 
+* ``time_ahead`` (a call as a model's step meets it): before each iteration the device is kept busy (matrix
+  products, ~1.5 times the host's time per call) while the host issues the call, and a barrier after those
+  products lines the ranks up; the time runs from there to the end of the call. So the host's work that the device
+  would not wait for in a step is hidden (all of it for calls that never synchronise: a cached dispatch, a combine),
+  and a call that reads counts on the host still makes the device wait for the host from that read on. DeepEP's
+  published figures are timed so (``tests/utils.py``'s ``bench``: back-to-back calls bracketed by events, its host
+  ahead; or ``bench_kineto``: kernel time alone).
+
 ``time_kernels`` times the same stream by the summed duration of each call's GPU kernels, read from the profiler
 (what DeepEP's benchmarks report): the waits for peers inside the kernels count, the gaps between launches do not.
 ``time_host`` measures the other side: how long the host takes to issue one call.
@@ -141,6 +149,49 @@ def _in_stream(one: Callable[[], None], group, device: torch.device, iters: int,
         each(i)
     torch.cuda.synchronize(device)
     del head
+
+
+def time_ahead(fn: Callable[[], object], group, device: torch.device, iters: int = 20, warmup: int = 3) -> Timing:
+    """Time ``fn()`` (collective) with the host ahead of the device (see the module docstring); CUDA only. The head
+    start is sized from the host's time per call in the warm-up (the slowest rank's: every rank enqueues the same
+    products, so that the barrier after them lines the ranks up rather than waiting for one)."""
+    if device.type != "cuda":
+        raise ValueError("time_ahead: needs a CUDA device (use time_op on CPUs)")
+    for _ in range(warmup):
+        fn()
+    host = 0.0
+    for _ in range(max(warmup, 1)):  # (a call that reads counts on the host counts its wait too: a longer head start)
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        host = max(host, time.perf_counter() - t0)
+    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    c = a @ a  # (library start-up)
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(4):
+        c = a @ a
+    end.record()
+    end.synchronize()
+    gemm_s = max(start.elapsed_time(end) / 4e3, 1e-6)
+    products = torch.tensor([int(1.5 * host / gemm_s) + 2], dtype=torch.int64, device=device)
+    dist.all_reduce(products, op=dist.ReduceOp.MAX, group=group)
+    products = int(products.item())
+    times = []
+    for _ in range(iters):
+        _barrier(group, device)
+        for _ in range(products):
+            c = a @ a
+        _barrier(group, device)  # (after every rank's products: the calls start together)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    del c
+    return _gather(times, group, device)
 
 
 def time_stream(fn: Union[Callable[[], object], Sequence[Callable[[], object]]], group, device: torch.device,
