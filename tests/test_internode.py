@@ -279,15 +279,16 @@ def test_rail_rows_packed_while_the_counts_travel(chunks, head_share, monkeypatc
     after the counts' copy to the host (the read waits for the counts alone, not for the packing), and the leg's
     dispatch uses them (no second plan): once the counts are read only the rows' collective is left before the rows
     cross. The head chunk (the second dispatch of a Buffer; 3 slots per domain here, 17 tokens at most in the first)
-    is planned, packed and sent before the counts' copy is even issued, and made a result after the read; a combine
+    is planned, packed and sent once the counts' copy is issued (the read waits for the counts, not for the host's
+    work on the head), before the other chunks are prepared, and made a result after the read; a combine
     sums the chunks smallest first. Bit-exact against the reference, FP8 with dropped slots and an empty rank."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     for failures, events in spawn(_packed_ahead, 4, chunks, head_share, device="cpu", timeout_s=600):
         assert failures == [], failures
-        # the check's dispatch: (the head sent,) the counts' copy, one prepared chunk each (with a plan), then its one
+        # the check's dispatch: the counts' copy, (the head sent,) one prepared chunk each (with a plan), then its one
         # count read (and the head's result); nothing planned after
         head = head_share > 0
-        expected = (["planned", "sent ahead"] if head else []) + ["copied"] + ["planned", "prepared"] * chunks + \
+        expected = ["copied"] + (["planned", "sent ahead"] if head else []) + ["planned", "prepared"] * chunks + \
             ["read"] + (["received ahead"] if head else [])
         assert events[:len(expected)] == expected, events
         assert "planned" not in events[len(expected):] and "sent ahead" not in events[len(expected):], events
@@ -1095,9 +1096,9 @@ def test_targets_and_the_host_ahead_model():
     targets = internode.target_rows(rows)
     assert [(t["timing"], t["op"]) for t in targets] == [("isolated", "dispatch FP8"), ("isolated", "combine BF16"),
                                                          ("host ahead", "dispatch FP8"), ("host ahead", "combine BF16")]
-    assert (targets[0]["speed-up"], targets[0]["share of the raw link"]) == (2.0, 0.9)
-    assert targets[1]["raw link us"] == 1800 and targets[1]["share of the raw link"] == 0.9  # BF16 against BF16
-    assert targets[3]["speed-up"] == round(3000.0 / 1600.0, 2)
+    assert (targets[0]["speed-up"], targets[0]["share of the raw link"]) == ("2.00x", "90%")
+    assert targets[1]["raw link us"] == 1800 and targets[1]["share of the raw link"] == "90%"  # BF16 against BF16
+    assert targets[3]["speed-up"] == "1.88x"  # (3000 / 1600)
     costs = internode.HostCosts(fixed=700.0, dispatch_host=2000.0, combine_host=2400.0, dispatch_lead=150.0,
                                 dispatch_chunk=1400.0, combine_chunk=700.0, cached_host=2300.0, cached_chunk=150.0)
     ahead = costs.host_ahead()
@@ -1156,9 +1157,11 @@ def test_model_takes_the_head_chunk_only_where_it_pays():
     after, lead = f"dispatch BF16: {internode.HOST_AFTER_READ}", f"dispatch BF16: {internode.HOST_LEAD}"
     counts = f"dispatch BF16: {internode.COUNTS_PHASE}"
 
-    def costs(fixed, with_head, without):
+    def costs(fixed, with_head, without, fixed_without=None):
         rows = [row(one, counts, fixed), row(one, after, with_head), row(one, lead, 600.0),
                 row(nohead, after, without), row(nohead, lead, 150.0)]
+        if fixed_without is not None:  # (the calls without a head measure their own count exchange)
+            rows.append(row(nohead, counts, fixed_without))
         return internode.HostCosts.measured(rows)
 
     assert internode.phased_impl(1, head=False) == "hierarchical, 1 chunk, no head, by phase"
@@ -1174,6 +1177,12 @@ def test_model_takes_the_head_chunk_only_where_it_pays():
     with_head = internode.best_estimate(opts, 64, 8, "fp8", 50.0, 322.0, 0, dear.model_args("dispatch FP8"))
     assert e2.pipelined_us < with_head.pipelined_us
     assert "head_share" not in dear.model_args("dispatch FP8", head=False)
+    # each option with its own count exchange where measured (a head's host work may delay the count read)
+    own = costs(1200.0, 3000.0, 2900.0, fixed_without=800.0)
+    assert own.model_args("dispatch FP8", head=False)["fixed_us"] == 800.0
+    assert own.model_args("dispatch FP8")["fixed_us"] == 1200.0 and "800 us of count exchange" in own.describe()
+    assert own.model_args("dispatch FP8", 50.0, head=False)["fixed_us"] == 50.0  # (a given exchange replaces both)
+    assert dear.model_args("dispatch FP8", head=False)["fixed_us"] == 300.0  # (not measured: the head's)
     rows = internode.model_rows(opts if hasattr(opts, "max_groups") else SimpleNamespace(**vars(opts), max_groups=4),
                                 50.0, 322.0, dear)
     assert {r["head chunk"] for r in rows if r["op"] == "dispatch FP8"} == {"no"}

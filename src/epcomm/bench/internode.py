@@ -275,8 +275,8 @@ def target_rows(rows: list) -> list:
                 raw = times.get((routing, "raw link" + suffix, f"all_to_all {kind.upper()} bytes"))
                 if hier and flat and raw:
                     out.append({"routing": routing, "timing": timing, "op": op, "hierarchical us": round(hier),
-                                "flat alltoall us": round(flat), "speed-up": round(flat / hier, 2),
-                                "raw link us": round(raw), "share of the raw link": round(raw / hier, 2)})
+                                "flat alltoall us": round(flat), "speed-up": f"{flat / hier:.2f}x",
+                                "raw link us": round(raw), "share of the raw link": f"{raw / hier:.0%}"})
     return out
 
 
@@ -503,9 +503,11 @@ class HostCosts:
     # (``_node_leg``): every chunk of that call is charged the larger
     node_leg: tuple = ()
     # a dispatch without a head chunk, where measured (the transport measures calls with and without one): its host
-    # time after the count read in one chunk and up to its first rows (each further chunk adds ``dispatch_chunk``)
+    # time after the count read in one chunk and up to its first rows (each further chunk adds ``dispatch_chunk``),
+    # and its own count exchange (None: ``fixed``)
     nohead_host: Optional[float] = None
     nohead_lead: float = 0.0
+    nohead_fixed: Optional[float] = None
 
     def describe(self) -> str:
         def per_chunk(v):
@@ -517,7 +519,8 @@ class HostCosts:
                if self.node_leg else "")
         nohead = ("" if self.nohead_host is None else
                   f" (without a head chunk {self.nohead_host:.0f} us, {self.nohead_lead:.0f} us of it before its first "
-                  f"rows' collective)")
+                  f"rows' collective" + ("" if self.nohead_fixed is None else
+                                         f", after {self.nohead_fixed:.0f} us of count exchange") + ")")
         return (f"{self.fixed:.0f} us of count exchange per dispatch before its rows cross; a dispatch's host time "
                 f"after the count read {self.dispatch_host:.0f} us in one chunk ({self.dispatch_lead:.0f} us of it "
                 f"before its first rows' collective){nohead}, {per_chunk(self.dispatch_chunk)} more per further "
@@ -536,11 +539,12 @@ class HostCosts:
         if "cached" in op:
             return dict(host_us=self.cached_host, host_chunk_us=self.cached_chunk, in_place=True)
         if "dispatch" in op:
-            fixed = self.fixed if fixed is None else fixed
             if not head and self.nohead_host is not None:
+                fixed = (self.fixed if self.nohead_fixed is None else self.nohead_fixed) if fixed is None else fixed
                 return dict(fixed_us=fixed, host_us=self.nohead_host, lead_us=self.nohead_lead,
                             host_chunk_us=self.dispatch_chunk)
-            return dict(fixed_us=fixed, host_us=self.dispatch_host, lead_us=self.dispatch_lead,
+            return dict(fixed_us=self.fixed if fixed is None else fixed, host_us=self.dispatch_host,
+                        lead_us=self.dispatch_lead,
                         host_chunk_us=self.dispatch_chunk, head_share=HierarchicalTransport.head_share)
         return dict(host_us=self.combine_host, host_chunk_us=self.combine_chunk)
 
@@ -582,7 +586,7 @@ class HostCosts:
         nohead = _ops_of(rows, phased_impl(c1, head=False))
         if after in nohead:
             costs = replace(costs, nohead_host=nohead[after],
-                            nohead_lead=nohead.get(f"dispatch BF16: {HOST_LEAD}", 0.0))
+                            nohead_lead=nohead.get(f"dispatch BF16: {HOST_LEAD}", 0.0), nohead_fixed=nohead.get(counts))
         return costs.with_node_leg(rows)
 
     def with_node_leg(self, rows: list) -> "HostCosts":
@@ -720,7 +724,7 @@ def main(argv: list[str] | None = None) -> int:
     nvlink = args.nvlink_gbps or 322.0
     costs = HostCosts.measured(rows)
     if args.fixed_us is not None:
-        costs = replace(costs, fixed=args.fixed_us)
+        costs = replace(costs, fixed=args.fixed_us, nohead_fixed=None)  # (with a head chunk or without)
     if args.host_us is not None:  # every chunk's host time, none of it before the first rows
         h = args.host_us
         costs = replace(costs, dispatch_host=h, combine_host=h, dispatch_lead=0.0, dispatch_chunk=h, combine_chunk=h,

@@ -599,7 +599,8 @@ class HierarchicalTransport(Transport):
         so the host's read waits for them alone and the packing runs while the host reads them and issues the rows'
         collectives. With ``head`` slots (the first chunk is the head chunk), the head's rows are sent in them right
         behind the count all_to_all, on the network stream, so that they cross while the counts travel and the host
-        reads them. Every rank also learns the largest token count of any rank (its rail peers' largest, gathered over
+        reads them (issued after the domain's gather and the counts' copy to the host: the read does not wait for
+        the host's work on the head). Every rank also learns the largest token count of any rank (its rail peers' largest, gathered over
         its domain), which sizes the next call's head chunk. Returns ``([(the inter-domain leg's request, its counts
         known and its local work prepared; domain KnownCounts)] per chunk, [D, chunks] int32 first token of each chunk
         of every rail peer, or None for one chunk, the head's ``Ahead`` or None)``; raises on bad expert ids
@@ -623,10 +624,6 @@ class HierarchicalTransport(Transport):
             net.wait_stream(torch.cuda.current_stream(self.device))
         with self._leg(fn, COUNTS_PHASE):
             dist.all_to_all_single(recv, send, group=self.rail_group)
-        ahead = None
-        if head:  # behind the counts on the link; its packing on the network stream meanwhile
-            with torch.cuda.stream(net) if net is not None else contextlib.nullcontext(), self._leg(fn, HEAD_PHASE):
-                ahead = self.rail.send_ahead(legs[0], head)
         mine = recv[:, :, :-2].sum(0, dtype=torch.int32)  # [C, V]: what this rank forwards
         most = recv[:, 0, -1].amax().view(1, 1).expand(C, 1)  # the most tokens of a rail peer
         every = torch.empty(L * C, mine.size(1) + 1, dtype=torch.int32, device=dev)  # [L, C, V + 1], as gloo takes
@@ -638,6 +635,12 @@ class HierarchicalTransport(Transport):
             read = faults.read_later(torch.cat([every.view(-1), send[:, :, 0].reshape(-1), recv[:, :, 0].reshape(-1),
                                                 bad.view(1).to(torch.int32)]), fn,
                                      f"rank {self.rank}: the counts of both legs", self._pinned)
+        ahead = None
+        if head:  # behind the counts on the link; its packing on the network stream meanwhile. Issued after the
+            # domain's gather and the copy to the host: the count read waits for the counts alone, not for the host's
+            # work on the head
+            with torch.cuda.stream(net) if net is not None else contextlib.nullcontext(), self._leg(fn, HEAD_PHASE):
+                ahead = self.rail.send_ahead(legs[0], head)
         with self._leg(fn, PACK_PHASE):  # the inter-domain leg's local work, while the counts travel
             sent = 1 if head else 0  # (the head's leg was sent ahead: nothing to prepare)
             legs = legs[:sent] + [replace(leg, prepared=self.rail.prepare(leg)) for leg in legs[sent:]]
