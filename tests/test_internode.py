@@ -1087,12 +1087,16 @@ def test_targets_and_the_host_ahead_model():
 
     rows = []
     for suffix, scale in (("", 1.0), (internode.AHEAD, 0.8)):
+        # (host ahead: the raw link timed in turn with each operation, a row of its own beside each)
+        beside = (lambda op: op) if suffix else (lambda op: "")  # noqa: E731
         rows += [row("hierarchical" + suffix, "dispatch FP8", 1000.0 * scale),
                  row("flat alltoall" + suffix, "dispatch FP8", 2000.0 * scale),
-                 row("raw link" + suffix, "all_to_all FP8 bytes", 900.0 * scale),
-                 row("raw link" + suffix, "all_to_all BF16 bytes", 1800.0 * scale),
+                 row("raw link" + suffix, internode.raw_op("fp8", beside("dispatch FP8")), 900.0 * scale),
+                 row("raw link" + suffix, internode.raw_op("bf16", beside("combine BF16")), 1800.0 * scale),
                  row("hierarchical" + suffix, "combine BF16", 2000.0 * scale),
                  row("flat alltoall" + suffix, "combine BF16", 3000.0)]
+    assert internode.raw_op("fp8") == "all_to_all FP8 bytes"
+    assert internode.raw_op("bf16", "combine BF16") == "all_to_all BF16 bytes, beside combine BF16"
     targets = internode.target_rows(rows)
     assert [(t["timing"], t["op"]) for t in targets] == [("isolated", "dispatch FP8"), ("isolated", "combine BF16"),
                                                          ("host ahead", "dispatch FP8"), ("host ahead", "combine BF16")]

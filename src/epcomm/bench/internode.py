@@ -31,7 +31,8 @@ routing), at DeepSeek's shape (4096 tokens per rank, hidden 7168, top-8, 256 exp
 Every call is timed isolated (a barrier before each: the device waits for all of the call's host work; the median
 over iterations of the slowest rank) and, on GPUs, for ``hierarchical``, ``flat alltoall`` and ``raw link`` (the
 rows the targets compare), also as a model's step meets it (``..., host ahead``: ``timing.time_ahead``, the device
-busy with earlier work while the host issues the call, as in DeepEP's benchmarks); ``a model's step`` times the
+busy with earlier work while the host issues the call, as in DeepEP's benchmarks; the three paths' calls of an
+operation in turn in each iteration, so that the link's drift weighs on them alike); ``a model's step`` times the
 expert GEMMs between a dispatch and its combine at this shape (how far ahead a step puts the host). A table of the
 split-node targets (speed-up over the flat all_to_all, share of the raw link's rate) closes the notes. With
 ``--rounds N`` the whole measurement runs N times, the implementations interleaved, and each row gives the median
@@ -45,6 +46,7 @@ isolated call and (``(host ahead)`` columns, ``HostCosts.host_ahead``) as in a s
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -132,6 +134,7 @@ def bench_worker(ctx, opts: InternodeBenchOptions) -> list:
                      "crossing rows/token": round(crossing_rows, 3), "crossing MB/rank": round(crossing / 1e6, 2),
                      "link GB/s": timing.gbps(crossing)})
 
+    hier_chunks = ""  # (the chunk count the hierarchical path measured: its host-ahead rows')
     for routing in [r for _ in range(opts.rounds) for r in opts.routings]:
         data = _inputs(ctx, opts, routing, opts.tokens, D)
         idxs = [d[1] for d in data]
@@ -159,19 +162,10 @@ def bench_worker(ctx, opts: InternodeBenchOptions) -> list:
             chunks = ""
             if buf is hier:  # (the tuner's choice: a count, and whether its calls send a head chunk)
                 chunks = fixed or (f"{tuner.chosen}{' + head' if tuner.head else ''}" if tuner.chosen else "")
-            # isolated calls; then (GPUs, the paths the targets compare) with the host ahead, as in a model's step
-            for impl, timer in [(name, t)] + ([(name + AHEAD, ahead)] if fixed is None and cuda else []):
-                add(routing, impl, "dispatch FP8", timer(lambda: buf.dispatch(x8, **layout)), cross, "fp8",
-                    opts.tokens, chunks)
-                add(routing, impl, "dispatch BF16", timer(lambda: buf.dispatch(x, **layout)), cross, "bf16",
-                    opts.tokens, chunks)
-                recv_x, _, _, _, handle, _ = buf.dispatch(x, **layout)  # a handle in the chosen chunks
-                add(routing, impl, "combine BF16", timer(lambda: buf.combine(recv_x, handle)), cross, "bf16",
-                    opts.tokens, chunks)
-                # what DeepEP's published internode figures time: a dispatch with a cached handle (no count exchange)
-                add(routing, impl, CACHED_FP8, timer(lambda: buf.dispatch(x8, handle=handle)), cross, "fp8",
-                    opts.tokens, chunks)
-                del recv_x, handle
+            if buf is hier and fixed is None:
+                hier_chunks = chunks
+            for op, kind, call in _target_calls(buf, x, x8, layout):  # (isolated calls)
+                add(routing, name, op, t(call), cross, kind, opts.tokens, chunks)
         if routing not in phased:  # where a BF16 dispatch's time goes, in 1 and 4 chunks (the first round only)
             phased.add(routing)
             for (chunks, head), ops in _by_phase(ctx, hier, x, layout_of(hier, idx, w), opts.iters).items():
@@ -197,6 +191,7 @@ def bench_worker(ctx, opts: InternodeBenchOptions) -> list:
         hit.scatter_(1, torch.where(idx >= 0, idx // per_domain, D), True)
         to_domain = hit[:, :D].sum(0).cpu()
         to_domain[own_domain] = 0
+        raw = {}
         for kind in ("fp8", "bf16"):
             rb = row_bytes(opts.hidden, kind)
             send = [int(c) * rb for c in to_domain.tolist()]
@@ -206,10 +201,17 @@ def bench_worker(ctx, opts: InternodeBenchOptions) -> list:
             recv_splits = got.tolist()
             src = torch.empty(sum(send), dtype=torch.uint8, device=ctx.device)
             dst = torch.empty(sum(recv_splits), dtype=torch.uint8, device=ctx.device)
-            for impl, timer in [("raw link", t)] + ([("raw link" + AHEAD, ahead)] if cuda else []):
-                add(routing, impl, f"all_to_all {kind.upper()} bytes",
-                    timer(lambda: dist.all_to_all_single(dst, src, recv_splits, send, group=rail_group)), hier_cross,
-                    kind, opts.tokens)
+            raw[kind] = functools.partial(dist.all_to_all_single, dst, src, recv_splits, send, group=rail_group)
+            add(routing, "raw link", raw_op(kind), t(raw[kind]), hier_cross, kind, opts.tokens)
+        if cuda:  # the targets' three paths with the host ahead, as a model's step meets the calls, in turn per
+            # iteration (the socket link's rate drifts: each weighs on the three alike)
+            calls = {b: _target_calls(b, x, x8, layout_of(b, idx, w)) for b in (hier, flat)}
+            for (op, kind, h_call), (_, _, f_call) in zip(calls[hier], calls[flat]):
+                h_t, f_t, r_t = ahead([h_call, f_call, raw[kind]])
+                add(routing, "hierarchical" + AHEAD, op, h_t, hier_cross, kind, opts.tokens, hier_chunks)
+                add(routing, "flat alltoall" + AHEAD, op, f_t, flat_cross, kind, opts.tokens)
+                add(routing, "raw link" + AHEAD, raw_op(kind, op), r_t, hier_cross, kind, opts.tokens)
+            del calls
         # what a chunk costs besides its bytes (host synchronisations, launches): one chunk of a few tokens
         small = _inputs(ctx, opts, routing, 8, D)
         sx, sidx, sw = (v.to(ctx.device) for v in small[ctx.rank])
@@ -261,6 +263,20 @@ def _expert_gemms(opts, device):
 TARGET_OPS = (("dispatch FP8", "fp8"), ("dispatch BF16", "bf16"), ("combine BF16", "bf16"), (CACHED_FP8, "fp8"))
 
 
+def raw_op(kind: str, beside: str = "") -> str:
+    """The raw link's row name for ``kind``'s bytes (``beside``: timed in turn with that operation)."""
+    return f"all_to_all {kind.upper()} bytes" + (f", beside {beside}" if beside else "")
+
+
+def _target_calls(buf, x, x8, layout: dict) -> list:
+    """``[(op, kind, call)]`` for ``TARGET_OPS`` on ``buf``: the FP8 and BF16 dispatches, the combine of a BF16
+    dispatch's rows and an FP8 dispatch with its cached handle (what DeepEP's published internode figures time)."""
+    recv_x, _, _, _, handle, _ = buf.dispatch(x, **layout)  # (in the chunks the transport chose)
+    calls = (lambda: buf.dispatch(x8, **layout), lambda: buf.dispatch(x, **layout),
+             lambda: buf.combine(recv_x, handle), lambda: buf.dispatch(x8, handle=handle))
+    return [(op, kind, call) for (op, kind), call in zip(TARGET_OPS, calls)]
+
+
 def target_rows(rows: list) -> list:
     """The split-node targets from a run's rows: per routing, timing (isolated calls; the host ahead, where
     measured) and operation, the hierarchical path's time against the flat all_to_all's (the speed-up) and against
@@ -272,7 +288,7 @@ def target_rows(rows: list) -> list:
             for op, kind in TARGET_OPS:
                 hier = times.get((routing, "hierarchical" + suffix, op))
                 flat = times.get((routing, "flat alltoall" + suffix, op))
-                raw = times.get((routing, "raw link" + suffix, f"all_to_all {kind.upper()} bytes"))
+                raw = times.get((routing, "raw link" + suffix, raw_op(kind, op if suffix else "")))
                 if hier and flat and raw:
                     out.append({"routing": routing, "timing": timing, "op": op, "hierarchical us": round(hier),
                                 "flat alltoall us": round(flat), "speed-up": f"{flat / hier:.2f}x",
@@ -748,7 +764,8 @@ def main(argv: list[str] | None = None) -> int:
                 "median round, with the range over the rounds" if opts.rounds > 1 else "") + ". Rows `..."
              f"{AHEAD}` (GPUs; the paths the targets compare): each call timed as a model's step meets it, the device "
              "busy with matrix products while the host issues the call, the time from the products' end (a barrier "
-             "lines the ranks up there) to the call's end (`epcomm.bench.timing.time_ahead`): the host's work is "
+             "lines the ranks up there) to the call's end (`epcomm.bench.timing.time_ahead`; the three paths' calls "
+             "of an operation in turn in each iteration, the raw link's row named after it): the host's work is "
              "hidden up to the first host read (an exact-mode dispatch's count read), as in DeepEP's own benchmarks "
              "(back-to-back calls, its host ahead). Crossing rows "
              "per token: rows that leave their domain per source token (hierarchical: distinct remote domains of the "

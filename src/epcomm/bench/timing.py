@@ -151,20 +151,27 @@ def _in_stream(one: Callable[[], None], group, device: torch.device, iters: int,
     del head
 
 
-def time_ahead(fn: Callable[[], object], group, device: torch.device, iters: int = 20, warmup: int = 3) -> Timing:
-    """Time ``fn()`` (collective) with the host ahead of the device (see the module docstring); CUDA only. The head
-    start is sized from the host's time per call in the warm-up (the slowest rank's: every rank enqueues the same
-    products, so that the barrier after them lines the ranks up rather than waiting for one)."""
+def time_ahead(fn: Union[Callable[[], object], Sequence[Callable[[], object]]], group, device: torch.device,
+               iters: int = 20, warmup: int = 3):
+    """Time ``fn()`` (collective) with the host ahead of the device (see the module docstring); CUDA only. ``fn`` may
+    be a sequence of calls: each iteration then times each in turn (a link whose rate drifts weighs on each alike),
+    and a list of Timings is returned. Each call's head start is sized from the host's time per call in the warm-up
+    (the slowest rank's: every rank enqueues the same products, so that the barrier after them lines the ranks up
+    rather than waiting for one)."""
     if device.type != "cuda":
         raise ValueError("time_ahead: needs a CUDA device (use time_op on CPUs)")
-    for _ in range(warmup):
-        fn()
-    host = 0.0
-    for _ in range(max(warmup, 1)):  # (a call that reads counts on the host counts its wait too: a longer head start)
-        torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        host = max(host, time.perf_counter() - t0)
+    calls = list(fn) if isinstance(fn, (list, tuple)) else [fn]
+    host = []
+    for call in calls:
+        for _ in range(warmup):
+            call()
+        most = 0.0
+        for _ in range(max(warmup, 1)):  # (a call that reads counts on the host counts its wait: a longer head start)
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            call()
+            most = max(most, time.perf_counter() - t0)
+        host.append(most)
     a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
     c = a @ a  # (library start-up)
     torch.cuda.synchronize(device)
@@ -175,23 +182,25 @@ def time_ahead(fn: Callable[[], object], group, device: torch.device, iters: int
     end.record()
     end.synchronize()
     gemm_s = max(start.elapsed_time(end) / 4e3, 1e-6)
-    products = torch.tensor([int(1.5 * host / gemm_s) + 2], dtype=torch.int64, device=device)
+    products = torch.tensor([int(1.5 * h / gemm_s) + 2 for h in host], dtype=torch.int64, device=device)
     dist.all_reduce(products, op=dist.ReduceOp.MAX, group=group)
-    products = int(products.item())
-    times = []
+    products = products.tolist()
+    times: list = [[] for _ in calls]
     for _ in range(iters):
-        _barrier(group, device)
-        for _ in range(products):
-            c = a @ a
-        _barrier(group, device)  # (after every rank's products: the calls start together)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
+        for call, n, got in zip(calls, products, times):
+            _barrier(group, device)
+            for _ in range(n):
+                c = a @ a
+            _barrier(group, device)  # (after every rank's products: the calls start together)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            call()
+            end.record()
+            end.synchronize()
+            got.append(start.elapsed_time(end) * 1e3)
     del c
-    return _gather(times, group, device)
+    timings = [_gather(got, group, device) for got in times]
+    return timings if isinstance(fn, (list, tuple)) else timings[0]
 
 
 def time_stream(fn: Union[Callable[[], object], Sequence[Callable[[], object]]], group, device: torch.device,
