@@ -99,12 +99,7 @@ def time_op(fn: Callable[[], object], group, device: torch.device, iters: int = 
             scratch.zero_()  # evict the previous iteration's data from L2
         _barrier(group, device)
         if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)
+            times.append(_event_us(fn))
         else:
             t0 = time.perf_counter()
             fn()
@@ -116,16 +111,28 @@ def _head_start(device: torch.device, host_us: float, iters: int):
     """Enqueue enough matrix products to keep the device busy while the host enqueues ``iters`` calls of
     ``host_us`` each (with a 1.5x margin); returns the operands (kept alive until the calls are timed)."""
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    c = a @ a  # the first product pays for library start-up: time the second
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    c = a @ a
-    end.record()
-    end.synchronize()
-    gemm_us = max(start.elapsed_time(end) * 1e3, 1.0)
+    gemm_us = _product_us(a)
+    c = a
     for _ in range(int(1.5 * host_us * iters / gemm_us) + 1):
         c = a @ a
     return a, c
+
+
+def _event_us(fn: Callable[[], object]) -> float:
+    """Microseconds of ``fn()`` on the current stream, between two CUDA events (waits for its end)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3
+
+
+def _product_us(a: torch.Tensor) -> float:
+    """Microseconds of one product ``a @ a`` on the device (the first one, which pays for library start-up, not
+    counted; at least 1)."""
+    a @ a
+    return max(_event_us(lambda: [a @ a for _ in range(4)]) / 4, 1.0)
 
 
 def _in_stream(one: Callable[[], None], group, device: torch.device, iters: int, warmup: int, flush_l2: bool,
@@ -173,15 +180,7 @@ def time_ahead(fn: Union[Callable[[], object], Sequence[Callable[[], object]]], 
             most = max(most, time.perf_counter() - t0)
         host.append(most)
     a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
-    c = a @ a  # (library start-up)
-    torch.cuda.synchronize(device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(4):
-        c = a @ a
-    end.record()
-    end.synchronize()
-    gemm_s = max(start.elapsed_time(end) / 4e3, 1e-6)
+    gemm_s = _product_us(a) * 1e-6
     products = torch.tensor([int(1.5 * h / gemm_s) + 2 for h in host], dtype=torch.int64, device=device)
     dist.all_reduce(products, op=dist.ReduceOp.MAX, group=group)
     products = products.tolist()
@@ -190,15 +189,9 @@ def time_ahead(fn: Union[Callable[[], object], Sequence[Callable[[], object]]], 
         for call, n, got in zip(calls, products, times):
             _barrier(group, device)
             for _ in range(n):
-                c = a @ a
+                a @ a
             _barrier(group, device)  # (after every rank's products: the calls start together)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            call()
-            end.record()
-            end.synchronize()
-            got.append(start.elapsed_time(end) * 1e3)
-    del c
+            got.append(_event_us(call))
     timings = [_gather(got, group, device) for got in times]
     return timings if isinstance(fn, (list, tuple)) else timings[0]
 
