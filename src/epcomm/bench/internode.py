@@ -296,7 +296,6 @@ def target_rows(rows: list) -> list:
     return out
 
 
-
 # chunk counts whose BF16 dispatch is broken down by phase, their calls taking turns: the host's time per call, and
 # per further chunk from the difference (over 3 chunks: a single chunk's share of a drift is a third); each with a
 # head chunk where the inter-domain leg can send one, and the first count also without (the transport measures both)

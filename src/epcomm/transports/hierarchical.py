@@ -600,8 +600,8 @@ class HierarchicalTransport(Transport):
         collectives. With ``head`` slots (the first chunk is the head chunk), the head's rows are sent in them right
         behind the count all_to_all, on the network stream, so that they cross while the counts travel and the host
         reads them (issued after the domain's gather and the counts' copy to the host: the read does not wait for
-        the host's work on the head). Every rank also learns the largest token count of any rank (its rail peers' largest, gathered over
-        its domain), which sizes the next call's head chunk. Returns ``([(the inter-domain leg's request, its counts
+        the host's work on the head). Every rank also learns the largest token count of any rank (its rail peers'
+        largest, gathered over its domain), which sizes the next call's head chunk. Returns ``([(the inter-domain leg's request, its counts
         known and its local work prepared; domain KnownCounts)] per chunk, [D, chunks] int32 first token of each chunk
         of every rail peer, or None for one chunk, the head's ``Ahead`` or None)``; raises on bad expert ids
         (``req.bad_topk``)."""
