@@ -1068,6 +1068,20 @@ def test_bench_internode_and_its_model(tmp_path):
     # the model's host-ahead columns: never slower than the isolated call's; the same for the exact-mode dispatch
     table = [line.split("|") for line in model.splitlines() if line.startswith("| 64 |")]
     assert table and "NIC share (host ahead)" in model
+    # the model again from this run's CSV (its host terms), at another NIC rate, running nothing
+    shape = ["--tokens", "24", "--hidden", "256", "--experts", "16", "--topk", "4"]
+    run_csv = str(tmp_path / "bench_internode_4ranks.csv")
+    assert internode.main(["--model-only", "--costs-from", run_csv, "--nic-gbps", "25", "--out", str(tmp_path),
+                           "--name", "again"] + shape) == 0
+    again = list(csv.DictReader(open(tmp_path / "again.csv")))
+    opts = internode.InternodeBenchOptions(24, 4, 256, 4, 16, 2, ("uniform",), 4, "auto", 2)
+    expected = internode.model_rows(opts, 25.0, 322.0, costs)
+    assert [(r["EP"], r["op"], r["NIC share"]) for r in again] == [
+        (str(r["EP"]), r["op"], str(r["NIC share"])) for r in expected]
+    assert f"host terms of {run_csv}" in open(tmp_path / "again.md").read()
+    for bad in (["--costs-from", run_csv], ["--model-only", "--costs-from", str(tmp_path / "again.csv")]):
+        with pytest.raises(SystemExit):  # (a run measures its own; a CSV without rows by phase)
+            internode.main(bad + ["--out", str(tmp_path)] + shape)
 
 
 def test_targets_and_the_host_ahead_model():

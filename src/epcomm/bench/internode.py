@@ -402,7 +402,7 @@ def _slowest_median(ctx, us: list) -> float:
 
 def _ops_of(rows: list, impl: str) -> dict:
     """``{op: time_us}`` of ``impl``'s rows: uniform routing's, else the first routing's."""
-    mine = [r for r in rows if r["impl"] == impl]
+    mine = [r for r in rows if r.get("impl") == impl]
     return {r["op"]: float(r["time_us"]) for r in ([r for r in mine if r["routing"] == "uniform"] or mine)}
 
 
@@ -693,6 +693,19 @@ def fixed_for_share(opts, nic_gbps: float, nvlink_gbps: float, costs: HostCosts,
     return f"reaches {share:.0%} of the NIC with a count exchange of at most {fixed:.0f} us"
 
 
+def _override(costs: HostCosts, fixed_us: Optional[float], host_us: Optional[float]) -> HostCosts:
+    """``costs`` with the count exchange (``fixed_us``, with a head chunk or without) and every chunk's host time
+    (``host_us``, none of it before the first rows) replaced where given."""
+    if fixed_us is not None:
+        costs = replace(costs, fixed=fixed_us, nohead_fixed=None)
+    if host_us is not None:
+        h = host_us
+        costs = replace(costs, dispatch_host=h, combine_host=h, dispatch_lead=0.0, dispatch_chunk=h, combine_chunk=h,
+                        cached_host=h, cached_chunk=h, nohead_host=None if costs.nohead_host is None else h,
+                        nohead_lead=0.0)
+    return costs
+
+
 def main(argv: list[str] | None = None) -> int:
     from .. import env
 
@@ -716,20 +729,35 @@ def main(argv: list[str] | None = None) -> int:
                         help="the model's host issue time per chunk of a dispatch and of a combine (default: this "
                              "run's)")
     parser.add_argument("--model-only", action="store_true",
-                        help="write the traffic model's table (with --fixed-us and --host-us, default 0) and run "
-                             "nothing")
+                        help="write the traffic model's table (with --fixed-us and --host-us, default 0, or the host "
+                             "terms of --costs-from) and run nothing")
+    parser.add_argument("--costs-from", default=None, metavar="CSV",
+                        help="with --model-only: take the model's count exchange and host terms from an earlier run's "
+                             "CSV (its rows by phase), e.g. to model another NIC rate with measured host costs")
     args = parser.parse_args(argv)
     per_node = args.ranks_per_node or env.ranks_per_node() or max(1, args.world_size // 2)
     opts = InternodeBenchOptions(args.tokens, args.ll_tokens, args.hidden, args.topk, args.experts, per_node,
                                  tuple(args.routings.split(",")), args.max_groups, args.domain_transport, args.iters,
                                  max(1, args.rounds))
+    if args.costs_from and not args.model_only:
+        parser.error("--costs-from goes with --model-only (a run measures its own host costs)")
     if args.model_only:
-        h = args.host_us or 0.0
-        costs = HostCosts(args.fixed_us or 0.0, h, h, 0.0, h, h, h, h)
+        if args.costs_from:
+            import csv
+
+            with open(args.costs_from, newline="") as f:
+                costs = HostCosts.measured(list(csv.DictReader(f)))
+            if costs == HostCosts():
+                parser.error(f"--costs-from {args.costs_from}: no rows by phase with a count exchange in it (a "
+                             f"`python -m epcomm bench internode` CSV from GPUs or CPUs)")
+            source = f"host terms of {args.costs_from}"
+        else:
+            costs, source = HostCosts(), "no host terms"
+        costs = _override(costs, args.fixed_us, args.host_us if args.costs_from else args.host_us or 0.0)
         model = model_rows(opts, args.nic_gbps, args.nvlink_gbps or 322.0, costs)
         notes = (f"Traffic model only (epcomm.bench.traffic.internode_estimate): NIC {args.nic_gbps:g} GB/s per GPU, "
-                 f"intranode {args.nvlink_gbps or 322.0:g} GB/s, 8 GPUs per node, {costs.describe()}; DeepEP's "
-                 f"published internode figures beside it (H800 + ConnectX-7 400 Gb/s). "
+                 f"intranode {args.nvlink_gbps or 322.0:g} GB/s, 8 GPUs per node, {source}: {costs.describe()}; "
+                 f"DeepEP's published internode figures beside it (H800 + ConnectX-7 400 Gb/s). "
                  "DeepEP published low latency (128 tokens, us, dispatch / combine): "
                  + ", ".join(f"EP{k} {v[0]} / {v[1]}" for k, v in DEEPEP_PUBLISHED_LOW_LATENCY.items()))
         return finish(model, args.name or "internode_model", args.out, "internode traffic model", notes, None,
@@ -737,14 +765,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = run(bench_worker, args.world_size, opts)[0]
     name = args.name or f"bench_internode_{rows[0]['ranks']}ranks"
     nvlink = args.nvlink_gbps or 322.0
-    costs = HostCosts.measured(rows)
-    if args.fixed_us is not None:
-        costs = replace(costs, fixed=args.fixed_us, nohead_fixed=None)  # (with a head chunk or without)
-    if args.host_us is not None:  # every chunk's host time, none of it before the first rows
-        h = args.host_us
-        costs = replace(costs, dispatch_host=h, combine_host=h, dispatch_lead=0.0, dispatch_chunk=h, combine_chunk=h,
-                        cached_host=h, cached_chunk=h, nohead_host=None if costs.nohead_host is None else h,
-                        nohead_lead=0.0)
+    costs = _override(HostCosts.measured(rows), args.fixed_us, args.host_us)
     model = model_rows(opts, args.nic_gbps, nvlink, costs)
     need = fixed_for_share(opts, args.nic_gbps, nvlink, costs, 64, 0.9)
     cached = best_estimate(opts, 64, 8, "fp8", args.nic_gbps, nvlink, 0, costs.model_args(CACHED_FP8)).nic_share(
