@@ -1,6 +1,6 @@
 """Timing shared by every benchmark: events after warm-up, per-iteration max across ranks, median.
 
-Two ways to time a call on the device, both with CUDA events on the current stream after warm-up, the per-rank times
+Three ways to time a call on the device, all with CUDA events on the current stream after warm-up, the per-rank times
 all-gathered once at the end, each iteration's time the slowest rank's, the statistic the median over
 iterations:
 
@@ -15,7 +15,6 @@ iterations:
   so this measures what the device spends per call: the kernels, the waits for peers and the gaps between
   launches, not the host work. It needs calls without host synchronisation (cached handles,
   ``num_worst_tokens``, low-latency calls).
-
 * ``time_ahead`` (a call as a model's step meets it): before each iteration the device is kept busy (matrix
   products, ~1.5 times the host's time per call) while the host issues the call, and a barrier after those
   products lines the ranks up; the time runs from there to the end of the call. So the host's work that the device
