@@ -32,7 +32,8 @@ Every call is timed isolated (a barrier before each: the device waits for all of
 over iterations of the slowest rank) and, on GPUs, for ``hierarchical``, ``flat alltoall`` and ``raw link`` (the
 rows the targets compare), also as a model's step meets it (``..., host ahead``: ``timing.time_ahead``, the device
 busy with earlier work while the host issues the call, as in DeepEP's benchmarks; the three paths' calls of an
-operation in turn in each iteration, so that the link's drift weighs on them alike); ``a model's step`` times the
+operation in turn in each iteration, so that the link's drift weighs on them alike; the chunk tuner's trials run with
+the host ahead too, as in a step); ``a model's step`` times the
 expert GEMMs between a dispatch and its combine at this shape (how far ahead a step puts the host). A table of the
 split-node targets (speed-up over the flat all_to_all, share of the raw link's rate) closes the notes. With
 ``--rounds N`` the whole measurement runs N times, the implementations interleaved, and each row gives the median
@@ -56,7 +57,7 @@ import torch
 from ..testing import run
 from ..transports.hierarchical import COUNTS_PHASE, HierarchicalTransport, phase_durations_us
 from .report import bench_parser, finish, format_table
-from .timing import time_ahead, time_op
+from .timing import HostLead, time_ahead, time_op
 from .traffic import (DEEPEP_PUBLISHED_LOW_LATENCY, DEEPEP_PUBLISHED_NORMAL, distinct_domains, internode_estimate,
                       row_bytes)
 
@@ -135,6 +136,12 @@ def bench_worker(ctx, opts: InternodeBenchOptions) -> list:
                      "link GB/s": timing.gbps(crossing)})
 
     hier_chunks = ""  # (the chunk count the hierarchical path measured: its host-ahead rows')
+    # the chunk trials with the host ahead, as in a model's step (and as the tuner meets them there): products of
+    # about TRIAL_LEAD_S before each, longer than a dispatch's host work up to its count read
+    trial_lead = None
+    if cuda:
+        lead = HostLead(ctx.group, ctx.device)
+        trial_lead = (lead, lead.products([TRIAL_LEAD_S])[0])
     for routing in [r for _ in range(opts.rounds) for r in opts.routings]:
         data = _inputs(ctx, opts, routing, opts.tokens, D)
         idxs = [d[1] for d in data]
@@ -158,6 +165,8 @@ def bench_worker(ctx, opts: InternodeBenchOptions) -> list:
             for _ in range(len(tuner.candidates) * tuner.calls + 1):  # time the count it measured, not the trials
                 if buf is not hier or hier.runtime._fixed_chunks()[0] or tuner.chosen is not None:
                     break
+                if trial_lead is not None:  # (the trials as a step meets them: the host ahead)
+                    trial_lead[0].lead(trial_lead[1])
                 buf.dispatch(x, **layout)
             chunks = ""
             if buf is hier:  # (the tuner's choice: a count, and whether its calls send a head chunk)
@@ -243,6 +252,7 @@ def bench_worker(ctx, opts: InternodeBenchOptions) -> list:
     return _median_of_rounds(rows) if opts.rounds > 1 else rows
 
 
+TRIAL_LEAD_S = 0.006  # the host's lead before each of the chunk tuner's trials (GPUs)
 STEP = "a model's step"
 EXPERT_GEMMS = "expert GEMMs (BF16)"
 EXPERT_INTERMEDIATE = 2048  # DeepSeek-V3's moe_intermediate_size

@@ -157,13 +157,36 @@ def _in_stream(one: Callable[[], None], group, device: torch.device, iters: int,
     del head
 
 
+class HostLead:
+    """Keeps the device busy while the host runs ahead, as a model's step's earlier work does (``time_ahead``; the
+    internode benchmark's chunk trials): ``lead(n)`` enqueues ``n`` matrix products and then a barrier that lines the
+    ranks up after them; ``products(seconds)`` says how many cover 1.5 times each of ``seconds`` (the largest count of
+    any rank: collective, like ``lead``). CUDA only."""
+
+    def __init__(self, group, device: torch.device) -> None:
+        self.group, self.device = group, device
+        self.a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+        self.product_s = _product_us(self.a) * 1e-6
+
+    def products(self, seconds: Sequence[float]) -> list:
+        n = torch.tensor([int(1.5 * s / self.product_s) + 2 for s in seconds], dtype=torch.int64, device=self.device)
+        dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.group)
+        return n.tolist()
+
+    def lead(self, products: int) -> None:
+        _barrier(self.group, self.device)
+        for _ in range(products):
+            self.a @ self.a
+        _barrier(self.group, self.device)  # (after every rank's products: what follows starts together)
+
+
 def time_ahead(fn: Union[Callable[[], object], Sequence[Callable[[], object]]], group, device: torch.device,
                iters: int = 20, warmup: int = 3):
     """Time ``fn()`` (collective) with the host ahead of the device (see the module docstring); CUDA only. ``fn`` may
     be a sequence of calls: each iteration then times each in turn (a link whose rate drifts weighs on each alike),
-    and a list of Timings is returned. Each call's head start is sized from the host's time per call in the warm-up
-    (the slowest rank's: every rank enqueues the same products, so that the barrier after them lines the ranks up
-    rather than waiting for one)."""
+    and a list of Timings is returned. Each call's head start (``HostLead``) is sized from the host's time per call in
+    the warm-up (the slowest rank's: every rank enqueues the same products, so that the barrier after them lines the
+    ranks up rather than waiting for one)."""
     if device.type != "cuda":
         raise ValueError("time_ahead: needs a CUDA device (use time_op on CPUs)")
     calls = list(fn) if isinstance(fn, (list, tuple)) else [fn]
@@ -178,18 +201,12 @@ def time_ahead(fn: Union[Callable[[], object], Sequence[Callable[[], object]]], 
             call()
             most = max(most, time.perf_counter() - t0)
         host.append(most)
-    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
-    gemm_s = _product_us(a) * 1e-6
-    products = torch.tensor([int(1.5 * h / gemm_s) + 2 for h in host], dtype=torch.int64, device=device)
-    dist.all_reduce(products, op=dist.ReduceOp.MAX, group=group)
-    products = products.tolist()
+    lead = HostLead(group, device)
+    products = lead.products(host)
     times: list = [[] for _ in calls]
     for _ in range(iters):
         for call, n, got in zip(calls, products, times):
-            _barrier(group, device)
-            for _ in range(n):
-                a @ a
-            _barrier(group, device)  # (after every rank's products: the calls start together)
+            lead.lead(n)
             got.append(_event_us(call))
     timings = [_gather(got, group, device) for got in times]
     return timings if isinstance(fn, (list, tuple)) else timings[0]
