@@ -32,6 +32,7 @@ def _bad_calls(ctx):
         "dispatch topk float": lambda: buf.dispatch(x, **{**layout, "topk_idx": idx.float()}),
         "dispatch topk rows": lambda: buf.dispatch(x, **{**layout, "topk_idx": idx[:-1], "topk_weights": w[:-1]}),
         "dispatch weights dtype": lambda: buf.dispatch(x, **{**layout, "topk_weights": w.double()}),
+        "dispatch weights a list": lambda: buf.dispatch(x, **{**layout, "topk_weights": w.tolist()}),
         "dispatch layout mismatch": lambda: buf.dispatch(x, **{**layout, "num_tokens_per_rank": per_rank + 1}),
         "dispatch alignment 0": lambda: buf.dispatch(x, **layout, expert_alignment=0),
         "dispatch cached with topk": lambda: buf.dispatch(x, handle=handle, topk_idx=idx),
@@ -43,6 +44,8 @@ def _bad_calls(ctx):
                                                   handle),
         "combine other buffer": lambda: other.combine(torch.zeros(handle.num_recv_tokens, h, dtype=torch.bfloat16),
                                                       handle),
+        "combine weights a list": lambda: buf.combine(torch.zeros(handle.num_recv_tokens, h, dtype=torch.bfloat16),
+                                                      handle, topk_weights=[[1.0, 1.0]] * handle.num_recv_tokens),
         "combine bad bias": lambda: buf.combine(torch.zeros(handle.num_recv_tokens, h, dtype=torch.bfloat16), handle,
                                                 bias=torch.zeros(n + 1, h)),
         "combine ll handle": lambda: buf.combine(torch.zeros(handle.num_recv_tokens, h, dtype=torch.bfloat16),
@@ -119,6 +122,8 @@ def test_every_bad_call_raises_with_function_name(bad_calls):
     ("use after destroy", "destroyed"),
     ("ll async with hook", "cannot be combined"),
     ("ll combine async with hook", "cannot be combined"),
+    ("dispatch weights a list", "got list"),
+    ("combine weights a list", "got list"),
 ])
 def test_messages_say_how_to_fix(bad_calls, name, fragment):
     assert fragment in bad_calls[name][1]

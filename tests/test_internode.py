@@ -303,8 +303,9 @@ def _variants_after_the_first_call(ctx, transport, warm):
     round, then rounds whose token counts change (odd counts, a rank that becomes empty and one that stops being, the
     head chunk, empty chunks): ``([(round, kernel, what differs from its earlier variants, where)], the checks'
     failures)`` for every kernel variant (``kernels.launch.Launcher``'s key: Triton's specialisation) first launched
-    after the first round. In 3 chunks; with ``warm``, the first round is ``Buffer.warmup`` of the calls' shape and
-    the chunk count is the tuner's (its first calls try 1, 2 and 4 chunks)."""
+    after the first round. In 3 chunks; with ``warm``, the first round is ``Buffer.warmup`` of the calls' shape, the
+    chunk count is the tuner's (its first calls try 1, 2 and 4 chunks) and the last two rounds' cached dispatches go
+    through the chunks one by one (as where the domain's storage cannot hold the merged rows)."""
     import traceback
 
     from epcomm.buffer import Buffer
@@ -346,7 +347,9 @@ def _variants_after_the_first_call(ctx, transport, warm):
         if warm:
             buf.warmup(128, 8, 3, 8, dtypes=("fp8",))
             stage[0] = 1
-        for tokens in plans:
+        for i, tokens in enumerate(plans):
+            if warm and i == len(plans) - 2:  # storage that cannot hold the merged rows: the chunks one by one
+                buf.runtime.domain.merge_cached = lambda *args, **kwargs: None
             case = NormalCase(num_tokens=tokens, hidden=128, num_experts=8, topk=3, dtype="fp8", routing="dropped",
                               seed=40 + stage[0])
             failures += check_normal(ctx, buf, case).failures

@@ -106,17 +106,6 @@ def time_op(fn: Callable[[], object], group, device: torch.device, iters: int = 
     return _gather(times, group, device)
 
 
-def _head_start(device: torch.device, host_us: float, iters: int):
-    """Enqueue enough matrix products to keep the device busy while the host enqueues ``iters`` calls of
-    ``host_us`` each (with a 1.5x margin); returns the operands (kept alive until the calls are timed)."""
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    gemm_us = _product_us(a)
-    c = a
-    for _ in range(int(1.5 * host_us * iters / gemm_us) + 1):
-        c = a @ a
-    return a, c
-
-
 def _event_us(fn: Callable[[], object]) -> float:
     """Microseconds of ``fn()`` on the current stream, between two CUDA events (waits for its end)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -134,27 +123,36 @@ def _product_us(a: torch.Tensor) -> float:
     return max(_event_us(lambda: [a @ a for _ in range(4)]) / 4, 1.0)
 
 
+def _host_s(call: Callable[[], object], device: torch.device, warmup: int) -> float:
+    """Seconds the host takes to issue ``call``: after ``warmup`` calls, the longest of as many more (at least one),
+    each made with the device idle (a call that reads counts on the host counts its wait: a longer head start)."""
+    for _ in range(warmup):
+        call()
+    most = 0.0
+    for _ in range(max(warmup, 1)):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        call()
+        most = max(most, time.perf_counter() - t0)
+    return most
+
+
 def _in_stream(one: Callable[[], None], group, device: torch.device, iters: int, warmup: int, flush_l2: bool,
-               each: Callable[[int], None]) -> None:
-    """Warm ``one`` up, give the host a head start, line the ranks up, then run ``each(i)`` (which calls ``one``)
-    for ``i < iters`` back to back, flushing L2 before each when asked, and wait for the device (CUDA only)."""
-    for _ in range(warmup):
-        one()
-    torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    for _ in range(warmup):
-        one()
-    host_us = (time.perf_counter() - t0) * 1e6 / max(warmup, 1)
+               each: Callable[[int], None]) -> int:
+    """Warm ``one`` up (``_host_s``), give the host a head start over ``iters`` calls (``HostLead``), then run
+    ``each(i)`` (which calls ``one``) for ``i < iters`` back to back, flushing L2 before each when asked, and wait
+    for the device (CUDA only). Returns how many calls of ``one`` the warm-up made."""
+    host_s = _host_s(one, device, warmup) + (60e-6 if flush_l2 else 0.0)
     torch.cuda.synchronize(device)
     scratch = torch.empty(256 << 20, dtype=torch.uint8, device=device) if flush_l2 else None
-    head = _head_start(device, host_us + (60.0 if flush_l2 else 0.0), iters)
-    _barrier(group, device)
+    lead = HostLead(group, device)
+    lead.lead(lead.products([host_s * iters])[0])
     for i in range(iters):
         if scratch is not None:
             scratch.zero_()
         each(i)
     torch.cuda.synchronize(device)
-    del head
+    return warmup + max(warmup, 1)
 
 
 class HostLead:
@@ -190,17 +188,7 @@ def time_ahead(fn: Union[Callable[[], object], Sequence[Callable[[], object]]], 
     if device.type != "cuda":
         raise ValueError("time_ahead: needs a CUDA device (use time_op on CPUs)")
     calls = list(fn) if isinstance(fn, (list, tuple)) else [fn]
-    host = []
-    for call in calls:
-        for _ in range(warmup):
-            call()
-        most = 0.0
-        for _ in range(max(warmup, 1)):  # (a call that reads counts on the host counts its wait: a longer head start)
-            torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            call()
-            most = max(most, time.perf_counter() - t0)
-        host.append(most)
+    host = [_host_s(call, device, warmup) for call in calls]
     lead = HostLead(group, device)
     products = lead.products(host)
     times: list = [[] for _ in calls]
@@ -303,8 +291,8 @@ def time_kernels(fn: Callable[[], object], kernels: Union[None, str, Sequence[st
         launches = {k: 1 for k in ((kernels,) if isinstance(kernels, str) else kernels)}
     # the warm-up runs under the profiler too: the head start must cover the host's time per call as profiled
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        _in_stream(fn, group, device, iters, warmup, flush_l2, lambda i: fn())
-    return _gather(per_call_kernel_us(prof.events(), launches, iters + 2 * warmup)[2 * warmup:], group, device)
+        warm = _in_stream(fn, group, device, iters, warmup, flush_l2, lambda i: fn())
+    return _gather(per_call_kernel_us(prof.events(), launches, iters + warm)[warm:], group, device)
 
 
 def time_host(fn: Callable[[], object], group, device: torch.device, iters: int = 20, warmup: int = 3) -> Timing:

@@ -594,6 +594,8 @@ class Buffer:
             raise ValueError(f"{fn}: x must be [{rows}, hidden] (one row per {what}); got {tuple(x.shape)}")
         if x.device != self.device:
             raise ValueError(f"{fn}: x is on {x.device}, this Buffer communicates on {self.device}")
+        if topk_weights is not None and not isinstance(topk_weights, torch.Tensor):
+            raise TypeError(f"{fn}: topk_weights must be a float32 tensor or None; got {type(topk_weights).__name__}")
         if handle.expert_major:
             if topk_weights is not None and (topk_weights.dtype != torch.float32 or topk_weights.shape != (rows,)
                                              or topk_weights.device != self.device):

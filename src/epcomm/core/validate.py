@@ -86,6 +86,9 @@ def check_topk(fn: str, topk_idx: torch.Tensor, num_experts: int, num_tokens: Op
     if topk_idx.device != device:
         raise ValueError(f"{fn}: topk_idx is on {topk_idx.device} but this Buffer communicates on {device}")
     if topk_weights is not None:
+        if not isinstance(topk_weights, torch.Tensor):
+            raise TypeError(f"{fn}: topk_weights must be a float32 tensor [num_tokens, num_topk] or None; got "
+                            f"{type(topk_weights).__name__}")
         if topk_weights.dtype != torch.float32 or topk_weights.shape != topk_idx.shape:
             raise ValueError(f"{fn}: topk_weights must be float32 with the shape of topk_idx "
                              f"{tuple(topk_idx.shape)}; got {topk_weights.dtype} {tuple(topk_weights.shape)}")

@@ -301,6 +301,7 @@ class HierarchicalTransport(Transport):
         self._report_scope = f"epcomm/fault/{getattr(group, 'group_name', '')}/{buffer_id}"
         self._phase: Optional[tuple] = None  # (phase, within) of the part running now (_leg), for fault reports
         self._warm_chunks: Optional[int] = None  # the chunk count of Buffer.warmup's calls (warm_normal)
+        self._unmerged = False  # cached dispatches through the chunks one by one (warm_normal's last round)
 
     @classmethod
     def capabilities(cls) -> Capabilities:
@@ -860,7 +861,7 @@ class HierarchicalTransport(Transport):
         from ..kernels.shmem import launch_signal
         from ..kernels.shmem_codes import SIGNAL_SET
 
-        if (not self.domain.gates_cached_dispatch or not self.domain.can_gate(req)
+        if (self._unmerged or not self.domain.gates_cached_dispatch or not self.domain.can_gate(req)
                 or (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
             return None
         x, scales = req.x, req.x_scales
@@ -1042,19 +1043,21 @@ class HierarchicalTransport(Transport):
     # ------------------------------------------------------------------ lifecycle
     def warm_normal(self, run: Callable[[], None]) -> None:
         """``Transport.warm_normal``: the round once per chunk count the calls may use (``CHUNK_CANDIDATES``, or the
-        fixed count), the first count again with a head chunk (the later rounds have one, sized by the earlier), so
-        that the tuner's first calls, the gated cached dispatch and the head's path load no kernel in the middle of a
-        later call (module docstring, "Faults"). The warm calls are not timed (the tuner's state is left as it was)
-        and the next call's head is sized as before them."""
+        fixed count), the first count again with a head chunk (the later rounds have one, sized by the earlier) and
+        its cached dispatch through the chunks one by one (the path ``_mapped`` leaves to storage that cannot hold
+        the merged rows, and to calls captured in a CUDA graph), so that the tuner's first calls, the gated cached
+        dispatch, the unmerged one and the head's path load no kernel in the middle of a later call (module
+        docstring, "Faults"). The warm calls are not timed (the tuner's state is left as it was) and the next call's
+        head is sized as before them."""
         fixed = self._fixed_chunks()[0]
         counts = (fixed,) if fixed else self.CHUNK_CANDIDATES
         head = self._head
         try:
-            for chunks in counts + counts[:1]:
-                self._warm_chunks = chunks
+            for i, chunks in enumerate(counts + counts[:1]):
+                self._warm_chunks, self._unmerged = chunks, i == len(counts)
                 run()
         finally:
-            self._warm_chunks, self._head = None, head
+            self._warm_chunks, self._head, self._unmerged = None, head, False
 
     def warmup_low_latency(self, shape: tuple) -> None:
         t_max, hidden, topk, num_experts, fp8, round_scale, ue8m0, dtype = shape
