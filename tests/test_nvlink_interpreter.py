@@ -196,6 +196,35 @@ def test_storage_sized_by_a_small_first_call_grows(monkeypatch, caplog):
         assert sizes[0] < sizes[1] <= sizes[2], sizes
 
 
+def _worst_after_a_small_call(ctx):
+    """Storage sized by a small exact-mode dispatch, then a ``num_worst_tokens`` dispatch whose FP8 rows fit it but
+    whose combine's BF16 rows would not: returns the failures against the reference and the storage sizes."""
+    from epcomm.buffer import Buffer
+    from epcomm.testing.checks import check_normal
+
+    NVLinkTransport.min_storage_bytes = 4096
+    buf = Buffer(ctx.group, transport=NVLinkTransport)
+    failures = check_normal(ctx, buf, NormalCase(num_tokens=(3, 2, 1), hidden=64, num_experts=6, topk=2,
+                                                 dtype="bf16", seed=75)).failures
+    sizes = [buf.runtime.area_bytes]
+    failures += check_normal(ctx, buf, NormalCase(num_tokens=(2, 2, 1), hidden=128, num_experts=6, topk=2,
+                                                  dtype="fp8", worst=True, seed=76)).failures
+    sizes.append(buf.runtime.area_bytes)
+    failures += buf.runtime.pending_errors()
+    buf.destroy()
+    return failures, sizes
+
+
+def test_worst_tokens_dispatch_makes_room_for_its_combine(monkeypatch):
+    """A ``num_worst_tokens`` dispatch after a smaller first call grows the storage (every rank at the same call)
+    for its own rows and for its combine's, which are wider where the dispatch sends FP8: the combine then fits (it
+    raised BufferTooSmallError before; found at 8 ranks in domains of 4)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for rank, (failures, sizes) in enumerate(spawn(_worst_after_a_small_call, 3, device="cpu", timeout_s=600)):
+        assert failures == [], (rank, failures)
+        assert sizes[0] < sizes[1], sizes
+
+
 def test_interleaved_combine_push_in_rounds(monkeypatch):
     """Above 4 ranks the combine push interleaves its peers (every program writes to every peer); with a
     buffer of a few rows per source both that push and the dispatch move the traffic in rounds."""

@@ -227,8 +227,9 @@ class NVLinkTransport(Transport):
         this call can need, each rank sending all of its tokens to one rank (the largest token count in the
         group, one collective; ``num_worst_tokens`` rows per source when given), in rows wide enough for the
         dispatch and a BF16 combine, rounded up to a power of two (at least 1 MiB). A later exact-mode dispatch
-        that needs more grows it (``_grow``: a synchronisation and two barriers, once per size); a
-        ``num_worst_tokens`` call that needs more raises, and a call being captured moves in rounds. Pass
+        that needs more grows it (``_grow``: a synchronisation and two barriers, once per size), and so does a
+        ``num_worst_tokens`` dispatch (for its rows and its combine's: ``_fit_worst``); a call being captured moves
+        in rounds (a ``num_worst_tokens`` one raises). Pass
         ``num_nvl_bytes`` (``Buffer.get_normal_size_hint``: then calls that need more move in rounds) or warm up
         with the largest token count first (``Buffer.warmup``) to size it once."""
         import torch.distributed as dist
@@ -245,6 +246,22 @@ class NVLinkTransport(Transport):
         if self.rank == 0:
             log.info("%s: %d bytes of normal-mode storage sized by the first dispatch (%d rows of %d bytes per "
                      "rank)", fn, self.area_bytes, rows, row)
+
+    def _fit_worst(self, req: DispatchRequest, worst: int, expert_major: bool) -> None:
+        """Storage for a ``num_worst_tokens`` dispatch: ``worst`` rows per source of its rows and of its combine's
+        (``_storage_row``: a combine of an FP8 dispatch moves wider BF16 rows), checked before any row moves. Storage
+        made smaller by an earlier call grows here (every rank makes the same call: ``_grow``) unless
+        ``num_nvl_bytes`` fixed it or a CUDA graph is being captured; then this raises."""
+        row = self._storage_row(req, expert_major)
+        need = self.num_ranks * worst * row
+        if need <= self.area_bytes:
+            return
+        if not self._grows or (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            raise BufferTooSmallError(
+                f"Buffer.dispatch: num_worst_tokens={worst} needs {need} bytes of symmetric buffer for this dispatch "
+                f"and its combine, this Buffer has {self.area_bytes}; pass num_nvl_bytes >= that, or make (or warm "
+                f"up) a call of this num_worst_tokens before capturing, or pass a smaller num_worst_tokens")
+        self._grow(worst, row, "Buffer.dispatch")
 
     @staticmethod
     def _storage_row(req: DispatchRequest, expert_major: bool = False) -> int:
@@ -513,6 +530,8 @@ class NVLinkTransport(Transport):
         k = req.topk_idx.size(1) if req.topk_idx is not None else 0
         has_w = req.topk_weights is not None
         mw = record_words(ns, k, has_w, em is not None)
+        if worst:
+            self._fit_worst(req, worst, em is not None)
         rounds = state.rounds((xw + mw) * 4, self.area_bytes, self.num_ranks, worst, "Buffer.dispatch")
         grid = self._num_sms(req.config, x.size(0) * (min(self.num_ranks, k) if k else self.num_ranks), (xw + mw) * 4)
         strict = _strict(req)
