@@ -198,9 +198,10 @@ def test_storage_sized_by_a_small_first_call_grows(monkeypatch, caplog):
 
 def _worst_after_a_small_call(ctx):
     """Storage sized by a small exact-mode dispatch, then a ``num_worst_tokens`` dispatch whose FP8 rows fit it but
-    whose combine's BF16 rows would not: returns the failures against the reference and the storage sizes."""
+    whose combine's BF16 rows would not, then an expert-major one of more pairs: returns the failures against the
+    reference and the storage sizes."""
     from epcomm.buffer import Buffer
-    from epcomm.testing.checks import check_normal
+    from epcomm.testing.checks import ExpertMajorCase, check_expert_major, check_normal
 
     NVLinkTransport.min_storage_bytes = 4096
     buf = Buffer(ctx.group, transport=NVLinkTransport)
@@ -209,6 +210,10 @@ def _worst_after_a_small_call(ctx):
     sizes = [buf.runtime.area_bytes]
     failures += check_normal(ctx, buf, NormalCase(num_tokens=(2, 2, 1), hidden=128, num_experts=6, topk=2,
                                                   dtype="fp8", worst=True, seed=76)).failures
+    sizes.append(buf.runtime.area_bytes)
+    failures += check_expert_major(ctx, buf, ExpertMajorCase(num_tokens=(9, 7, 5), hidden=128, num_experts=6, topk=2,
+                                                             dtype="fp8", expert_alignment=2, worst=True,
+                                                             seed=77)).failures
     sizes.append(buf.runtime.area_bytes)
     failures += buf.runtime.pending_errors()
     buf.destroy()
@@ -222,7 +227,7 @@ def test_worst_tokens_dispatch_makes_room_for_its_combine(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     for rank, (failures, sizes) in enumerate(spawn(_worst_after_a_small_call, 3, device="cpu", timeout_s=600)):
         assert failures == [], (rank, failures)
-        assert sizes[0] < sizes[1], sizes
+        assert sizes[0] < sizes[1] <= sizes[2], sizes
 
 
 def test_interleaved_combine_push_in_rounds(monkeypatch):
