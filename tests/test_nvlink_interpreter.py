@@ -199,8 +199,11 @@ def test_storage_sized_by_a_small_first_call_grows(monkeypatch, caplog):
 def _worst_after_a_small_call(ctx):
     """Storage sized by a small exact-mode dispatch, then a ``num_worst_tokens`` dispatch whose FP8 rows fit it but
     whose combine's BF16 rows would not, then an expert-major one of more pairs: returns the failures against the
-    reference and the storage sizes."""
+    reference, the storage sizes, and the error of such a dispatch on storage that ``num_nvl_bytes`` fixed."""
+    import torch
+
     from epcomm.buffer import Buffer
+    from epcomm.errors import BufferTooSmallError
     from epcomm.testing.checks import ExpertMajorCase, check_expert_major, check_normal
 
     NVLinkTransport.min_storage_bytes = 4096
@@ -217,17 +220,33 @@ def _worst_after_a_small_call(ctx):
     sizes.append(buf.runtime.area_bytes)
     failures += buf.runtime.pending_errors()
     buf.destroy()
-    return failures, sizes
+    # storage fixed by num_nvl_bytes cannot grow: the dispatch raises before any row moves, naming the combine
+    fixed = Buffer(ctx.group, transport=NVLinkTransport, num_nvl_bytes=4096)
+    x = torch.randn(2, 128).to(torch.bfloat16)
+    idx = torch.tensor([[0, 3], [5, -1]])
+    per_rank, _, per_expert, in_rank, _ = fixed.get_dispatch_layout(idx, 6)
+    try:
+        fixed.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                       topk_idx=idx, topk_weights=torch.rand(2, 2), num_worst_tokens=64)
+        raised = None
+    except BufferTooSmallError as exc:
+        raised = str(exc)
+    fixed.destroy()
+    return failures, sizes, raised
 
 
 def test_worst_tokens_dispatch_makes_room_for_its_combine(monkeypatch):
     """A ``num_worst_tokens`` dispatch after a smaller first call grows the storage (every rank at the same call)
     for its own rows and for its combine's, which are wider where the dispatch sends FP8: the combine then fits (it
-    raised BufferTooSmallError before; found at 8 ranks in domains of 4)."""
+    raised BufferTooSmallError before; found at 8 ranks in domains of 4); storage fixed by ``num_nvl_bytes`` cannot
+    grow, so there the dispatch raises before any row moves."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    for rank, (failures, sizes) in enumerate(spawn(_worst_after_a_small_call, 3, device="cpu", timeout_s=600)):
+    for rank, (failures, sizes, raised) in enumerate(spawn(_worst_after_a_small_call, 3, device="cpu",
+                                                           timeout_s=600)):
         assert failures == [], (rank, failures)
         assert sizes[0] < sizes[1] <= sizes[2], sizes
+        assert raised is not None and raised.startswith("Buffer.dispatch: num_worst_tokens=64 needs"), raised
+        assert "for this dispatch and its combine" in raised and "pass num_nvl_bytes >=" in raised, raised
 
 
 def test_interleaved_combine_push_in_rounds(monkeypatch):

@@ -206,6 +206,11 @@ class NVLinkTransport(Transport):
         if old is not None:
             old.destroy(barrier=False)  # every rank passed the barrier above, with its copy made
 
+    def _may_grow(self) -> bool:
+        """Whether storage may grow at this call (``_grow``): it was sized by calls (no ``num_nvl_bytes``) and no CUDA
+        graph is being captured (nothing can be allocated then)."""
+        return self._grows and not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
     def _grow(self, rows: int, row_bytes: int, fn: str) -> None:
         """Collective: storage for ``rows`` rows of ``row_bytes`` from every rank (the largest token count of any
         rank, from the count exchange every rank read), replacing storage that a first dispatch sized smaller.
@@ -256,7 +261,7 @@ class NVLinkTransport(Transport):
         need = self.num_ranks * worst * row
         if need <= self.area_bytes:
             return
-        if not self._grows or (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        if not self._may_grow():
             raise BufferTooSmallError(
                 f"Buffer.dispatch: num_worst_tokens={worst} needs {need} bytes of symmetric buffer for this dispatch "
                 f"and its combine, this Buffer has {self.area_bytes}; pass num_nvl_bytes >= that, or make (or warm "
@@ -543,8 +548,7 @@ class NVLinkTransport(Transport):
             grid = min(grid, PROGRESS_SLOTS // (req.gate.chunks if req.gate is not None else 1))
         elif req.gate is not None or req.row_map is not None:
             raise EpcommError("Buffer.dispatch: a gated or mapped dispatch streams (Config.strict_sms must not be set)")
-        if (rounds.num_rounds > 1 and self._grows and state.num_tokens_max is not None and not
-                (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
+        if rounds.num_rounds > 1 and state.num_tokens_max is not None and self._may_grow():
             # storage sized by a first dispatch with fewer tokens: grown here rather than moved in rounds (each a
             # barrier and launches). Every rank decides the same: from the exchanged counts and the agreed shape
             self._grow(state.num_tokens_max, self._storage_row(req, em is not None), "Buffer.dispatch")
@@ -678,7 +682,7 @@ class NVLinkTransport(Transport):
         row_bytes = x_row_bytes + 4 * record_words(num_scales, 0, False)
         max_pair, n_max = sum(st.max_pair for st in states), sum(st.num_tokens_max for st in states)
         if max_pair > self.area_bytes // (r * row_bytes):
-            if not self._grows or (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            if not self._may_grow():
                 return None
             self._grow(n_max, row_bytes, "Buffer.dispatch")  # (n_max >= max_pair: every pair's rows fit)
         sent = torch.stack([st.num_tokens_per_rank for st in states])  # [C, R] rows to each destination
