@@ -504,31 +504,35 @@ def test_known_counts_from_the_exchange():
     from epcomm.transports.base import KnownCounts
     from epcomm.transports.hierarchical import _known_counts
 
-    # the domain's gathered sums per forwarding rank f: [tokens it forwards, rows to rank 0, rows to rank 1,
-    # pairs per expert of the domain (4), the most tokens of its rail peers]; then this rank's rail sends [D] and
-    # receives [D]
-    every = [[5, 3, 4, 1, 2, 3, 4, 9], [6, 2, 5, 5, 6, 7, 8, 12]]
+    # the domain's gathered rows per forwarding rank f: [tokens it forwards, rows to rank 0, rows to rank 1,
+    # pairs per expert of the domain (4), the most tokens of its rail peers, rows from source domain 0 to rank 0 and
+    # to rank 1, from source domain 1 to rank 0 and to rank 1]; then this rank's rail sends [D] and receives [D]
+    every = [[5, 3, 4, 1, 2, 3, 4, 9, 1, 3, 2, 1], [6, 2, 5, 5, 6, 7, 8, 12, 0, 4, 2, 1]]
     host = every[0] + every[1] + [7, 8] + [2, 3]
-    ((rail, domain),), most = _known_counts(host, 1, 2, 2, 4, 0)
+    ((rail, domain, sources),), most = _known_counts(host, 1, 2, 2, 4, 0)
     assert most == 12
     assert rail == KnownCounts((7, 8), (2, 3), (1, 2, 3, 4))
     assert domain == KnownCounts((3, 4), (3, 2), (1 + 5, 2 + 6), num_tokens_max=6, max_pair=5)
     assert domain.num_recv_tokens == 5
-    ((_, domain1),), _ = _known_counts(host, 1, 2, 2, 4, 1)  # the same gather read by the rank of local index 1
+    assert sources == (1, 2, 0, 2)  # (by forwarder, then source domain)
+    ((_, domain1, sources1),), _ = _known_counts(host, 1, 2, 2, 4, 1)  # the same gather read by local index 1
     assert domain1 == KnownCounts((2, 5), (4, 5), (3 + 7, 4 + 8), num_tokens_max=6, max_pair=5)
+    assert sources1 == (3, 1, 4, 1)
     # several chunks, domains and forwarders: every count from its definition
     import random
 
     rng = random.Random(5)
     C, L, D, e_dom = 3, 3, 4, 6
     V = 2 + L + e_dom
-    host = [rng.randrange(40) for _ in range(L * C * V + 2 * D * C)]
-    at = lambda f, c, i: host[(f * C + c) * V + i]  # noqa: E731 - forwarder f's sums of chunk c
-    sends, recvs = host[L * C * V:L * C * V + D * C], host[L * C * V + D * C:]
+    W = V + D * L
+    host = [rng.randrange(40) for _ in range(L * C * W + 2 * D * C)]
+    at = lambda f, c, i: host[(f * C + c) * W + i]  # noqa: E731 - forwarder f's row of chunk c
+    sends, recvs = host[L * C * W:L * C * W + D * C], host[L * C * W + D * C:]
     for l in range(L):
         known, most = _known_counts(host, C, L, D, e_dom, l)
         assert most == max(at(f, 0, V - 1) for f in range(L))
-        for c, (rail, domain) in enumerate(known):
+        for c, (rail, domain, sources) in enumerate(known):
+            assert sources == tuple(at(f, c, V + d * L + l) for f in range(L) for d in range(D))
             assert rail == KnownCounts(tuple(sends[d * C + c] for d in range(D)),
                                        tuple(recvs[d * C + c] for d in range(D)),
                                        tuple(at(l, c, 1 + L + e) for e in range(e_dom)))
@@ -541,6 +545,57 @@ def test_known_counts_from_the_exchange():
         KnownCounts((1, 2), (3,), ())
     with pytest.raises(ValueError, match=r"^KnownCounts: "):
         KnownCounts((1, -2), (3, 0), ())
+
+
+def test_rows_in_place_is_the_canonical_order():
+    """``_rows_in_place``: where each row of a one-chunk dispatch's domain leg (by forwarding rank, then source
+    domain, then token) lands in the intranode path's order (by source rank, then token) is the permutation the
+    stable sort by source rank finds (``_canonical_order``'s ``back``), with empty blocks and empty calls."""
+    import random
+
+    import torch
+
+    from epcomm.transports.hierarchical import _canonical_order, _rows_in_place
+
+    rng = random.Random(3)
+    for L, D in ((2, 2), (3, 2), (1, 4), (4, 3), (2, 1)):
+        for _ in range(4):
+            sources = tuple(rng.choice((0, 0, 1, 2, 5, 9)) for _ in range(L * D))
+            src_rank = torch.tensor([d * L + f for f in range(L) for d in range(D) for _ in range(sources[f * D + d])],
+                                    dtype=torch.int64)
+            want = _canonical_order(src_rank, L * D)[1]
+            got = _rows_in_place(sources, L, D, torch.device("cpu"))
+            assert got.dtype == torch.int64 and got.tolist() == want.tolist(), (L, D, sources)
+
+
+def _in_place_cases(ctx):
+    """One-chunk exact-mode dispatches over the one-sided domain leg (its kernels under the interpreter): four of
+    the Buffer suite's normal cases against the reference (dispatch, combine, cached dispatch), and how many calls
+    wrote their rows in place."""
+    from epcomm.transports import hierarchical
+    from epcomm.transports.nvlink import NVLinkTransport
+
+    hierarchical.HierarchicalTransport.pipeline_chunks, hierarchical.HierarchicalTransport.head_chunk = 1, False
+    made, calls = hierarchical._rows_in_place, [0]
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return made(*args, **kwargs)
+
+    hierarchical._rows_in_place = counted
+    cases = [c for i, c in enumerate(normal_cases(ctx.world_size)) if i in (1, 2, 3, 7)]
+    return run_cases(ctx, cases, NVLinkTransport, {"ranks_per_node": 2, "num_nvl_bytes": 1 << 23}), calls[0]
+
+
+def test_one_chunk_rows_written_in_place(monkeypatch):
+    """A one-chunk exact-mode dispatch whose domain leg is the one-sided transport writes every row where the
+    intranode path's order puts it (no sort, no gather after the call); its combine and cached dispatches (which
+    read the domain leg's own order) match the reference too: uneven and empty ranks, FP8 with column-major scales,
+    skewed routing, a domain that receives nothing, bias, alignment, a dispatch without top-k ids."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for failed, calls in spawn(_in_place_cases, 4, device="cpu", timeout_s=900):
+        assert failed == [], failed
+        assert calls >= 4, calls
 
 
 @pytest.mark.parametrize("head_chunk", [None, True])
@@ -986,7 +1041,7 @@ def test_bounded_host_wait():
     assert "could not be found" in faults.describe_peers(None)
 
 
-def test_bench_internode_and_its_model(tmp_path):
+def test_bench_internode_and_its_model(tmp_path, monkeypatch):
     """The benchmark runs every row on CPU processes (tiny shape, two interleaved rounds) and writes its tables:
     the hierarchical path in the chunk count it measured and in each fixed count; the model's dedup and the
     published figures are in the notes."""
@@ -994,6 +1049,7 @@ def test_bench_internode_and_its_model(tmp_path):
 
     from epcomm.bench import internode
     from epcomm.bench.traffic import expected_domains, internode_estimate
+    from epcomm.transports.hierarchical import HierarchicalTransport
 
     assert internode.main(["--world-size", "4", "--ranks-per-node", "2", "--tokens", "24", "--ll-tokens", "4",
                            "--hidden", "256", "--experts", "16", "--topk", "4", "--iters", "2", "--rounds", "2",
@@ -1055,6 +1111,15 @@ def test_bench_internode_and_its_model(tmp_path):
     placed = internode_estimate(64, 8, 4096, 7168, 8, 256, "fp8", 50.0, 322.0, chunks=4, ratio=1.0, **cached_args)
     assert cached_args["in_place"] and placed.reorder_us == 0.0 < e.reorder_us
     assert placed.pipelined_us == e.pipelined_us - e.reorder_us
+    # an exact-mode dispatch without a head chunk is written in place in one chunk only (HierarchicalTransport's
+    # _rows_in_place); in more chunks its rows are gathered
+    exact_args = internode.HostCosts(fixed=500.0, nohead_host=900.0).model_args("dispatch FP8", head=False)
+    assert exact_args.get("in_place_one_chunk") and "in_place" not in exact_args
+    shape = internode.InternodeBenchOptions(4096, 8, 7168, 8, 256, 2, ("uniform",), 4, "auto", 2)
+    for c in (1, 4):
+        monkeypatch.setattr(HierarchicalTransport, "CHUNK_CANDIDATES", (c,))
+        got = internode.best_estimate(shape, 64, 8, "fp8", 50.0, 322.0, 0, exact_args)
+        assert (got.reorder_us == 0.0) == (c == 1), (c, got)
     model = open(tmp_path / "bench_internode_4ranks.md").read()
     assert internode.CACHED_FP8 in model and "with a cached handle" in model
     assert {"dispatch BF16: counts of both legs", "dispatch BF16: the call (host)", "combine BF16: the call (host)",

@@ -220,14 +220,23 @@ class _HandleState:
     domain: tuple  # the domain leg's handles
     bounds: tuple  # (first, end) token of each chunk of this rank's x
     rows: tuple  # rows of the outputs from each chunk, in order
-    order: torch.Tensor  # [M] int64: output row i is row order[i] of the chunks' rows, one after the other
-    back: torch.Tensor  # [M] int64: the inverse of order
+    back: torch.Tensor  # [M] int64: row i of the chunks' rows, one after the other, is output row back[i]
+    ordered: Optional[torch.Tensor]  # its inverse (``order``), or None where the rows were written in place
     head: bool = False  # the first chunk is a head chunk (sent ahead of the counts)
     # mapped cached dispatches (``_mapped``), by row bytes: (the domain leg's merged handle, the output row of each of
     # its rows, where each chunk's rows start in the rows received from the inter-domain leg (and their end; on the
     # host and on the device), the inter-domain leg's merged packing; the last three None for one chunk), or None
     # where the domain leg cannot merge them
     merged: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @functools.cached_property
+    def order(self) -> torch.Tensor:
+        """``[M]`` int64: output row i is row order[i] of the chunks' rows (made from ``back`` where first needed:
+        cached dispatches that gather their rows)."""
+        if self.ordered is not None:
+            return self.ordered
+        return torch.empty_like(self.back).scatter_(0, self.back, torch.arange(self.back.numel(),
+                                                                              device=self.back.device))
 
 
 @dataclass(frozen=True)
@@ -542,6 +551,12 @@ class HierarchicalTransport(Transport):
         else:  # every chunk's layout computed here (the counts below are made from it), both legs' counts learnt
             subs = [self._chunk(req, a, b, c == 0) for c, (a, b) in enumerate(bounds)]
             counts_known, starts, ahead = self._exchange_counts(fn, req, subs, bounds, head)
+        # one chunk with its counts known: the domain leg writes each row where the intranode path's order puts it
+        # (no sort, no gather after the call), where it can (the one-sided transports' streaming dispatch)
+        in_place = None
+        if (counts_known is not None and len(subs) == 1 and self.domain.gates_cached_dispatch
+                and self.domain.can_gate(subs[0])):
+            in_place = _rows_in_place(counts_known[0][2], L=self.local_size, D=self.num_domains, device=self.device)
         parts = []
         marks = timing[2] if timing is not None and chunks == 1 else None  # a one-chunk call's legs, timed
         _mark_into(marks, self.device)
@@ -549,7 +564,7 @@ class HierarchicalTransport(Transport):
             h1 = r1.handle
             _mark_into(marks, self.device)
             r2, src_rank, src_idx = self._forward(fn, subs[c], r1, h1, None if starts is None else starts[:, c],
-                                                  None if counts_known is None else counts_known[c][1])
+                                                  None if counts_known is None else counts_known[c][1], in_place)
             _mark_into(marks, self.device)
             parts.append((r2, src_rank, src_idx, h1))
         self._join()
@@ -557,7 +572,10 @@ class HierarchicalTransport(Transport):
         handles = [r.handle for r in r2s]
         # the rows in the order of the intranode path: by source rank, then source token (padding rows last)
         src_rank, src_idx = _cat([p[1] for p in parts]), _cat([p[2] for p in parts])
-        order, back = _canonical_order(src_rank, self.num_ranks)
+        if in_place is not None:  # (there already)
+            order, back = None, in_place
+        else:
+            order, back = _canonical_order(src_rank, self.num_ranks)
         per_expert = handles[0].num_recv_tokens_per_expert
         for h in handles[1:]:
             per_expert = per_expert + h.num_recv_tokens_per_expert
@@ -571,12 +589,16 @@ class HierarchicalTransport(Transport):
             buffer_id=self.buffer_id, transport=self.name, num_ranks=self.num_ranks, num_experts=req.num_experts,
             num_tokens=n, hidden=x.size(1), is_token_in_rank=req.is_token_in_rank, num_tokens_per_rank=None,
             num_recv_tokens=sum(h.num_recv_tokens for h in handles), num_recv_tokens_per_rank=None,
-            num_recv_tokens_per_expert=per_expert, recv_src_rank=src_rank[order], recv_src_idx=src_idx[order],
+            num_recv_tokens_per_expert=per_expert,
+            recv_src_rank=src_rank if order is None else src_rank[order],
+            recv_src_idx=src_idx if order is None else src_idx[order],
             num_worst_tokens=W, state=_HandleState(tuple(p[3] for p in parts), tuple(handles), tuple(bounds),
-                                                   tuple(h.num_recv_tokens for h in handles), order, back,
+                                                   tuple(h.num_recv_tokens for h in handles), back, order,
                                                    ahead is not None))
-        return DispatchResult(*(_take([getattr(r, f) for r in r2s], order) for f in
-                                ("recv_x", "recv_scales", "recv_topk_idx", "recv_topk_weights")), counts, handle)
+        fields = ("recv_x", "recv_scales", "recv_topk_idx", "recv_topk_weights")
+        if order is None:
+            return DispatchResult(*(getattr(r2s[0], f) for f in fields), counts, handle)
+        return DispatchResult(*(_take([getattr(r, f) for r in r2s], order) for f in fields), counts, handle)
 
     def _chunk(self, req: DispatchRequest, a: int, b: int, first: bool) -> DispatchRequest:
         """Tokens ``[a, b)`` of ``req`` as a request of their own (their layout computed on the device)."""
@@ -602,10 +624,11 @@ class HierarchicalTransport(Transport):
         behind the count all_to_all, on the network stream, so that they cross while the counts travel and the host
         reads them (issued after the domain's gather and the counts' copy to the host: the read does not wait for
         the host's work on the head). Every rank also learns the largest token count of any rank (its rail peers'
-        largest, gathered over its domain), which sizes the next call's head chunk. Returns ``([(the inter-domain
-        leg's request, its counts known and its local work prepared; domain KnownCounts)] per chunk, [D, chunks]
-        int32 first token of each chunk of every rail peer, or None for one chunk, the head's ``Ahead`` or None)``;
-        raises on bad expert ids (``req.bad_topk``)."""
+        largest, gathered over its domain), which sizes the next call's head chunk, and the rows it receives from each source rank
+        through each forwarding rank. Returns ``([(the inter-domain leg's request, its counts known and its local work
+        prepared; domain KnownCounts; this rank's rows from each source, by forwarding rank then source domain)] per
+        chunk, [D, chunks] int32 first token of each chunk of every rail peer, or None for one chunk, the head's
+        ``Ahead`` or None)``; raises on bad expert ids (``req.bad_topk``)."""
         D, L, C, dev = self.num_domains, self.local_size, len(subs), req.x.device
         e_dom = req.num_experts // D
         tables, legs = [], []
@@ -627,9 +650,12 @@ class HierarchicalTransport(Transport):
             dist.all_to_all_single(recv, send, group=self.rail_group)
         mine = recv[:, :, :-2].sum(0, dtype=torch.int32)  # [C, V]: what this rank forwards
         most = recv[:, 0, -1].amax().view(1, 1).expand(C, 1)  # the most tokens of a rail peer
-        every = torch.empty(L * C, mine.size(1) + 1, dtype=torch.int32, device=dev)  # [L, C, V + 1], as gloo takes
+        # and, unsummed, what it forwards from each source domain to each rank of this domain ([C, D * L]): every
+        # rank learns the rows it gets from each source rank, where they land in its output (``_rows_in_place``)
+        by_source = recv[:, :, 1:1 + L].transpose(0, 1).reshape(C, D * L)
+        every = torch.empty(L * C, mine.size(1) + 1 + D * L, dtype=torch.int32, device=dev)  # [L, C, V + 1 + D L]
         with self._leg(fn, COUNTS_PHASE, within=True):
-            _all_gather_single(every, torch.cat([mine, most], 1), group=self.domain_group)
+            _all_gather_single(every, torch.cat([mine, most, by_source], 1), group=self.domain_group)
             bad = req.bad_topk if req.bad_topk is not None else torch.zeros((), dtype=torch.int32, device=dev)
             # copied to the host ahead of the packing below: the host's read waits for the counts alone, and the
             # packing runs on the device while the host reads them and issues the rows' collectives
@@ -651,9 +677,9 @@ class HierarchicalTransport(Transport):
         known, most_tokens = _known_counts(host, C, L, D, e_dom, self.local_index)
         self._head = math.ceil(most_tokens * self.head_share)  # (the same on every rank)
         # (the inter-domain leg's received per-expert counts are this rank's sums, already on the device)
-        return ([(replace(leg, known=replace(rail, recv_per_expert_tensor=mine[c, 1 + L:])), domain)
-                 for c, ((rail, domain), leg) in enumerate(zip(known, legs))], (recv[:, :, -2] if C > 1 else None),
-                ahead)
+        return ([(replace(leg, known=replace(rail, recv_per_expert_tensor=mine[c, 1 + L:])), domain, sources)
+                 for c, ((rail, domain, sources), leg) in enumerate(zip(known, legs))],
+                (recv[:, :, -2] if C > 1 else None), ahead)
 
     def _head_slots(self, slots: int, row_bytes: int) -> int:
         """An exact-mode dispatch's head chunk, slots per domain (0: none; the same on every rank): ``slots``
@@ -724,10 +750,13 @@ class HierarchicalTransport(Transport):
                                req.bad_topk, req.overlapped, peer_capacity=cap)
 
     def _forward(self, fn: str, req: DispatchRequest, r1: DispatchResult, h1: DispatchHandle,
-                 starts: Optional[torch.Tensor], known: Optional[KnownCounts]) -> tuple:
+                 starts: Optional[torch.Tensor], known: Optional[KnownCounts],
+                 row_map: Optional[torch.Tensor] = None) -> tuple:
         """The domain leg of (a chunk of) a dispatch: ``(result, recv_src_rank, recv_src_idx)``, the source token
         index within the source's x (``starts``: ``[D]`` int32, this chunk's first token on each rail peer; None
-        for a single chunk). ``known``: its counts (``_exchange_counts``), None with ``num_worst_tokens``."""
+        for a single chunk). ``known``: its counts (``_exchange_counts``), None with ``num_worst_tokens``.
+        ``row_map`` (``_rows_in_place``, exact mode): the rows written where it says, every output in that order; the
+        domain leg's handle keeps its own order (its combine and cached dispatches read it)."""
         e_dom, L, W = req.num_experts // self.num_domains, self.local_size, req.num_worst_tokens
         per_rank, per_expert, itr = self.domain.get_dispatch_layout(r1.recv_topk_idx, e_dom)
         # every row's source, (domain, token) as the forwarding rank received it, rides along as two more scale
@@ -740,10 +769,17 @@ class HierarchicalTransport(Transport):
         with self._leg(fn, "forwarding the tokens", within=True):
             r2 = self.domain.dispatch(DispatchRequest(
                 r1.recv_x, carried, r1.recv_topk_idx, r1.recv_topk_weights, per_rank, itr, per_expert, e_dom,
-                req.expert_alignment if W else 1, W, None, req.config, None, req.overlapped, known=known))
+                req.expert_alignment if W else 1, W, None, req.config, None, req.overlapped, known=known,
+                row_map=row_map))
         got = r2.recv_scales[:, ns:].view(torch.int32)
-        r2 = replace(r2, recv_scales=r2.recv_scales[:, :ns] if ns else None)
         fwd = r2.handle.recv_src_rank
+        if row_map is not None:  # (exact sizes: every row has a source)
+            h2 = r2.handle
+            own = h2.state.recv_src.index_select(0, row_map)  # its rows' sources in its own order
+            h2 = replace(h2, recv_src_rank=own[:, 1], recv_src_idx=own[:, 0], state=replace(h2.state, recv_src=own))
+            r2 = replace(r2, recv_scales=r2.recv_scales[:, :ns].contiguous() if ns else None, handle=h2)
+            return r2, got[:, 0] * L + fwd, got[:, 1].contiguous()
+        r2 = replace(r2, recv_scales=r2.recv_scales[:, :ns] if ns else None)
         if not W:  # exact sizes: every row has a source
             return r2, got[:, 0] * L + fwd, got[:, 1]
         real = fwd >= 0
@@ -1360,26 +1396,29 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 
 def _known_counts(host: list, C: int, L: int, D: int, e_dom: int, l: int) -> tuple:
-    """``([(rail KnownCounts, domain KnownCounts)] per chunk, the most tokens of any rank)`` from the host read of
-    ``_exchange_counts`` (the domain's gathered sums ``[L, C, V]`` with ``V = 2 + L + e_dom``, the last their rail
-    peers' most tokens, then this rank's sends ``[D, C]`` and receives ``[D, C]`` over the rail) for local index
-    ``l``."""
+    """``([(rail KnownCounts, domain KnownCounts, rows from each source)] per chunk, the most tokens of any rank)``
+    from the host read of ``_exchange_counts`` (the domain's gathered rows ``[L, C, V + D L]``: sums with ``V = 2 +
+    L + e_dom``, the last their rail peers' most tokens, then the rows each source domain sends each rank of this
+    domain through that forwarder; then this rank's sends ``[D, C]`` and receives ``[D, C]`` over the rail) for
+    local index ``l``. Rows from each source: ``[L * D]``, this rank's rows from source rank ``d * L + f`` at
+    ``f * D + d`` (the domain leg's order: by forwarding rank, then source domain)."""
     V = 2 + L + e_dom
+    W = V + D * L
     e_local = e_dom // L
-    every = [[host[(f * C + c) * V:(f * C + c + 1) * V] for c in range(C)] for f in range(L)]
-    base = L * C * V
+    every = [[host[(f * C + c) * W:(f * C + c + 1) * W] for c in range(C)] for f in range(L)]
+    base = L * C * W
     sends, recvs = host[base:base + D * C], host[base + D * C:base + 2 * D * C]
     mine = slice(1 + L + l * e_local, 1 + L + (l + 1) * e_local)  # this rank's experts in a forwarder's sums
     out = []
     for c in range(C):  # (slices and zips: this runs between the count read and the first rows crossing)
         rows = [every[f][c] for f in range(L)]
-        rail = KnownCounts(tuple(sends[c::C]), tuple(recvs[c::C]), tuple(rows[l][1 + L:-1]))
+        rail = KnownCounts(tuple(sends[c::C]), tuple(recvs[c::C]), tuple(rows[l][1 + L:V - 1]))
         domain = KnownCounts(
             tuple(rows[l][1:1 + L]), tuple(r[1 + l] for r in rows),
             tuple(map(sum, zip(*(r[mine] for r in rows)))),
             num_tokens_max=max(r[0] for r in rows), max_pair=max(max(r[1:1 + L]) for r in rows))
-        out.append((rail, domain))
-    return out, max(every[f][0][-1] for f in range(L))
+        out.append((rail, domain, tuple(r[V + d * L + l] for r in rows for d in range(D))))
+    return out, max(every[f][0][V - 1] for f in range(L))
 
 
 def _cat(parts: list) -> Optional[torch.Tensor]:
@@ -1387,6 +1426,25 @@ def _cat(parts: list) -> Optional[torch.Tensor]:
     if parts[0] is None:
         return None
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _rows_in_place(sources: tuple, L: int, D: int, device: torch.device) -> torch.Tensor:
+    """``[M]`` int64 on ``device``: the output row of each row a one-chunk exact-mode dispatch's domain leg receives
+    (``DispatchRequest.row_map``). That leg's rows come by forwarding rank ``f``, then source domain ``d`` (its
+    input, the inter-domain leg's rows, is by source then token), then token; the output's, as the intranode path's,
+    by source rank ``d * L + f``, then token: so every (``f``, ``d``) block moves as a whole. ``sources``: ``[L * D]``
+    rows from source rank ``d * L + f`` at ``f * D + d`` (``_known_counts``)."""
+    start, at = 0, [0] * (L * D)
+    for g in range(L * D):  # where each source rank's rows start in the output
+        d, f = divmod(g, L)
+        at[f * D + d] = start
+        start += sources[f * D + d]
+    shift, row = [], 0
+    for i, n in enumerate(sources):
+        shift.append(at[i] - row)
+        row += n
+    t = counts_to_device(shift + list(sources), device)
+    return torch.repeat_interleave(t[:L * D], t[L * D:], output_size=row) + torch.arange(row, device=device)
 
 
 def _canonical_order(src_rank: torch.Tensor, num_ranks: int) -> tuple:
