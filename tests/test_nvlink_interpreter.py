@@ -249,6 +249,60 @@ def test_worst_tokens_dispatch_makes_room_for_its_combine(monkeypatch):
         assert "for this dispatch and its combine" in raised and "pass num_nvl_bytes >=" in raised, raised
 
 
+def _known_counts_checked(ctx):
+    """Exact-mode dispatches given their counts beforehand (``KnownCounts``, as the hierarchical path's domain leg
+    gets them): right counts, then one expert's count off by one, then the largest token count off by one (neither
+    changes where rows go). Returns (each call's rows equal the first dispatch's, the errors pending after each)."""
+    import torch
+
+    from epcomm.buffer import Buffer
+    from epcomm.core.config import Config
+    from epcomm.transports.base import DispatchRequest, KnownCounts
+
+    buf = Buffer(ctx.group, transport=NVLinkTransport)
+    rt = buf.runtime
+    gen = torch.Generator().manual_seed(90 + ctx.rank)
+    n, e = 5 + 2 * ctx.rank, 6
+    x = torch.randn(n, 64, generator=gen).to(torch.bfloat16)
+    idx = torch.randint(0, e, (n, 2), generator=gen)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, e)
+    req = DispatchRequest(x, None, idx, None, per_rank, in_rank, per_expert, e, 1, 0, None, Config(), None)
+    first = rt.dispatch(req)
+    h = first.handle
+    right = KnownCounts(h.num_tokens_per_rank, h.num_recv_tokens_per_rank,
+                        tuple(first.num_recv_tokens_per_expert_list), num_tokens_max=h.state.num_tokens_max,
+                        max_pair=h.state.max_pair)
+    per_expert_off = tuple(c + (i == 0) for i, c in enumerate(right.num_recv_tokens_per_expert))
+    out = []
+    for known in (right, KnownCounts(right.num_tokens_per_rank, right.num_recv_tokens_per_rank, per_expert_off,
+                                     right.num_tokens_max, right.max_pair),
+                  KnownCounts(right.num_tokens_per_rank, right.num_recv_tokens_per_rank,
+                              right.num_recv_tokens_per_expert, right.num_tokens_max + 1, right.max_pair)):
+        got = rt.dispatch(DispatchRequest(x, None, idx, None, per_rank, in_rank, per_expert, e, 1, 0, None, Config(),
+                                          None, known=known))
+        out.append((torch.equal(got.recv_x.view(torch.int16), first.recv_x.view(torch.int16)),
+                    rt.pending_errors()))
+    try:
+        buf.destroy()
+    except Exception:  # (the errors are reported at destroy: expected)
+        pass
+    return out
+
+
+def test_known_counts_are_checked_on_the_device(monkeypatch):
+    """Counts known beforehand spare the host its read; the exchange kernel still counts what it finds, and a
+    difference (one expert's count, the largest token count) is a deferred error, reported without a host
+    synchronisation; right counts report nothing. The rows move as the exchange found them either way."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for rank, calls in enumerate(spawn(_known_counts_checked, 2, device="cpu", timeout_s=300)):
+        (same0, errors0), (same1, errors1), (same2, errors2) = calls
+        assert same0 and same1 and same2, (rank, calls)
+        assert errors0 == [], (rank, errors0)
+        for errors, found in ((errors1, 1), (errors2, 2)):  # (the error word adds up: one more per wrong call)
+            assert any(f"({found} found of:" in m and "counts other than the ones known beforehand" in m
+                       for m in errors), (rank, errors)
+
+
 def test_interleaved_combine_push_in_rounds(monkeypatch):
     """Above 4 ranks the combine push interleaves its peers (every program writes to every peer); with a
     buffer of a few rows per source both that push and the dispatch move the traffic in rounds."""

@@ -112,14 +112,17 @@ def _positions_and_checks(per_rank_ptr, itr_ptr, topk_ptr, pos_ptr, n, num_exper
 
 @triton.jit(do_not_specialize=["n", "timeout"])
 def exchange_kernel(per_rank_ptr, per_expert_ptr, itr_ptr, topk_ptr, pos_ptr, summary_ptr, mat_ptr, bases_ptr,
-                    mat_off, flags_off, epoch_ptr, err_ptr, n, num_experts, rank, world, timeout,
-                    E_LOCAL: tl.constexpr, TW: tl.constexpr, K: tl.constexpr, R: tl.constexpr,
+                    mat_off, flags_off, epoch_ptr, err_ptr, expected_ptr, deferred_ptr, n, num_experts, rank, world,
+                    timeout, E_LOCAL: tl.constexpr, TW: tl.constexpr, K: tl.constexpr, R: tl.constexpr,
                     R_POW2: tl.constexpr, HAS_EXPERTS: tl.constexpr, HAS_TOPK: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, USE_PTX: tl.constexpr,
-                    USE_TIMER: tl.constexpr):
+                    USE_TIMER: tl.constexpr, CHECK: tl.constexpr = False):
     """One program: put this rank's count table into every peer's ``mat[rank]``; meanwhile compute
     ``pos [N, R]`` (index of each token among this rank's tokens for each destination), check the layout
-    and the expert ids; barrier; then write the summary (see the module docstring)."""
+    and the expert ids; barrier; then write the summary (see the module docstring). ``CHECK`` (counts the host
+    knew beforehand, ``expected`` int32 the summary it made of them, its error words zero): add to ``deferred [1]``
+    int32 the summary's words that differ from it (the error words aside) and the bad ids and layout entries
+    found, as a call without host synchronisation reports bad input."""
     ecols = tl.arange(0, BLOCK_E)
     rcols = tl.arange(0, R_POW2)
     for q in tl.static_range(R):  # every peer q gets this rank's whole table: mat[rank, p, :] for all p
@@ -164,6 +167,19 @@ def exchange_kernel(per_rank_ptr, per_expert_ptr, itr_ptr, topk_ptr, pos_ptr, su
         for s in tl.static_range(R):
             acc += tl.load(mat_ptr + (s * R + rank) * TW + 2 + ecols, mask=em, other=0)
         tl.store(summary_ptr + 8 + 3 * R + ecols, acc, mask=em)
+    if CHECK:
+        wrong = bad_topk + bad_layout
+        wrong += (tl.sum(recv_from, axis=0) != tl.load(expected_ptr)).to(tl.int32)
+        wrong += (max_pair != tl.load(expected_ptr + 1)).to(tl.int32)
+        wrong += (max_tokens != tl.load(expected_ptr + 2)).to(tl.int32)
+        for j in tl.static_range(3):  # prefix, received from, sent
+            got = prefix if j == 0 else recv_from if j == 1 else per_rank
+            want = tl.load(expected_ptr + 8 + j * R + src, mask=sm, other=0)
+            wrong += tl.sum(((got != want) & sm).to(tl.int32), axis=0)
+        if HAS_EXPERTS:
+            want = tl.load(expected_ptr + 8 + 3 * R + ecols, mask=em, other=0)
+            wrong += tl.sum(((acc != want) & em).to(tl.int32), axis=0)
+        tl.atomic_add(deferred_ptr, wrong)
 
 
 @triton.jit(do_not_specialize=["n"])

@@ -465,26 +465,24 @@ class NVLinkTransport(Transport):
         has_experts = req.num_tokens_per_expert is not None
         pos = torch.empty(n, num_ranks, dtype=torch.int32, device=dev)
         summary = torch.empty(SUMMARY_HEAD + 3 * num_ranks + max(e_local, 1), dtype=torch.int32, device=dev)
-        self.first_call(fn, ("exchange", req.num_experts, k, has_experts), lambda: launch(
+        worst = req.num_worst_tokens
+        known = req.known if req.known is not None and req.known.max_pair is not None and not worst else None
+        expected = summary
+        if known is not None:
+            # counts known beforehand: the host uses them and the exchange kernel checks them against what it finds
+            # (a difference is a deferred error, like a sync-free call's bad input)
+            host = _known_summary(known, num_ranks, e_local, has_experts)
+            expected = counts_to_device(host, dev)
+        self.first_call(fn, ("exchange", req.num_experts, k, has_experts, known is not None), lambda: launch(
             exchange_kernel, (1,),
             req.num_tokens_per_rank, req.num_tokens_per_expert if has_experts else summary, itr.view(torch.int8),
             req.topk_idx if k else summary, pos, summary, self.mat, self.heap.peer_bases, self._off(self.mat),
-            self._off(self.flags), self.epoch, self.err, n, req.num_experts, rank, num_ranks, self._timeout(),
-            E_LOCAL=e_local, TW=self.table_words, K=max(k, 1), R=num_ranks, R_POW2=self.r_pow2,
+            self._off(self.flags), self.epoch, self.err, expected, self.deferred, n, req.num_experts, rank, num_ranks,
+            self._timeout(), E_LOCAL=e_local, TW=self.table_words, K=max(k, 1), R=num_ranks, R_POW2=self.r_pow2,
             HAS_EXPERTS=has_experts, HAS_TOPK=k > 0, BLOCK_T=256, BLOCK_E=pow2_block(e_local), BLOCK_K=pow2_block(k),
-            **self.flags_kw, **self.timer_kw))
-        worst = req.num_worst_tokens
-        known = req.known if req.known is not None and req.known.max_pair is not None else None
-        if known is not None and not worst:
-            # counts known beforehand: the host uses them and the device checks them against the exchange (a
-            # difference is a deferred error, like a sync-free call's bad input)
-            host = _known_summary(known, num_ranks, e_local, has_experts)
+            CHECK=known is not None, **self.flags_kw, **self.timer_kw))
+        if known is not None:
             num_recv, max_pair, n_max = host[:3]
-            width = len(host) if has_experts else SUMMARY_HEAD + 3 * num_ranks
-            expected = counts_to_device(host[:width], dev)
-            differs = summary[:width].ne(expected)
-            differs[3:SUMMARY_HEAD] = False
-            self.deferred += differs.sum(dtype=torch.int32) + summary[3] + summary[4]
             per_expert_list = (align_all(known.num_recv_tokens_per_expert, req.expert_alignment)
                                if has_experts else [])
         elif worst:
