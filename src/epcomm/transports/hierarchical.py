@@ -69,6 +69,9 @@ noise favour the simpler);
 Results do not depend on the count. Received rows are then put in the intranode path's order (by source rank, then
 source token; one gather of the outputs, and one of the combine's input back), so the order does not depend on the
 chunks or the domains, and ``handle.recv_src_rank`` / ``recv_src_idx`` hold each row's global source rank and token.
+In one chunk over a one-sided domain leg the rows are written there directly instead (``_rows_in_place``: the
+domain's gather also carries what each forwarder got from each source domain for every rank, so each (forwarder,
+source domain) block's place in that order is known before the rows move): no sort and no gather after the call.
 ``num_worst_tokens`` (no host synchronisation): each rank sends at most ``num_worst_tokens // num_ranks`` tokens to
 each domain (the inter-domain leg has fixed slots of that many rows per peer); more tokens raise at once.
 
@@ -552,16 +555,19 @@ class HierarchicalTransport(Transport):
             subs = [self._chunk(req, a, b, c == 0) for c, (a, b) in enumerate(bounds)]
             counts_known, starts, ahead = self._exchange_counts(fn, req, subs, bounds, head)
         # one chunk with its counts known: the domain leg writes each row where the intranode path's order puts it
-        # (no sort, no gather after the call), where it can (the one-sided transports' streaming dispatch)
+        # (no sort, no gather after the call), where it can (the one-sided transports' streaming dispatch); its map
+        # is made once the rows cross (nothing crosses while the host works between the count read and them)
+        place = (counts_known is not None and len(subs) == 1 and self.domain.gates_cached_dispatch
+                 and self.domain.can_gate(subs[0]))
         in_place = None
-        if (counts_known is not None and len(subs) == 1 and self.domain.gates_cached_dispatch
-                and self.domain.can_gate(subs[0])):
-            in_place = _rows_in_place(counts_known[0][2], L=self.local_size, D=self.num_domains, device=self.device)
         parts = []
         marks = timing[2] if timing is not None and chunks == 1 else None  # a one-chunk call's legs, timed
         _mark_into(marks, self.device)
         for c, r1 in enumerate(self._rail_chunks(fn, subs, cap, counts_known, ahead)):
             h1 = r1.handle
+            if place:
+                in_place = _rows_in_place(counts_known[0][2], L=self.local_size, D=self.num_domains,
+                                          device=self.device)
             _mark_into(marks, self.device)
             r2, src_rank, src_idx = self._forward(fn, subs[c], r1, h1, None if starts is None else starts[:, c],
                                                   None if counts_known is None else counts_known[c][1], in_place)
