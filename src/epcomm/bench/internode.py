@@ -561,18 +561,25 @@ class HostCosts:
         measured). Calls without a count read (combine, cached dispatch) are charged their whole host time: nothing
         synchronises the host with its GPU in them. A cached dispatch's rows are written in place (its node leg is
         one-sided: ``HierarchicalTransport._mapped``), not gathered after it; so are an exact-mode dispatch's in one
-        chunk without a head chunk (``in_place_one_chunk``: ``best_estimate`` applies it to one chunk only)."""
+        chunk without a head chunk (``in_place_one_chunk``: ``best_estimate`` applies it to one chunk only). The
+        device's own passes over the rows (``internode_estimate``'s ``copies``), as the inter-domain leg makes them
+        (``AllToAllTransport`` with ``fuse_rows``): an exact-mode dispatch puts each chunk's rows and records side by
+        side before they cross and copies the rows out after (its packing runs while the counts travel); a cached
+        one packs every chunk's rows at once before the first crosses, after putting each token's FP8 scales at the
+        end of its row, and its node leg reads the landed rows in place; a combine puts each chunk's partials and
+        weights side by side, copies them out once landed and sums them into the output."""
         if "cached" in op:
-            return dict(host_us=self.cached_host, host_chunk_us=self.cached_chunk, in_place=True)
+            return dict(host_us=self.cached_host, host_chunk_us=self.cached_chunk, in_place=True,
+                        copies=(0.0, 0.0, 1.0, 1.0 if "FP8" in op else 0.0))
         if "dispatch" in op:
             if not head and self.nohead_host is not None:
                 fixed = (self.fixed if self.nohead_fixed is None else self.nohead_fixed) if fixed is None else fixed
                 return dict(fixed_us=fixed, host_us=self.nohead_host, lead_us=self.nohead_lead,
-                            host_chunk_us=self.dispatch_chunk, in_place_one_chunk=True)
+                            host_chunk_us=self.dispatch_chunk, in_place_one_chunk=True, copies=(1.0, 1.0, 0.0, 0.0))
             return dict(fixed_us=self.fixed if fixed is None else fixed, host_us=self.dispatch_host,
-                        lead_us=self.dispatch_lead,
-                        host_chunk_us=self.dispatch_chunk, head_share=HierarchicalTransport.head_share)
-        return dict(host_us=self.combine_host, host_chunk_us=self.combine_chunk)
+                        lead_us=self.dispatch_lead, host_chunk_us=self.dispatch_chunk,
+                        head_share=HierarchicalTransport.head_share, copies=(1.0, 1.0, 0.0, 0.0))
+        return dict(host_us=self.combine_host, host_chunk_us=self.combine_chunk, copies=(1.0, 2.0, 0.0, 0.0))
 
     def host_ahead(self) -> "HostCosts":
         """These costs as a model's step meets the calls: the host ahead of its GPU (it issues a call while the GPU
@@ -814,7 +821,10 @@ def main(argv: list[str] | None = None) -> int:
              "count read is not counted: in a model's step the host runs ahead of its GPU there); "
              "DeepEP's published internode figures: H800 + ConnectX-7 400 Gb/s, group-limited routing; chunk ratio: "
              "each chunk's tokens over the previous one's, as the transport sets it from the forwarding's time over "
-             "the network's). "
+             "the network's; the device's own copies of the rows charged at 4000 GB/s of HBM, read and write: an "
+             "exact-mode dispatch's rows and records put side by side before they cross and copied out after, a "
+             "cached dispatch's packing of every chunk before the first crosses, a combine's partials put side by "
+             "side, copied out and summed). "
              f"With this run's host issue times, the FP8 dispatch at EP64 (uniform routing) {need}; with a cached "
              f"handle (no count exchange: what DeepEP's published dispatch figures time, its tests tuning "
              f"`dispatch(x, handle=...)`) it reaches {cached:.0%}. The columns `(host ahead)` charge the host's time "

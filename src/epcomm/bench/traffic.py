@@ -103,7 +103,8 @@ def internode_estimate(ranks: int, gpus_per_node: int, num_tokens: int, hidden: 
                        kind: str, nic_gbps: float, nvlink_gbps: float, max_groups: int = 0, chunks: int = 4,
                        hbm_gbps: float = 4000.0, fixed_us: float = 0.0, host_us: float = 0.0, lead_us: float = 0.0,
                        host_chunk_us: Optional[float] = None, ratio: Optional[float] = None,
-                       in_place: bool = False, head_share: float = 0.0) -> InternodeEstimate:
+                       in_place: bool = False, head_share: float = 0.0, copies: tuple = (0.0, 0.0, 0.0, 0.0)
+                       ) -> InternodeEstimate:
     """Model of one dispatch (``kind`` fp8 or bf16; a combine moves the BF16 bytes the other way) of the
     hierarchical path: every token crosses once to each remote domain holding one of its experts (at
     ``nic_gbps`` per GPU), then each forwarding rank copies the rows it received to the ranks of its domain
@@ -128,7 +129,11 @@ def internode_estimate(ranks: int, gpus_per_node: int, num_tokens: int, hidden: 
     token fills it or not, from the call's start, while the counts travel and the host reads them; its forwarding
     and the other chunks' rows wait for the count read and the host's lead. The head is bounded as the transport
     bounds it (``head_bounds`` of the tokens the link moves during ``fixed_us``, at the call's pace): none where the
-    count exchange is short against the head's share, at most a few round trips' worth where it is long."""
+    count exchange is short against the head's share, at most a few round trips' worth where it is long.
+    ``copies``: the device's own passes over the rows besides the legs, each a read and a write at ``hbm_gbps``:
+    ``(before, after, first, tokens)`` copies of each chunk's crossing bytes before they cross (after the previous
+    chunk's: they overlap its transfer) and after they land (before they are forwarded), copies of all of them before
+    the first crossing (one pack for every chunk), and copies of the rank's own tokens' bytes then."""
     domains = ranks // gpus_per_node
     rows = expected_domains(num_experts, domains, topk, max_groups)
     crossing = num_tokens * rows * (domains - 1) / domains * row_bytes(hidden, kind)
@@ -140,6 +145,9 @@ def internode_estimate(ranks: int, gpus_per_node: int, num_tokens: int, hidden: 
     network_us = crossing / (nic_gbps * 1e9) * 1e6
     forward_us = forwarded / (nvlink_gbps * 1e9) * 1e6
     reorder_us = 0.0 if in_place else 2 * forwarded / (hbm_gbps * 1e9) * 1e6
+    copy_us = 2 * crossing / (hbm_gbps * 1e9) * 1e6  # one pass over the crossing rows: read and write
+    before, after, first = (c * copy_us for c in copies[:3])
+    first += copies[3] * 2 * num_tokens * row_bytes(hidden, kind) / (hbm_gbps * 1e9) * 1e6
     issue_us = host_us + (chunks - 1) * (host_us if host_chunk_us is None else host_chunk_us)
     behind = max(0.0, issue_us - lead_us)  # issued once the first rows cross
     if ratio is None:
@@ -154,7 +162,10 @@ def internode_estimate(ranks: int, gpus_per_node: int, num_tokens: int, hidden: 
         head = math.ceil(num_tokens * head_share)
         head_share = 0.0 if head < fewest else min(head, most) / num_tokens
     rest = 1.0 - head_share
-    stages = [(start, network_us * rest * share, forward_us * rest * share) for share in chunk_shares(chunks, ratio)]
+    stages, ready = [], start + first
+    for share in chunk_shares(chunks, ratio):  # (a chunk's copies before it crosses follow the previous chunk's)
+        ready += before * rest * share
+        stages.append((ready, network_us * rest * share, (forward_us + after) * rest * share))
     if head_share:  # (its padded slots: every remote domain gets one row per token of it)
         stages.insert(0, (0.0, num_tokens * head_share * (domains - 1) * row_bytes(hidden, kind) / (nic_gbps * 1e9)
                           * 1e6, forward_us * head_share))
@@ -164,8 +175,8 @@ def internode_estimate(ranks: int, gpus_per_node: int, num_tokens: int, hidden: 
         legs = max(legs, net_end, start) + fwd
     return InternodeEstimate(ranks, domains, chunks, rows * (domains - 1) / domains, crossing, network_us, forward_us,
                              reorder_us, fixed_us, lead_us, issue_us,
-                             fixed_us + lead_us + max(network_us, host_us - lead_us) + forward_us,
-                             max(legs, start + behind + stages[-1][2]) + reorder_us, ratio)
+                             fixed_us + lead_us + first + before + max(network_us, host_us - lead_us) + after
+                             + forward_us, max(legs, start + behind + stages[-1][2]) + reorder_us, ratio)
 
 
 # DeepEP's published internode figures (its README; H800, ConnectX-7 400 Gb/s InfiniBand, ~50 GB/s per GPU), for
