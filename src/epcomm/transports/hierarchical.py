@@ -630,11 +630,11 @@ class HierarchicalTransport(Transport):
         behind the count all_to_all, on the network stream, so that they cross while the counts travel and the host
         reads them (issued after the domain's gather and the counts' copy to the host: the read does not wait for
         the host's work on the head). Every rank also learns the largest token count of any rank (its rail peers'
-        largest, gathered over its domain), which sizes the next call's head chunk, and the rows it receives from each source rank
-        through each forwarding rank. Returns ``([(the inter-domain leg's request, its counts known and its local work
-        prepared; domain KnownCounts; this rank's rows from each source, by forwarding rank then source domain)] per
-        chunk, [D, chunks] int32 first token of each chunk of every rail peer, or None for one chunk, the head's
-        ``Ahead`` or None)``; raises on bad expert ids (``req.bad_topk``)."""
+        largest, gathered over its domain), which sizes the next call's head chunk, and the rows it receives from
+        each source rank through each forwarding rank. Returns ``([(the inter-domain leg's request, its counts known
+        and its local work prepared; domain KnownCounts; this rank's rows from each source, by forwarding rank then
+        source domain)] per chunk, [D, chunks] int32 first token of each chunk of every rail peer, or None for one
+        chunk, the head's ``Ahead`` or None)``; raises on bad expert ids (``req.bad_topk``)."""
         D, L, C, dev = self.num_domains, self.local_size, len(subs), req.x.device
         e_dom = req.num_experts // D
         tables, legs = [], []
