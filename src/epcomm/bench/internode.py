@@ -58,8 +58,8 @@ from ..testing import run
 from ..transports.hierarchical import COUNTS_PHASE, HierarchicalTransport, phase_durations_us
 from .report import bench_parser, finish, format_table
 from .timing import HostLead, time_ahead, time_op
-from .traffic import (DEEPEP_PUBLISHED_LOW_LATENCY, DEEPEP_PUBLISHED_NORMAL, distinct_domains, internode_estimate,
-                      row_bytes)
+from .traffic import (DEEPEP_PUBLISHED_LOW_LATENCY, DEEPEP_PUBLISHED_NORMAL, HBM_GBPS, distinct_domains,
+                      internode_estimate, row_bytes)
 
 
 @dataclass(frozen=True)
@@ -821,10 +821,10 @@ def main(argv: list[str] | None = None) -> int:
              "count read is not counted: in a model's step the host runs ahead of its GPU there); "
              "DeepEP's published internode figures: H800 + ConnectX-7 400 Gb/s, group-limited routing; chunk ratio: "
              "each chunk's tokens over the previous one's, as the transport sets it from the forwarding's time over "
-             "the network's; the device's own copies of the rows charged at 4000 GB/s of HBM, read and write: an "
-             "exact-mode dispatch's rows and records put side by side before they cross and copied out after, a "
-             "cached dispatch's packing of every chunk before the first crosses, a combine's partials put side by "
-             "side, copied out and summed). "
+             f"the network's; the device's own copies of the rows charged at {HBM_GBPS:g} GB/s of HBM, read and "
+             "write: an exact-mode dispatch's rows and records put side by side before they cross and copied out "
+             "after, a cached dispatch's packing of every chunk before the first crosses, a combine's partials put "
+             "side by side, copied out and summed). "
              f"With this run's host issue times, the FP8 dispatch at EP64 (uniform routing) {need}; with a cached "
              f"handle (no count exchange: what DeepEP's published dispatch figures time, its tests tuning "
              f"`dispatch(x, handle=...)`) it reaches {cached:.0%}. The columns `(host ahead)` charge the host's time "

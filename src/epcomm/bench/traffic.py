@@ -74,6 +74,9 @@ def expected_domains(num_experts: int, num_domains: int, topk: int, max_groups: 
     return groups * (1.0 - math.comb(pool - per, topk) / math.comb(pool, topk))
 
 
+HBM_GBPS = 4000.0  # the model's rate of the device's own passes over rows (an H100/H200's copy rate, round)
+
+
 @dataclass(frozen=True)
 class InternodeEstimate:
     """What the traffic model predicts for one normal-mode call of the hierarchical path at ``ranks`` GPUs."""
@@ -101,7 +104,7 @@ class InternodeEstimate:
 
 def internode_estimate(ranks: int, gpus_per_node: int, num_tokens: int, hidden: int, topk: int, num_experts: int,
                        kind: str, nic_gbps: float, nvlink_gbps: float, max_groups: int = 0, chunks: int = 4,
-                       hbm_gbps: float = 4000.0, fixed_us: float = 0.0, host_us: float = 0.0, lead_us: float = 0.0,
+                       hbm_gbps: float = HBM_GBPS, fixed_us: float = 0.0, host_us: float = 0.0, lead_us: float = 0.0,
                        host_chunk_us: Optional[float] = None, ratio: Optional[float] = None,
                        in_place: bool = False, head_share: float = 0.0, copies: tuple = (0.0, 0.0, 0.0, 0.0)
                        ) -> InternodeEstimate:
@@ -144,10 +147,13 @@ def internode_estimate(ranks: int, gpus_per_node: int, num_tokens: int, hidden: 
     forwarded = num_tokens * rows * ranks_hit * row_bytes(hidden, kind)
     network_us = crossing / (nic_gbps * 1e9) * 1e6
     forward_us = forwarded / (nvlink_gbps * 1e9) * 1e6
-    reorder_us = 0.0 if in_place else 2 * forwarded / (hbm_gbps * 1e9) * 1e6
-    copy_us = 2 * crossing / (hbm_gbps * 1e9) * 1e6  # one pass over the crossing rows: read and write
-    before, after, first = (c * copy_us for c in copies[:3])
-    first += copies[3] * 2 * num_tokens * row_bytes(hidden, kind) / (hbm_gbps * 1e9) * 1e6
+
+    def pass_us(nbytes: float) -> float:  # one pass of the device over nbytes: read and write at hbm_gbps
+        return 2 * nbytes / (hbm_gbps * 1e9) * 1e6
+
+    reorder_us = 0.0 if in_place else pass_us(forwarded)
+    before, after, first = (c * pass_us(crossing) for c in copies[:3])
+    first += copies[3] * pass_us(num_tokens * row_bytes(hidden, kind))
     issue_us = host_us + (chunks - 1) * (host_us if host_chunk_us is None else host_chunk_us)
     behind = max(0.0, issue_us - lead_us)  # issued once the first rows cross
     if ratio is None:

@@ -236,10 +236,7 @@ class _HandleState:
     def order(self) -> torch.Tensor:
         """``[M]`` int64: output row i is row order[i] of the chunks' rows (made from ``back`` where first needed:
         cached dispatches that gather their rows)."""
-        if self.ordered is not None:
-            return self.ordered
-        return torch.empty_like(self.back).scatter_(0, self.back, torch.arange(self.back.numel(),
-                                                                              device=self.back.device))
+        return self.ordered if self.ordered is not None else _inverse(self.back)
 
 
 @dataclass(frozen=True)
@@ -1459,8 +1456,12 @@ def _canonical_order(src_rank: torch.Tensor, num_ranks: int) -> tuple:
     orders its output by source, then source token; the forwarded rows are in (source domain, token) order and a
     chunk's tokens precede the next chunk's), so a stable sort by source rank alone puts them in that order."""
     order = torch.sort(torch.remainder(src_rank, num_ranks + 1), stable=True).indices  # -1 -> num_ranks: last
-    back = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    return order, back
+    return order, _inverse(order)
+
+
+def _inverse(perm: torch.Tensor) -> torch.Tensor:
+    """The inverse of the permutation ``perm`` ([M] int64): ``_inverse(perm)[perm[i]] == i``."""
+    return torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
 
 
 def _take(parts: list, order: torch.Tensor) -> Optional[torch.Tensor]:
