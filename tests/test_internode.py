@@ -570,7 +570,7 @@ def test_rows_in_place_is_the_canonical_order():
 
 def _in_place_cases(ctx):
     """One-chunk exact-mode dispatches over the one-sided domain leg (its kernels under the interpreter): four of
-    the Buffer suite's normal cases against the reference (dispatch, combine, cached dispatch), and how many calls
+    the Buffer suite's normal cases and one with -1 slots against the reference (dispatch, combine, cached dispatch), and how many calls
     wrote their rows in place."""
     from epcomm.transports import hierarchical
     from epcomm.transports.nvlink import NVLinkTransport
@@ -583,7 +583,11 @@ def _in_place_cases(ctx):
         return made(*args, **kwargs)
 
     hierarchical._rows_in_place = counted
-    cases = [c for i, c in enumerate(normal_cases(ctx.world_size)) if i in (1, 2, 3, 7)]
+    from epcomm.testing.checks import NormalCase
+
+    cases = [c for i, c in enumerate(normal_cases(ctx.world_size)) if i in (1, 2, 3, 7)] + [
+        NormalCase(num_tokens=(6, 0, 11, 3), hidden=72, num_experts=24, topk=3, dtype="bf16", routing="dropped",
+                   bias=1, seed=81)]  # (-1 slots)
     return run_cases(ctx, cases, NVLinkTransport, {"ranks_per_node": 2, "num_nvl_bytes": 1 << 23}), calls[0]
 
 
@@ -591,7 +595,7 @@ def test_one_chunk_rows_written_in_place(monkeypatch):
     """A one-chunk exact-mode dispatch whose domain leg is the one-sided transport writes every row where the
     intranode path's order puts it (no sort, no gather after the call); its combine and cached dispatches (which
     read the domain leg's own order) match the reference too: uneven and empty ranks, FP8 with column-major scales,
-    skewed routing, a domain that receives nothing, bias, alignment, a dispatch without top-k ids."""
+    skewed routing, a domain that receives nothing, bias, alignment, a dispatch without top-k ids, -1 slots."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     for failed, calls in spawn(_in_place_cases, 4, device="cpu", timeout_s=900):
         assert failed == [], failed
