@@ -1120,10 +1120,10 @@ def test_bench_internode_and_its_model(tmp_path, monkeypatch):
     first = 2 * (e.crossing_bytes + 4096 * (7168 + 4 * 7168 // 128)) / 4000e9 * 1e6
     assert abs(placed.pipelined_us - (e.pipelined_us - e.reorder_us + first)) < 1e-6, (placed, e, first)
     # copies of each chunk's rows before it crosses and after it lands overlap the other chunks' transfers: in one
-    # chunk both are exposed, in four chunks less than that (an exact-mode dispatch: one of each; a combine: one
-    # before, two after, the copy out and the sum)
+    # chunk both are exposed, in four chunks less than that (an exact-mode dispatch: one of each; a combine: the
+    # partials put beside their weights, then their sum where they landed)
     assert internode.HostCosts().model_args("dispatch FP8")["copies"] == (1.0, 1.0, 0.0, 0.0)
-    assert internode.HostCosts().model_args("combine BF16")["copies"] == (1.0, 2.0, 0.0, 0.0)
+    assert internode.HostCosts().model_args("combine BF16")["copies"] == (1.0, 1.0, 0.0, 0.0)
     copy = 2 * e.crossing_bytes / 4000e9 * 1e6
     for c in (1, 4):
         bare = internode_estimate(64, 8, 4096, 7168, 8, 256, "fp8", 50.0, 322.0, chunks=c, ratio=1.0)
@@ -1219,10 +1219,10 @@ def test_targets_and_the_host_ahead_model():
             assert r["epcomm us (host ahead)"] == r["epcomm us (pipelined)"], r
     limited = [r for r in internode.model_rows(opts, 50.0, 322.0, costs) if r["EP"] == 64 and r["op"] != "dispatch FP8"
                and r["routing"] == "group_limited"]
-    # (host-bound when charged: the host ahead gains; the cached dispatch then reaches 90%, the combine, whose own
-    # device copies of the rows are charged too, not quite)
+    # (host-bound when charged: the host ahead gains; the cached dispatch then passes 90%, the combine, whose own
+    # device passes over the rows are charged too, reaches about that)
     assert all(r["NIC share (host ahead)"] > r["NIC share"] + 0.05 for r in limited), limited
-    assert [r["NIC share (host ahead)"] > 0.9 for r in limited] == [True, False], limited
+    assert limited[0]["NIC share (host ahead)"] > 0.95 and 0.89 <= limited[1]["NIC share (host ahead)"] < 0.91, limited
     with pytest.raises(ValueError, match="^time_ahead: needs a CUDA device"):
         time_ahead(lambda: None, None, torch.device("cpu"))
 

@@ -567,7 +567,7 @@ class HostCosts:
         side before they cross and copies the rows out after (its packing runs while the counts travel); a cached
         one packs every chunk's rows at once before the first crosses, after putting each token's FP8 scales at the
         end of its row, and its node leg reads the landed rows in place; a combine puts each chunk's partials and
-        weights side by side, copies them out once landed and sums them into the output."""
+        weights side by side and sums the partials where they landed into the output."""
         if "cached" in op:
             return dict(host_us=self.cached_host, host_chunk_us=self.cached_chunk, in_place=True,
                         copies=(0.0, 0.0, 1.0, 1.0 if "FP8" in op else 0.0))
@@ -579,7 +579,7 @@ class HostCosts:
             return dict(fixed_us=self.fixed if fixed is None else fixed, host_us=self.dispatch_host,
                         lead_us=self.dispatch_lead, host_chunk_us=self.dispatch_chunk,
                         head_share=HierarchicalTransport.head_share, copies=(1.0, 1.0, 0.0, 0.0))
-        return dict(host_us=self.combine_host, host_chunk_us=self.combine_chunk, copies=(1.0, 2.0, 0.0, 0.0))
+        return dict(host_us=self.combine_host, host_chunk_us=self.combine_chunk, copies=(1.0, 1.0, 0.0, 0.0))
 
     def host_ahead(self) -> "HostCosts":
         """These costs as a model's step meets the calls: the host ahead of its GPU (it issues a call while the GPU
@@ -824,7 +824,7 @@ def main(argv: list[str] | None = None) -> int:
              f"the network's; the device's own copies of the rows charged at {HBM_GBPS:g} GB/s of HBM, read and "
              "write: an exact-mode dispatch's rows and records put side by side before they cross and copied out "
              "after, a cached dispatch's packing of every chunk before the first crosses, a combine's partials put "
-             "side by side, copied out and summed). "
+             "side by side and summed where they land). "
              f"With this run's host issue times, the FP8 dispatch at EP64 (uniform routing) {need}; with a cached "
              f"handle (no count exchange: what DeepEP's published dispatch figures time, its tests tuning "
              f"`dispatch(x, handle=...)`) it reaches {cached:.0%}. The columns `(host ahead)` charge the host's time "

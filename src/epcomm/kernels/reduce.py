@@ -105,8 +105,9 @@ def _launch(buf, slot, itr, pos, first, cap, t_begin, t_end, bias, out, w_buf, w
     n = t_end - t_begin
     if n <= 0 or hidden == 0:
         return out
-    if buf.size(0) == 0:  # nothing came back: the sum is the bias alone
-        buf = torch.zeros(1, hidden, dtype=buf.dtype, device=buf.device)
+    if buf.size(0) == 0:  # nothing came back: the sum is the bias alone (one zero row, of the same row stride: the
+        # same kernel variant as the calls that receive rows)
+        buf = torch.zeros(1, max(buf.stride(0), hidden), dtype=buf.dtype, device=buf.device)[:, :hidden]
     b0 = bias[0] if len(bias) > 0 else None
     b1 = bias[1] if len(bias) > 1 else None
     k = w_out.size(1) if w_out is not None else 1

@@ -163,11 +163,13 @@ class AllToAllTransport(Transport):
         return dist.all_to_all_single(_as_bytes(out), _as_bytes(inp), out_splits, in_splits, group=self.group,
                                       async_op=async_op)
 
-    def _a2a_rows(self, parts: list, out_rows: int, out_splits: list, in_splits: list) -> list:
+    def _a2a_rows(self, parts: list, out_rows: int, out_splits: list, in_splits: list,
+                  first_in_place: bool = False) -> list:
         """All-to-all of several tensors whose rows go to the same ranks (rows, their records or weights; split
         sizes in rows): one collective per tensor, or with ``fuse_rows`` one of their bytes side by side, then
-        split (fresh contiguous tensors of the parts' dtypes and widths). On a group of one rank the parts are the
-        received rows themselves (no collective and no copy: callers only read them)."""
+        split (fresh contiguous tensors of the parts' dtypes and widths; ``first_in_place``: the first part as a
+        view of the received rows, rows of a wider stride, for a reader that takes any row stride). On a group of
+        one rank the parts are the received rows themselves (no collective and no copy: callers only read them)."""
         dev = parts[0].device
         if self.num_ranks == 1:  # one rank sends its rows to itself: they are the received rows (no copy)
             return [t.contiguous() for t in parts]  # (a copy only of a part that is a column slice)
@@ -182,9 +184,15 @@ class AllToAllTransport(Transport):
         recv = torch.empty(out_rows, sum(v.size(1) for v in views), dtype=torch.uint8, device=dev)
         self._a2a(recv, torch.cat(views, 1), out_splits, in_splits)
         outs, col = [], 0
-        for t, v in zip(parts, views):
+        for i, (t, v) in enumerate(zip(parts, views)):
             width = v.size(1)
-            outs.append(one_variant(recv[:, col:col + width]).view(t.dtype).view(out_rows, *t.shape[1:]))
+            if i == 0 and first_in_place and t.dim() == 2 and recv.size(1) % t.element_size() == 0:
+                # (its row stride stated, not left to torch: a view of one row or none would report the row's width,
+                # another kernel variant than the calls that receive more rows)
+                outs.append(torch.as_strided(recv.view(t.dtype), (out_rows, t.size(1)),
+                                             (recv.size(1) // t.element_size(), 1)))
+            else:
+                outs.append(one_variant(recv[:, col:col + width]).view(t.dtype).view(out_rows, *t.shape[1:]))
             col += width
         return outs
 
@@ -675,8 +683,9 @@ class AllToAllTransport(Transport):
                 recv = torch.empty(num_ranks * st.capacity, t.size(1), dtype=t.dtype, device=dev)
                 self._a2a(recv, send)
                 back.append(recv)
-        else:
-            back = self._a2a_rows(parts, sum(st.send_counts), list(st.send_counts), list(h.num_recv_tokens_per_rank))
+        else:  # (the sum reads the returned rows where they landed, with their row stride)
+            back = self._a2a_rows(parts, sum(st.send_counts), list(st.send_counts), list(h.num_recv_tokens_per_rank),
+                                  first_in_place=True)
         if st.pos is not None:  # GPU path: one kernel reduces rows and weights, slots from the layout
             from ..kernels.reduce import reduce_from_layout
 
