@@ -566,8 +566,9 @@ class HostCosts:
         (``AllToAllTransport`` with ``fuse_rows``): an exact-mode dispatch puts each chunk's rows and records side by
         side before they cross and copies the rows out after (its packing runs while the counts travel); a cached
         one packs every chunk's rows at once before the first crosses, after putting each token's FP8 scales at the
-        end of its row, and its node leg reads the landed rows in place; a combine puts each chunk's partials and
-        weights side by side and sums the partials where they landed into the output."""
+        end of its row, and its node leg reads the landed rows in place; a combine's node leg writes each chunk's
+        partials and weights side by side into the rows the inter-domain leg sends, and the source sums the partials
+        where they landed."""
         if "cached" in op:
             return dict(host_us=self.cached_host, host_chunk_us=self.cached_chunk, in_place=True,
                         copies=(0.0, 0.0, 1.0, 1.0 if "FP8" in op else 0.0))
@@ -579,7 +580,7 @@ class HostCosts:
             return dict(fixed_us=self.fixed if fixed is None else fixed, host_us=self.dispatch_host,
                         lead_us=self.dispatch_lead, host_chunk_us=self.dispatch_chunk,
                         head_share=HierarchicalTransport.head_share, copies=(1.0, 1.0, 0.0, 0.0))
-        return dict(host_us=self.combine_host, host_chunk_us=self.combine_chunk, copies=(1.0, 1.0, 0.0, 0.0))
+        return dict(host_us=self.combine_host, host_chunk_us=self.combine_chunk, copies=(0.0, 1.0, 0.0, 0.0))
 
     def host_ahead(self) -> "HostCosts":
         """These costs as a model's step meets the calls: the host ahead of its GPU (it issues a call while the GPU
@@ -823,8 +824,8 @@ def main(argv: list[str] | None = None) -> int:
              "each chunk's tokens over the previous one's, as the transport sets it from the forwarding's time over "
              f"the network's; the device's own copies of the rows charged at {HBM_GBPS:g} GB/s of HBM, read and "
              "write: an exact-mode dispatch's rows and records put side by side before they cross and copied out "
-             "after, a cached dispatch's packing of every chunk before the first crosses, a combine's partials put "
-             "side by side and summed where they land). "
+             "after, a cached dispatch's packing of every chunk before the first crosses, a combine's sum of the "
+             "partials where they land). "
              f"With this run's host issue times, the FP8 dispatch at EP64 (uniform routing) {need}; with a cached "
              f"handle (no count exchange: what DeepEP's published dispatch figures time, its tests tuning "
              f"`dispatch(x, handle=...)`) it reaches {cached:.0%}. The columns `(host ahead)` charge the host's time "

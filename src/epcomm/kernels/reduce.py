@@ -24,8 +24,8 @@ from .numerics import f32_to_bf16_rne
 
 @triton.jit(do_not_specialize=["cap", "t_begin", "t_end", "self_rank", "self_rows"])
 def _reduce_kernel(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, t_begin, t_end, b0_ptr, b1_ptr, out_ptr,
-                   wbuf_ptr, wout_ptr, hidden, buf_stride, b0_stride, b1_stride, out_stride, self_ptr, self_w_ptr,
-                   self_base_ptr, self_rank, self_stride, self_rows, NUM_SLOTS: tl.constexpr,
+                   wbuf_ptr, wout_ptr, hidden, buf_stride, b0_stride, b1_stride, out_stride, wout_stride, self_ptr,
+                   self_w_ptr, self_base_ptr, self_rank, self_stride, self_rows, NUM_SLOTS: tl.constexpr,
                    FROM_LAYOUT: tl.constexpr, FIRST_ZERO: tl.constexpr, HAS_B0: tl.constexpr, HAS_B1: tl.constexpr,
                    HAS_W: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr, OUT_BF16: tl.constexpr,
                    BLOCK: tl.constexpr, PERSISTENT: tl.constexpr = False, HAS_SELF: tl.constexpr = False):
@@ -36,21 +36,22 @@ def _reduce_kernel(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, t_begin,
         token = (t_begin + tl.program_id(0)).to(tl.int64)
         while token < t_end:
             _reduce_one(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, token, b0_ptr, b1_ptr, out_ptr,
-                        wbuf_ptr, wout_ptr, hidden, buf_stride, b0_stride, b1_stride, out_stride, self_ptr, self_w_ptr,
-                        self_base_ptr, self_rank, self_stride, self_rows, NUM_SLOTS, FROM_LAYOUT, FIRST_ZERO, HAS_B0,
-                        HAS_B1, HAS_W, K, BLOCK_K, OUT_BF16, BLOCK, HAS_SELF)
+                        wbuf_ptr, wout_ptr, hidden, buf_stride, b0_stride, b1_stride, out_stride, wout_stride,
+                        self_ptr, self_w_ptr, self_base_ptr, self_rank, self_stride, self_rows, NUM_SLOTS, FROM_LAYOUT,
+                        FIRST_ZERO, HAS_B0, HAS_B1, HAS_W, K, BLOCK_K, OUT_BF16, BLOCK, HAS_SELF)
             token += tl.num_programs(0)
     else:
         _reduce_one(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, (t_begin + tl.program_id(0)).to(tl.int64),
                     b0_ptr, b1_ptr, out_ptr, wbuf_ptr, wout_ptr, hidden, buf_stride, b0_stride, b1_stride,
-                    out_stride, self_ptr, self_w_ptr, self_base_ptr, self_rank, self_stride, self_rows, NUM_SLOTS,
-                    FROM_LAYOUT, FIRST_ZERO, HAS_B0, HAS_B1, HAS_W, K, BLOCK_K, OUT_BF16, BLOCK, HAS_SELF)
+                    out_stride, wout_stride, self_ptr, self_w_ptr, self_base_ptr, self_rank, self_stride, self_rows,
+                    NUM_SLOTS, FROM_LAYOUT, FIRST_ZERO, HAS_B0, HAS_B1, HAS_W, K, BLOCK_K, OUT_BF16, BLOCK, HAS_SELF)
 
 
 @triton.jit
 def _reduce_one(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, token, b0_ptr, b1_ptr, out_ptr,
-                wbuf_ptr, wout_ptr, hidden, buf_stride, b0_stride, b1_stride, out_stride, self_ptr, self_w_ptr,
-                self_base_ptr, self_rank, self_stride, self_rows, NUM_SLOTS: tl.constexpr, FROM_LAYOUT: tl.constexpr,
+                wbuf_ptr, wout_ptr, hidden, buf_stride, b0_stride, b1_stride, out_stride, wout_stride, self_ptr,
+                self_w_ptr, self_base_ptr, self_rank, self_stride, self_rows, NUM_SLOTS: tl.constexpr,
+                FROM_LAYOUT: tl.constexpr,
                 FIRST_ZERO: tl.constexpr, HAS_B0: tl.constexpr, HAS_B1: tl.constexpr, HAS_W: tl.constexpr,
                 K: tl.constexpr, BLOCK_K: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr,
                 HAS_SELF: tl.constexpr):
@@ -96,7 +97,7 @@ def _reduce_one(buf_ptr, slot_ptr, itr_ptr, pos_ptr, first_ptr, cap, token, b0_p
         result = acc.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + token * out_stride + cols, result, mask=col_mask)
     if do_w:
-        tl.store(wout_ptr + token * K + kc, wacc, mask=kc < K)
+        tl.store(wout_ptr + token * wout_stride + kc, wacc, mask=kc < K)
 
 
 def _launch(buf, slot, itr, pos, first, cap, t_begin, t_end, bias, out, w_buf, w_out, num_slots, programs=None,
@@ -125,7 +126,8 @@ def _launch(buf, slot, itr, pos, first, cap, t_begin, t_end, bias, out, w_buf, w
         b0 if b0 is not None else dummy, b1 if b1 is not None else dummy, out,
         w_buf if w_buf is not None else dummy, w_out if w_out is not None else dummy, hidden, buf.stride(0),
         b0.stride(0) if b0 is not None else 0, b1.stride(0) if b1 is not None else 0, out.stride(0),
-        own.x if own is not None else dummy, own.w if own is not None and own.w is not None else dummy,
+        w_out.stride(0) if w_out is not None else k, own.x if own is not None else dummy,
+        own.w if own is not None and own.w is not None else dummy,
         own.base if own is not None else dummy, own.rank if own is not None else -1,
         own.x.stride(0) if own is not None else 0, own.x.size(0) if own is not None else 0,
         HAS_SELF=own is not None, NUM_SLOTS=num_slots, FROM_LAYOUT=slot is None, FIRST_ZERO=first is None,

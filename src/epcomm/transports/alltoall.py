@@ -64,6 +64,25 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.uint8 else t.view(torch.uint8)
 
 
+def _side_by_side(parts: list) -> Optional[torch.Tensor]:
+    """The ``[rows, bytes]`` uint8 rows of one buffer that ``parts`` (2-D, unit column stride) fill side by side, in
+    order and without a gap (each row of the buffer is a row of every part, one after another), or None where they do
+    not (then they are copied side by side to be sent)."""
+    first = parts[0]
+    if any(t.dim() != 2 or t.size(0) != first.size(0) or (t.size(1) > 1 and t.stride(1) != 1) for t in parts):
+        return None
+    stride = first.stride(0) * first.element_size()
+    at = first.data_ptr()
+    for t in parts:
+        if t.data_ptr() != at or (t.size(0) > 1 and t.stride(0) * t.element_size() != stride):
+            return None
+        at += t.size(1) * t.element_size()
+    if at - first.data_ptr() != stride or any(t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                                              for t in parts):
+        return None
+    return torch.as_strided(first.view(torch.uint8), (first.size(0), stride), (stride, 1))
+
+
 def reduce_rows(buf: torch.Tensor, slot: torch.Tensor, bias: tuple, out_dtype: torch.dtype) -> torch.Tensor:
     """Ordered reduction ``out[t] = sum_r float(buf[slot[t, r]]) + bias``, bit-identical on every device."""
     if buf.is_cuda and buf.size(1) >= 64 and triton_available():
@@ -182,7 +201,8 @@ class AllToAllTransport(Transport):
             return outs
         views = [_as_bytes(t if t.stride(-1) == 1 else t.contiguous()) for t in parts]  # (cat reads strided rows)
         recv = torch.empty(out_rows, sum(v.size(1) for v in views), dtype=torch.uint8, device=dev)
-        self._a2a(recv, torch.cat(views, 1), out_splits, in_splits)
+        send = _side_by_side(parts)  # (already side by side in one buffer's rows: sent as they are)
+        self._a2a(recv, send if send is not None else torch.cat(views, 1), out_splits, in_splits)
         outs, col = [], 0
         for i, (t, v) in enumerate(zip(parts, views)):
             width = v.size(1)

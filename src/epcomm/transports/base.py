@@ -117,6 +117,9 @@ class CombineRequest:
     config: Config
     overlapped: bool = False  # runs on the communication stream, meant to overlap the caller's kernels
     row_weights: Optional[torch.Tensor] = None  # expert-major combine: [rows] float32 weight of every row
+    # (combined [N, H] of x's dtype, combined weights [N, K] float32 or None): where to write the result, views of any
+    # row stride and unit column stride (transports with combines_into; e.g. side by side in one send buffer), or None
+    out: Optional[tuple] = None
 
 
 @dataclass(frozen=True)
@@ -172,6 +175,8 @@ class Transport(abc.ABC):
     accepts_known_counts: ClassVar[bool] = False
     # ``merge_cached`` and cached dispatches of rows another stream still writes (``DispatchRequest.gate``)
     gates_cached_dispatch: ClassVar[bool] = False
+    # a rank-major combine writes into the views of CombineRequest.out where given
+    combines_into: ClassVar[bool] = False
 
     def __init__(self, group: Any, device: torch.device, buffer_id: int) -> None:
         import torch.distributed as dist

@@ -982,7 +982,7 @@ class HierarchicalTransport(Transport):
             with self._leg(fn, "sums within the domain", within=True):
                 part, part_w = self.domain.combine(CombineRequest(
                     one_variant(x[rows]), st.domain[c], None if w is None else one_variant(w[rows]), (), req.config,
-                    req.overlapped))
+                    req.overlapped, out=self._side_by_side(st.domain[c].num_tokens, req.x, w)))
             partials.append((part, part_w))
             a, b = st.bounds[c]
 
@@ -1000,6 +1000,22 @@ class HierarchicalTransport(Transport):
         else:
             outs = [out for out, _ in issued]
         return _cat([o[0] for o in outs]), _cat([o[1] for o in outs])
+
+    def _side_by_side(self, n: int, x: torch.Tensor, w: Optional[torch.Tensor]) -> Optional[tuple]:
+        """Where a combine's domain leg writes a chunk's ``n`` partial rows (of ``x``'s dtype and width) and their
+        weights ``[n, K]`` float32: side by side in the rows of one buffer, which the inter-domain leg then sends as
+        it is (its ``fuse_rows``: no copy into a send buffer); None (the domain leg's own outputs) where the domain
+        leg cannot write into given views, the rail leg does not fuse, there are no weights or the widths do not
+        divide into whole elements."""
+        if w is None or not self.domain.combines_into or not getattr(self.rail, "fuse_rows", False):
+            return None
+        xb, wb = x.size(1) * x.element_size(), w.size(1) * 4
+        width = xb + wb
+        if width % x.element_size() or width % 4 or xb % 4:
+            return None
+        buf = torch.empty(n, width, dtype=torch.uint8, device=x.device)
+        return (torch.as_strided(buf.view(x.dtype), (n, x.size(1)), (width // x.element_size(), 1)),
+                torch.as_strided(buf.view(torch.float32), (n, w.size(1)), (width // 4, 1), xb // 4))
 
     # ------------------------------------------------------------------ low-latency mode
     @_guarded("Buffer.low_latency_dispatch")

@@ -133,6 +133,7 @@ class NVLinkTransport(Transport):
     validates_topk = True  # the exchange kernel checks expert ids; the Buffer need not
     accepts_known_counts = True  # the exchange stays on the device, checked against them
     gates_cached_dispatch = True  # merge_cached, and cached dispatches of rows still being written (a Gate)
+    combines_into = True  # CombineRequest.out
 
     def __init__(self, group, device: torch.device, buffer_id: int, num_nvl_bytes: int = 0,
                  num_rdma_bytes: int = 0) -> None:
@@ -835,8 +836,16 @@ class NVLinkTransport(Transport):
         xw = _words(x)
         k = req.topk_weights.size(1) if req.topk_weights is not None else 0
         geometry = st.rounds((xw + k) * 4, self.area_bytes, self.num_ranks, h.num_worst_tokens, "Buffer.combine")
-        out = torch.empty(n, x.size(1), dtype=x.dtype, device=dev)
-        out_w = torch.empty(n, k, dtype=torch.float32, device=dev) if k else None
+        if req.out is not None:
+            out, out_w = req.out
+            if (tuple(out.shape) != (n, x.size(1)) or out.dtype != x.dtype or (out_w is None) != (k == 0)
+                    or (k and (tuple(out_w.shape) != (n, k) or out_w.dtype != torch.float32))):
+                raise ValueError(f"Buffer.combine: the outputs to write into are {tuple(out.shape)} {out.dtype} and "
+                                 f"{None if out_w is None else (tuple(out_w.shape), out_w.dtype)}; this combine makes "
+                                 f"{(n, x.size(1))} {x.dtype} and {(n, k) if k else None} float32")
+        else:
+            out = torch.empty(n, x.size(1), dtype=x.dtype, device=dev)
+            out_w = torch.empty(n, k, dtype=torch.float32, device=dev) if k else None
         grid = self._num_sms(req.config, m, (xw + k) * 4)
         own_x = x if m else self.area[:xw * 4].view(x.dtype).view(1, -1)  # nothing to read when no rows came
         own = OwnRows(own_x, req.topk_weights.contiguous() if k else None, st.recv_prefix,
