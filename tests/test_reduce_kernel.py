@@ -40,6 +40,25 @@ SCRIPT = textwrap.dedent("""
     want = torch_reduce(buf, slot[1:], (bias[0][1:],), torch.bfloat16)
     for out, w_out in outs:
         assert same_bits(out, want) and same_bits(w_out, outs[0][1]), "reduce_from_layout: persistent mode differs"
+    # rows at a row stride wider than the row (partials landed beside their weights), written beside weights too:
+    # the same bits; weights at another row stride are refused (the kernel reads them K apart)
+    wide = torch.zeros(r * cap, h + 2 * k + 8, dtype=torch.bfloat16)
+    wide[:, :h] = buf
+    strided = wide[:, :h]
+    o_wide = torch.full((n, h + 2 * k), 7.0, dtype=torch.bfloat16)
+    fused_w = torch.full((n, 2 * k), 7.0)
+    reduce_from_layout(strided, itr, pos, cap, 1, n, bias, o_wide[:, :h], w_buf=wbuf, w_out=fused_w[:, 1:k + 1])
+    assert same_bits(o_wide[1:, :h], want) and same_bits(fused_w[1:, 1:k + 1], outs[0][1]), "strided rows differ"
+    assert (o_wide[:, h:] == 7).all() and (fused_w[:, 0] == 7).all() and (fused_w[:, k + 1:] == 7).all()
+    for bad, what in ((dict(w_buf=torch.randn(r * cap, 2 * k, generator=gen)[:, :k]), "w_buf"),
+                      (dict(bias=(torch.randn(h, n, generator=gen).to(torch.bfloat16).t(),)), "bias[0]")):
+        args = {"w_buf": wbuf, "bias": bias, **bad}
+        try:
+            reduce_from_layout(buf, itr, pos, cap, 1, n, args["bias"], out, w_buf=args["w_buf"], w_out=w_out)
+        except ValueError as e:
+            assert str(e).startswith("reduce_from_layout: " + what), e
+        else:
+            raise AssertionError(f"a {what} of another stride was accepted")
     # the rounding helper on every kind of float32: ties, overflow, inf, NaN, subnormals, negatives
     import triton, triton.language as tl
     from epcomm.kernels.numerics import f32_to_bf16_rne

@@ -106,6 +106,7 @@ def _launch(buf, slot, itr, pos, first, cap, t_begin, t_end, bias, out, w_buf, w
     n = t_end - t_begin
     if n <= 0 or hidden == 0:
         return out
+    _check_strides("reduce_from_layout" if slot is None else "reduce_rows", buf, out, bias, w_buf, w_out, own)
     if buf.size(0) == 0:  # nothing came back: the sum is the bias alone (one zero row, of the same row stride: the
         # same kernel variant as the calls that receive rows)
         buf = torch.zeros(1, max(buf.stride(0), hidden), dtype=buf.dtype, device=buf.device)[:, :hidden]
@@ -134,6 +135,25 @@ def _launch(buf, slot, itr, pos, first, cap, t_begin, t_end, bias, out, w_buf, w
         HAS_B0=b0 is not None, HAS_B1=b1 is not None, HAS_W=w_out is not None, K=k, BLOCK_K=max(16, next_pow2(k)),
         OUT_BF16=out.dtype == torch.bfloat16, BLOCK=block, PERSISTENT=programs is not None, num_warps=warps)
     return out
+
+
+def _check_strides(fn, buf, out, bias, w_buf, w_out, own) -> None:
+    """The kernel reads rows at any row stride but columns one element apart, and weights rows ``K`` apart (their
+    row stride is not a kernel argument): anything else would read the wrong elements, so it is refused."""
+    rows = {"buf": buf, "out": out, **{f"bias[{i}]": b for i, b in enumerate(bias)}}
+    if own is not None:
+        rows["own.x"] = own.x
+    for name, t in rows.items():
+        if t.dim() != 2 or (t.size(1) > 1 and t.stride(1) != 1):
+            raise ValueError(f"{fn}: {name} (shape {tuple(t.shape)}, strides {t.stride()}) must be 2-D rows with "
+                             "unit column stride; pass .contiguous() rows or a row-strided view of them")
+    k = w_out.size(1) if w_out is not None else 0
+    for name, t in (("w_buf", w_buf), ("own.w", own.w if own is not None else None)):
+        if t is not None and t.size(0) > 1 and (t.dim() != 2 or t.size(1) != k or t.stride() != (k, 1)):
+            raise ValueError(f"{fn}: {name} (shape {tuple(t.shape)}, strides {t.stride()}) must be contiguous "
+                             f"[rows, {k}] weights (row stride {k}, the weights' width of w_out); pass .contiguous()")
+    if w_out is not None and w_out.size(1) > 1 and w_out.stride(1) != 1:
+        raise ValueError(f"{fn}: w_out (strides {w_out.stride()}) must have unit column stride")
 
 
 @dataclass(frozen=True)
