@@ -76,19 +76,35 @@ def test_taken_rendezvous_port_is_retried(monkeypatch):
     assert 20000 <= real() < 32000
 
 
-@pytest.mark.parametrize("local_world,n_gpus,per_gpu,expect", [
-    (4, 4, 4, [(0, 1), (1, 1), (2, 1), (3, 1)]),      # one rank per GPU
-    (4, 1, 4, [(0, 4)] * 4),                          # every rank on the one GPU
-    (3, 2, 2, [(0, 2), (1, 1), (0, 2)]),              # round-robin: GPU 0 holds ranks 0 and 2
-    (8, 3, 3, [(0, 3), (1, 3), (2, 2), (0, 3), (1, 3), (2, 2), (0, 3), (1, 3)]),
-    (8, 1, 1, [(0, 1)] * 8),                          # each process sees one GPU (CUDA_VISIBLE_DEVICES): no sharing
+@pytest.mark.parametrize("local_world,n_gpus,per_gpu,per_node,expect", [
+    (4, 4, 4, 0, [(0, 1), (1, 1), (2, 1), (3, 1)]),      # one rank per GPU
+    (4, 1, 4, 0, [(0, 4)] * 4),                          # every rank on the one GPU
+    (3, 2, 2, 0, [(0, 2), (1, 1), (0, 2)]),              # round-robin: GPU 0 holds ranks 0 and 2
+    (8, 3, 3, 0, [(0, 3), (1, 3), (2, 2), (0, 3), (1, 3), (2, 2), (0, 3), (1, 3)]),
+    (8, 1, 1, 0, [(0, 1)] * 8),                          # each process sees one GPU (CUDA_VISIBLE_DEVICES): no sharing
+    (8, 2, 4, 4, [(0, 4)] * 4 + [(1, 4)] * 4),          # simulated nodes larger than the GPUs: a node on one GPU
+    (8, 2, 4, 2, [(0, 4), (1, 4)] * 4),                  # nodes that fit the GPUs: each node's ranks on distinct GPUs
+    (8, 4, 2, 4, [(0, 2), (1, 2), (2, 2), (3, 2)] * 2),
+    (6, 2, 3, 3, [(0, 3)] * 3 + [(1, 3)] * 3),
 ])
-def test_gpu_placement(local_world, n_gpus, per_gpu, expect):
-    from epcomm.testing.launcher import gpu_placement
+def test_gpu_placement(local_world, n_gpus, per_gpu, per_node, expect):
+    """Where the launcher puts each rank; a simulated node's ranks never share GPUs and span several at once."""
+    from epcomm.testing.launcher import gpu_placement, split_shared_group
 
-    assert [gpu_placement(r, local_world, n_gpus, per_gpu) for r in range(local_world)] == expect
+    got = [gpu_placement(r, local_world, n_gpus, per_gpu, per_node) for r in range(local_world)]
+    assert got == expect
+    if per_node:
+        nodes = [[g for g, _ in got[i:i + per_node]] for i in range(0, local_world, per_node)]
+        assert not any(split_shared_group(n) for n in nodes), nodes
     with pytest.raises(ValueError, match="no CUDA device"):
         gpu_placement(0, local_world, 0, per_gpu)
+
+
+def test_split_shared_group():
+    from epcomm.testing.launcher import split_shared_group
+
+    assert split_shared_group([0, 1, 0, 1]) and split_shared_group([0, 0, 1])
+    assert not split_shared_group([0, 1, 2, 3]) and not split_shared_group([1, 1, 1]) and not split_shared_group([2])
 
 
 def test_ranks_per_gpu_setting(monkeypatch):

@@ -6,7 +6,7 @@ simulated node its own ``NCCL_HOSTID`` (NCCL then connects the nodes through its
 
 import pytest
 
-from conftest import gpu_count, gpu_ranks
+from conftest import gpu_count, gpu_ranks, skip_split_shared_group
 from epcomm.testing import spawn
 from epcomm.testing.checks import GraphCase, LowLatencyCase, NormalCase, run_cases
 from test_internode import _assert_clean, _ll_true_sources, _peer_missing, check_peer_missing, internode_cases
@@ -30,6 +30,7 @@ def large_cases():
 def test_gpu_hierarchical_matches_reference(world_size, local, transport, suite):
     if gpu_ranks() < world_size:
         pytest.skip(f"needs {world_size} GPU rank slots")
+    skip_split_shared_group(transport, world_size, local)
     if suite == "graph":
         if world_size > gpu_count():
             pytest.skip("ranks sharing a GPU talk over gloo, whose all_to_all cannot be captured in a CUDA graph")

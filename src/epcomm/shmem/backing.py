@@ -145,8 +145,9 @@ class CudaBacking:
 
 class CudaIpcBacking:
     """Several ranks on one GPU: one allocation per rank, opened in every other rank's process through CUDA IPC
-    (torch.multiprocessing's sharing of CUDA tensors). Also works across GPUs with P2P access, but torch
-    symmetric memory is the backing there."""
+    (torch.multiprocessing's sharing of CUDA tensors). Not across GPUs: a kernel cannot reach another GPU's memory
+    through such a mapping (the heap refuses a group that shares GPUs and spans several); a group of one rank per
+    GPU uses torch symmetric memory instead."""
 
     def __init__(self, group, rank: int, world: int, total_bytes: int, device: torch.device) -> None:
         from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor

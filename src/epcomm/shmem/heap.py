@@ -162,6 +162,13 @@ class SymmetricHeap:
                                group=self.group)
         self._peer_devices = tuple(f[0] for f in facts)
         shares_gpu = device.type == "cuda" and len({f[1] for f in facts}) < self.world_size
+        if shares_gpu and len({f[1] for f in facts}) > 1:
+            raise TransportUnavailableError(
+                f"{fn}: the group's {self.world_size} ranks share GPUs and span {len({f[1] for f in facts})} of them "
+                f"(rank {self.rank} on {device}): ranks that share a GPU map each other's memory through CUDA IPC, "
+                "and a kernel cannot reach another GPU's memory through such a mapping (an illegal address). Keep a "
+                "group of ranks that share GPUs on one GPU (EPCOMM_RANKS_PER_NODE places each simulated node's ranks "
+                "on one GPU), or give each rank its own GPU")
         if shares_gpu:  # several ranks on one GPU (testing): torch symmetric memory refuses that
             self._backing = CudaIpcBacking(self.group, self.rank, self.world_size, self.layout.total_bytes, device)
         elif device.type == "cuda":

@@ -98,14 +98,29 @@ def resolve_device(device: str, world_size: int) -> str:
     return device
 
 
-def gpu_placement(local_rank: int, local_world_size: int, n_gpus: int, ranks_per_gpu: int) -> tuple:
+def gpu_placement(local_rank: int, local_world_size: int, n_gpus: int, ranks_per_gpu: int,
+                  ranks_per_node: int = 0) -> tuple:
     """``(device index, ranks on that GPU)`` for ``local_rank`` of a host's ``local_world_size`` ranks placed
     round-robin on its ``n_gpus`` visible GPUs. Ranks count as sharing a GPU only when ``ranks_per_gpu`` > 1
-    asks for it: a job whose processes each see one GPU (``CUDA_VISIBLE_DEVICES``) shares nothing."""
+    asks for it: a job whose processes each see one GPU (``CUDA_VISIBLE_DEVICES``) shares nothing. Simulated nodes
+    (``ranks_per_node``, ``EPCOMM_RANKS_PER_NODE``) of more ranks than GPUs, on shared GPUs: each node's ranks on
+    one GPU, node after node round-robin, since one-sided ranks that share GPUs must stay on one GPU
+    (``split_shared_group``)."""
     if n_gpus < 1:
         raise ValueError(f"launcher: no CUDA device for rank {local_rank}")
-    gpu = local_rank % n_gpus
-    return gpu, (len(range(gpu, local_world_size, n_gpus)) if ranks_per_gpu > 1 else 1)
+    if ranks_per_gpu > 1 and n_gpus < ranks_per_node < local_world_size:
+        gpus = [(r // ranks_per_node) % n_gpus for r in range(local_world_size)]
+    else:
+        gpus = [r % n_gpus for r in range(local_world_size)]
+    gpu = gpus[local_rank]
+    return gpu, (gpus.count(gpu) if ranks_per_gpu > 1 else 1)
+
+
+def split_shared_group(gpus: list) -> bool:
+    """Whether a group whose ranks are on ``gpus`` (one device index per rank) both shares a GPU and spans
+    several: its symmetric heap would map another GPU's memory through CUDA IPC, which that GPU's kernels cannot
+    reach (an illegal address on H200s, even with peer access enabled), so the heap refuses it."""
+    return len(set(gpus)) > 1 and len(set(gpus)) < len(gpus)
 
 
 def _setup_logging(rank: int) -> None:
@@ -126,7 +141,7 @@ def init_worker(rank: int, world_size: int, device_kind: str, timeout_s: float) 
         launched = env.distributed_env() or {}
         local_rank = int(launched.get("LOCAL_RANK") or rank)
         gpu, shared = gpu_placement(local_rank, int(launched.get("LOCAL_WORLD_SIZE") or world_size),
-                                    torch.cuda.device_count(), env.ranks_per_gpu())
+                                    torch.cuda.device_count(), env.ranks_per_gpu(), per_node or 0)
         env.set_gpu_share(shared)  # before this process's CUDA context exists
         device = torch.device("cuda", gpu)
         torch.cuda.set_device(device)
