@@ -182,6 +182,14 @@ def test_two_ranks_on_one_gpu_and_single_rank():
     f[1] = LocalFacts(**{**f[1].__dict__, "pci_bus_id": pci(0), "device": "cuda:0"})
     rep = build_report(f)
     assert rep.pair(0, 1).link.kind == "same-gpu" and choose_transport(rep)[0] == "nvlink"
+    # four ranks on two GPUs, two on each: the one-sided transports cannot map across them (CUDA IPC); auto says why
+    f = facts(4)
+    f = [LocalFacts(**{**x.__dict__, "pci_bus_id": pci(x.rank % 2), "device": f"cuda:{x.rank % 2}"}) for x in f]
+    rep = build_report(f, backend="cpu:gloo,cuda:gloo")
+    chosen, reason = choose_transport(rep)
+    assert chosen == "alltoall" and "ranks 0 and 2 share a GPU while ranks 0 and 1 are on different GPUs" in reason
+    with pytest.raises(TransportUnavailableError, match="all ranks on one GPU, or a GPU each between ranks 0 and 2"):
+        choose_transport(rep, "nvlink")
     one = report(1)
     assert one.pairs == () and choose_transport(one) == ("nvlink", "auto: nvlink: a single CUDA rank")
 

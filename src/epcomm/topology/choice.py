@@ -6,7 +6,9 @@
 | ``p2p`` | CUDA on every rank, torch symmetric memory, one host, P2P access between every pair (PCIe is fine, atomics are not needed) |
 | ``alltoall`` | nothing: ``torch.distributed.all_to_all_single`` over the group's backend (CPU, multi-node, anything) |
 
-``auto`` takes the first of ``nvlink``, ``p2p``, ``alltoall`` that the hardware runs (and that this build has).
+The one-sided transports also need a group's ranks to share no GPU, or all one GPU (ranks that share a GPU map each
+other's memory through CUDA IPC, out of reach of other GPUs' kernels). ``auto`` takes the first of ``nvlink``,
+``p2p``, ``alltoall`` that the hardware runs (and that this build has).
 A capability that could not be determined counts as missing: a transport is only chosen on evidence.
 """
 
@@ -79,7 +81,21 @@ def transport_failures(report: TopologyReport, name: str) -> tuple:
             if not ok:
                 failures.append(Failure(need, tuple(pair.ranks), reason))
                 break
-    return tuple(failures)
+    return tuple(failures) + (_split_shared_gpus(report) if name != "alltoall" else ())
+
+
+def _split_shared_gpus(report: TopologyReport) -> tuple:
+    """The one-sided transports' group-wide need: a group whose ranks share a GPU must be on that GPU alone. Ranks
+    that share a GPU map each other's memory through CUDA IPC, and a kernel on another GPU cannot reach memory
+    mapped that way (an illegal address on H200s, peer access enabled or not; the heap refuses it too)."""
+    shared = [p for p in report.pairs if p.link.kind == "same-gpu"]
+    apart = [p for p in report.pairs if p.link.kind != "same-gpu"]
+    if not shared or not apart:
+        return ()
+    (a, b), (c, d) = shared[0].ranks, apart[0].ranks
+    return (Failure("all ranks on one GPU, or a GPU each", (a, b),
+                    f"ranks {a} and {b} share a GPU while ranks {c} and {d} are on different GPUs; ranks that share "
+                    "a GPU map each other's memory through CUDA IPC, which kernels on another GPU cannot reach"),)
 
 
 def _summary(failures: tuple) -> str:
