@@ -618,11 +618,20 @@ def _in_place_cases(ctx):
         return got
 
     alltoall._side_by_side = side_by_side
+    # (and the dispatches' rows read where they landed: the inter-domain leg's rows a view of the rows with their
+    # records, not copied out)
+    received, views = alltoall.AllToAllTransport._received, [0]
+
+    def seen(self, req, recv_x, *args, **kwargs):
+        views[0] += recv_x.size(0) > 0 and recv_x.stride(0) > recv_x.size(1)
+        return received(self, req, recv_x, *args, **kwargs)
+
+    alltoall.AllToAllTransport._received = seen
     cases = [c for i, c in enumerate(normal_cases(ctx.world_size)) if i in (1, 2, 3, 7)] + [
         NormalCase(num_tokens=(6, 0, 11, 3), hidden=72, num_experts=24, topk=3, dtype="bf16", routing="dropped",
                    bias=1, seed=81)]  # (-1 slots)
     return (run_cases(ctx, cases, NVLinkTransport, {"ranks_per_node": 2, "num_nvl_bytes": 1 << 23}), calls[0],
-            sent[0])
+            sent[0], views[0])
 
 
 def test_one_chunk_rows_written_in_place(monkeypatch):
@@ -631,11 +640,11 @@ def test_one_chunk_rows_written_in_place(monkeypatch):
     read the domain leg's own order) match the reference too: uneven and empty ranks, FP8 with column-major scales,
     skewed routing, a domain that receives nothing, bias, alignment, a dispatch without top-k ids, -1 slots. The
     combines' node leg writes each chunk's partials and weights side by side into the rows the inter-domain leg sends
-    as they are."""
+    as they are, and the node leg reads the dispatches' rows where they landed (a view, beside their records)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    for failed, calls, sent in spawn(_in_place_cases, 4, device="cpu", timeout_s=900):
+    for failed, calls, sent, views in spawn(_in_place_cases, 4, device="cpu", timeout_s=900):
         assert failed == [], failed
-        assert calls >= 4 and sent >= 2, (calls, sent)
+        assert calls >= 4 and sent >= 2 and views >= 4, (calls, sent, views)
 
 
 @pytest.mark.parametrize("head_chunk", [None, True])

@@ -554,7 +554,7 @@ class HostCosts:
                 f"per further chunk; a cached dispatch's {self.cached_host:.0f} us in one chunk, "
                 f"{per_chunk(self.cached_chunk)} more per further chunk{leg}")
 
-    def model_args(self, op: str, fixed: Optional[float] = None, head: bool = True) -> dict:
+    def model_args(self, op: str, fixed: Optional[float] = None, head: bool = True, records: float = 1.0) -> dict:
         """``internode_estimate``'s cost arguments for ``op`` (a dispatch, a dispatch with a cached handle, else a
         combine); ``fixed`` replaces the count exchange; ``head``: a dispatch with a head chunk (its rows crossing
         while the counts travel: ``HierarchicalTransport.head_share``), else one without (its own host times where
@@ -564,7 +564,9 @@ class HostCosts:
         chunk without a head chunk (``in_place_one_chunk``: ``best_estimate`` applies it to one chunk only). The
         device's own passes over the rows (``internode_estimate``'s ``copies``), as the inter-domain leg makes them
         (``AllToAllTransport`` with ``fuse_rows``): an exact-mode dispatch puts each chunk's rows and records side by
-        side before they cross and copies the rows out after (its packing runs while the counts travel); a cached
+        side before they cross (its packing runs while the counts travel) and copies only the records out after
+        (``records``: their share of the crossing bytes; its one-sided node leg reads the rows where they landed,
+        ``rows_as_views``); a cached
         one packs every chunk's rows at once before the first crosses, after putting each token's FP8 scales at the
         end of its row, and its node leg reads the landed rows in place; a combine's node leg writes each chunk's
         partials and weights side by side into the rows the inter-domain leg sends, and the source sums the partials
@@ -576,10 +578,11 @@ class HostCosts:
             if not head and self.nohead_host is not None:
                 fixed = (self.fixed if self.nohead_fixed is None else self.nohead_fixed) if fixed is None else fixed
                 return dict(fixed_us=fixed, host_us=self.nohead_host, lead_us=self.nohead_lead,
-                            host_chunk_us=self.dispatch_chunk, in_place_one_chunk=True, copies=(1.0, 1.0, 0.0, 0.0))
+                            host_chunk_us=self.dispatch_chunk, in_place_one_chunk=True,
+                            copies=(1.0, records, 0.0, 0.0))
             return dict(fixed_us=self.fixed if fixed is None else fixed, host_us=self.dispatch_host,
                         lead_us=self.dispatch_lead, host_chunk_us=self.dispatch_chunk,
-                        head_share=HierarchicalTransport.head_share, copies=(1.0, 1.0, 0.0, 0.0))
+                        head_share=HierarchicalTransport.head_share, copies=(1.0, records, 0.0, 0.0))
         return dict(host_us=self.combine_host, host_chunk_us=self.combine_chunk, copies=(0.0, 1.0, 0.0, 0.0))
 
     def host_ahead(self) -> "HostCosts":
@@ -665,9 +668,20 @@ def best_of_heads(opts, ranks: int, gpus_per_node: int, kind: str, nic_gbps: flo
                   costs: "HostCosts", op: str, fixed: Optional[float] = None) -> tuple:
     """``(estimate, head)``: ``best_estimate`` of ``op`` with and (where measured) without a head chunk, the faster,
     as the transport measures both."""
+    records = records_share(opts.hidden, opts.topk, kind)
     return min(((best_estimate(opts, ranks, gpus_per_node, kind, nic_gbps, nvlink_gbps, groups,
-                               costs.model_args(op, fixed, head)), head) for head in costs.heads(op)),
+                               costs.model_args(op, fixed, head, records)), head) for head in costs.heads(op)),
                key=lambda pair: pair[0].pipelined_us)
+
+
+def records_share(hidden: int, topk: int, kind: str) -> float:
+    """An exact-mode dispatch's records (source, FP8 scales, top-k ids and weights) over the crossing bytes of its
+    rows as the model counts them (``row_bytes``: the scales are part of a row): what the inter-domain leg still
+    copies out after the rows land."""
+    from ..core.layout import record_words
+
+    scales = hidden // 128 if kind == "fp8" else 0
+    return record_words(scales, topk, True) * 4 / row_bytes(hidden, kind)
 
 
 def model_rows(opts, nic_gbps: float, nvlink_gbps: float, costs: HostCosts, gpus_per_node: int = 8) -> list:

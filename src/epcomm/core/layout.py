@@ -154,3 +154,9 @@ def get_normal_buffer_size_hint(num_tokens: int, hidden_bytes: int, num_ranks: i
     and weights). Calls with ``num_worst_tokens`` give every source rank a region of that many rows in one
     piece: size them with ``num_tokens=num_worst_tokens``."""
     return num_ranks * num_tokens * (hidden_bytes + 64)
+
+
+def record_words(num_scales: int, num_topk: int, has_weights: bool, has_pidx: bool = False) -> int:
+    """int32 words of one record of a dispatched row: source token, source rank, scales, local top-k ids, weights
+    (and, for an expert-major dispatch, the pairs' indices)."""
+    return 2 + num_scales + num_topk + (num_topk if has_weights else 0) + (num_topk if has_pidx else 0)

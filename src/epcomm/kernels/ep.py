@@ -38,6 +38,7 @@ from typing import Optional
 import triton
 import triton.language as tl
 
+from ..core.layout import record_words  # noqa: F401  (the records' width, which the launchers here use)
 from .launch import cdiv, launch, next_pow2
 from .numerics import pick
 from .shmem import (arrive_last, barrier_enter, block_barrier, fence_sys, record_error, st_release, wait_after,
@@ -816,12 +817,6 @@ def chunk_block(words: int, tokens_per_step: int, tile: int = 16384) -> int:
     on load latency (measured: the combine push, one store per load, was load-latency bound with 4 KiB
     per row and step)."""
     return max(256, min(next_pow2(max(words, 1)), tile // max(tokens_per_step, 1)))
-
-
-def record_words(num_scales: int, num_topk: int, has_weights: bool, has_pidx: bool = False) -> int:
-    """int32 words of one record: source token, source rank, scales, local top-k ids, weights (and, for an
-    expert-major dispatch, the pairs' indices)."""
-    return 2 + num_scales + num_topk + (num_topk if has_weights else 0) + (num_topk if has_pidx else 0)
 
 
 def launch_layout(topk_idx, num_experts: int, num_ranks: int, per_rank, per_expert, itr) -> None:

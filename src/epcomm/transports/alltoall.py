@@ -149,6 +149,10 @@ class AllToAllTransport(Transport):
     # by side, instead of one each: a network round trip and a collective fewer, a local copy on each side more.
     # What an inter-domain leg wants (the hierarchical path sets it on its own); within a node the copies cost more
     fuse_rows = False
+    # With fuse_rows: an exact-mode dispatch's received rows as a view of the landed rows (their records beside them,
+    # a wider row stride), not copied out, for a caller whose consumer reads rows of any stride (the hierarchical
+    # path's one-sided node leg); its records are still copied out
+    rows_as_views = False
 
     def __init__(self, group, device: torch.device, buffer_id: int) -> None:
         super().__init__(group, device, buffer_id)
@@ -368,16 +372,20 @@ class AllToAllTransport(Transport):
         returns ``(per_expert list, recv_per_expert [E_local] int32 tensor)``; it runs once the rows are on
         their way (the call is host-bound until the rows' all_to_all is issued)."""
         num_recv = sum(recv_counts)
-        recv_x, recv_meta = self._a2a_rows([rows, records], num_recv, recv_counts, send_counts)
+        recv_x, recv_meta = self._a2a_rows([rows, records], num_recv, recv_counts, send_counts,
+                                           first_in_place=self.rows_as_views)
         return self._received(req, recv_x, recv_meta, send_counts, recv_counts, expert_counts, state)
 
     def _received(self, req: DispatchRequest, recv_x: torch.Tensor, recv_meta: torch.Tensor, send_counts: list,
                   recv_counts: list, expert_counts, state: "_NormalState") -> DispatchResult:
-        """An exact-mode dispatch's result from its received rows (``recv_x``: contiguous, any dtype of the right
-        row bytes) and records (``recv_meta`` int32), in source order (``_exchange_rows``)."""
+        """An exact-mode dispatch's result from its received rows (``recv_x``: contiguous rows of any dtype of the right
+        row bytes, or with ``rows_as_views`` a view of wider rows) and records (``recv_meta`` int32), in source order
+        (``_exchange_rows``)."""
         x, num_ranks = req.x, self.num_ranks
         num_recv = sum(recv_counts)
-        recv_x = recv_x.view(x.dtype).view(num_recv, x.size(1))
+        recv_x = recv_x.view(x.dtype)
+        if tuple(recv_x.shape) != (num_recv, x.size(1)):  # (a view of one row would lose its stated row stride)
+            recv_x = recv_x.view(num_recv, x.size(1))
         per_expert, recv_per_expert = expert_counts()
         if self._gpu_path(x):  # one kernel instead of a torch op per field
             recv_src_idx, recv_src_rank, recv_scales, recv_idx, recv_w = self._unpack_records(recv_meta, req)
@@ -486,7 +494,14 @@ class AllToAllTransport(Transport):
             return (torch.cat([recv[a:a + c, lo:hi] for a, c in filled]) if filled
                     else recv.new_empty(0, hi - lo))
 
-        return self._received(ahead.req, columns(0, rb), columns(rb, recv.size(1)).view(torch.int32),
+        if self.rows_as_views:  # the filled rows whole, once; the rows a view of them (the row stride stated), as
+            # ``_exchange_rows`` gives them: the same kernel variant downstream whether a chunk was sent ahead or not
+            whole = columns(0, recv.size(1))
+            rows = torch.as_strided(whole, (whole.size(0), rb), (whole.size(1), 1))
+            records = one_variant(whole[:, rb:])
+        else:
+            rows, records = columns(0, rb), columns(rb, recv.size(1))
+        return self._received(ahead.req, rows, records.view(torch.int32),
                               list(known.num_tokens_per_rank), recv_counts, self._known_expert_counts(known),
                               self._gpu_state(ahead.plan, known.num_tokens_per_rank))
 

@@ -294,6 +294,8 @@ class HierarchicalTransport(Transport):
         self.rail.fuse_rows = True  # rows with their records (weights) in one all_to_all: a round trip fewer
         if isinstance(self.domain, AllToAllTransport):  # (the same within a domain that runs the portable transport)
             self.domain.fuse_rows = True
+        else:  # a one-sided node leg reads the landed rows in place (its streaming push takes any row stride)
+            self.rail.rows_as_views = True
         self.errors = CombinedErrors((self.domain.errors, self.rail.errors), device)
         self._agreed: set = set()
         self.phase_log: Optional[list] = None  # see _leg
