@@ -36,6 +36,23 @@ def test_worker_error_is_reraised_with_traceback():
     assert "_fail_on_rank_one" in str(info.value)
 
 
+def _env_value(ctx, name):
+    import os
+
+    return os.environ.get(name)
+
+
+def test_workers_take_the_callers_environment(monkeypatch):
+    """CPU workers are forked from a server started at the first launch: each takes the environment of the call that
+    starts it (set after the server started, removed again), not the server's."""
+    monkeypatch.delenv("EPCOMM_LAUNCHER_PROBE", raising=False)
+    assert spawn(_env_value, 2, "EPCOMM_LAUNCHER_PROBE", device="cpu", timeout_s=120) == [None, None]
+    monkeypatch.setenv("EPCOMM_LAUNCHER_PROBE", "7")
+    assert spawn(_env_value, 2, "EPCOMM_LAUNCHER_PROBE", device="cpu", timeout_s=120) == ["7", "7"]
+    monkeypatch.delenv("EPCOMM_LAUNCHER_PROBE")
+    assert spawn(_env_value, 1, "EPCOMM_LAUNCHER_PROBE", device="cpu", timeout_s=120) == [None]
+
+
 def test_stuck_worker_times_out():
     t0 = time.monotonic()
     with pytest.raises(EpcommTimeoutError, match=r"ranks \[0, 1\] of 2 did not finish _sleep_forever"):

@@ -117,6 +117,18 @@ def distributed_env() -> dict[str, str] | None:
                                                "MASTER_PORT")}
 
 
+def snapshot() -> dict:
+    """This process's environment, for a worker the launcher starts (``adopt`` applies it there)."""
+    return dict(os.environ)
+
+
+def adopt(environ: dict) -> None:
+    """Make this process's environment ``environ`` (a worker started from a process other than the launching one,
+    whose environment it would otherwise inherit)."""
+    os.environ.clear()
+    os.environ.update(environ)
+
+
 def set_distributed_env(rank: int, world_size: int, port: int, addr: str = "127.0.0.1") -> None:
     """Write the torchrun-style variables for a worker this process starts (used by the launcher)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),

@@ -1,6 +1,8 @@
 """One multi-process launcher for tests, the demo and the benchmarks.
 
-``spawn(fn, world_size, ...)`` starts ``world_size`` processes (the ``spawn`` start method), joins them in
+``spawn(fn, world_size, ...)`` starts ``world_size`` processes (on CPUs forked from a server that imported torch
+once, the ``forkserver`` start method, each worker taking the caller's environment before it imports anything else:
+a CPU launch then costs ~0.1 s instead of ~1.5 s per rank; on GPUs fresh processes, ``spawn``), joins them in
 one ``torch.distributed`` group (``cpu:gloo,cuda:nccl`` on GPUs, ``gloo`` on CPUs) on a free loopback port,
 gives each log line a ``[rank N]`` prefix, calls ``fn(ctx, *args, **kwargs)`` in every process and returns
 the per-rank results in rank order. A worker's exception is re-raised in the parent with the worker's
@@ -8,7 +10,7 @@ traceback; a worker that does not finish in ``timeout_s`` fails the launch with 
 still running. ``run`` does the same, except that under ``torchrun`` (``RANK``/``WORLD_SIZE`` set) it joins
 the existing job in this process instead of spawning.
 
-``fn`` must be importable by name (a module-level function): the spawn start method pickles it.
+``fn`` must be importable by name (a module-level function): it is pickled to the workers.
 
 Ranks sharing a GPU: with ``EPCOMM_RANKS_PER_GPU=N`` (N > 1) the launcher starts up to N ranks on each GPU, so
 that the one-sided transports' kernels can be tested with 2-8 ranks on a machine with fewer GPUs. NCCL refuses
@@ -25,6 +27,7 @@ import datetime
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import queue as queue_mod
 import random
 import socket
@@ -159,6 +162,18 @@ def init_worker(rank: int, world_size: int, device_kind: str, timeout_s: float) 
     return WorkerContext(rank=rank, world_size=world_size, device=device, group=dist.group.WORLD)
 
 
+def _forked_worker(environ: dict, payload: bytes, results: Any) -> None:
+    """A CPU worker forked from the forkserver: it takes the launching process's environment first (the server's is
+    older), then unpickles its function and arguments, whose modules import the kernels under that environment."""
+    env.adopt(environ)
+    try:
+        work = pickle.loads(payload)
+    except BaseException:  # noqa: BLE001 - back to the parent, which names this rank
+        results.put((-1, "error", traceback.format_exc()))
+        return
+    _worker_main(*work, results)
+
+
 def _worker_main(rank: int, world_size: int, port: int, device_kind: str, timeout_s: float,
                  fn: Callable, args: tuple, kwargs: dict, results: Any) -> None:
     env.set_distributed_env(rank, world_size, port)
@@ -209,12 +224,20 @@ class _PortTaken(Exception):
 
 
 def _spawn_once(fn: Callable, world_size: int, args: tuple, kwargs: dict, device_kind: str, timeout_s: float) -> list:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker_main, name=f"epcomm-rank{r}",
-                         args=(r, world_size, port, device_kind, timeout_s, fn, args, kwargs, results))
-             for r in range(world_size)]
+    if device_kind == "cpu":  # forked from a server that has imported torch once: ~1 s less per rank than spawn
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch"])
+        results = ctx.Queue()
+        environ = env.snapshot()
+        procs = [ctx.Process(target=_forked_worker, name=f"epcomm-rank{r}", args=(environ, pickle.dumps(
+            (r, world_size, port, device_kind, timeout_s, fn, args, kwargs)), results)) for r in range(world_size)]
+    else:  # (CUDA: spawn, a fresh process)
+        ctx = mp.get_context("spawn")
+        results = ctx.Queue()
+        procs = [ctx.Process(target=_worker_main, name=f"epcomm-rank{r}",
+                             args=(r, world_size, port, device_kind, timeout_s, fn, args, kwargs, results))
+                 for r in range(world_size)]
     for p in procs:
         p.start()
     out: dict[int, Any] = {}
