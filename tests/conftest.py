@@ -21,18 +21,24 @@ def gpu_ranks() -> int:
     return gpu_rank_slots()
 
 
+def splits_shared_gpus(world_size: int, group_size: int) -> bool:
+    """Whether the launcher's placement of ``world_size`` ranks puts a group (consecutive blocks of ``group_size``)
+    on shared GPUs that span several: a one-sided transport's symmetric heap refuses such a group."""
+    from epcomm import env
+    from epcomm.testing.launcher import gpu_placement, split_shared_group
+
+    if world_size <= gpu_count():
+        return False
+    gpus = [gpu_placement(r, world_size, gpu_count(), env.ranks_per_gpu(), env.ranks_per_node() or 0)[0]
+            for r in range(world_size)]
+    return any(split_shared_group(gpus[i:i + group_size]) for i in range(0, world_size, group_size))
+
+
 def skip_split_shared_group(transport: str, world_size: int, group_size: int) -> None:
     """Skip a one-sided transport whose groups (consecutive blocks of ``group_size`` ranks) would share GPUs and
     span several at once as the launcher places them: the symmetric heap refuses such a group (CUDA IPC mappings of
     another GPU's memory are out of its kernels' reach)."""
-    from epcomm import env
-    from epcomm.testing.launcher import gpu_placement, split_shared_group
-
-    if transport == "alltoall" or world_size <= gpu_count():
-        return
-    gpus = [gpu_placement(r, world_size, gpu_count(), env.ranks_per_gpu(), env.ranks_per_node() or 0)[0]
-            for r in range(world_size)]
-    if any(split_shared_group(gpus[i:i + group_size]) for i in range(0, world_size, group_size)):
+    if transport != "alltoall" and splits_shared_gpus(world_size, group_size):
         pytest.skip(f"{transport}: groups of {group_size} of {world_size} ranks on {gpu_count()} GPUs would share "
                     "GPUs and span several (set EPCOMM_RANKS_PER_NODE to the group size, or use more GPUs)")
 

@@ -6,7 +6,7 @@ captured in a CUDA graph and replayed with new data. Every output bit-exact agai
 
 import pytest
 
-from conftest import gpu_ranks, skip_gloo_graph
+from conftest import gpu_ranks, skip_gloo_graph, skip_split_shared_group
 from epcomm.testing import spawn
 from epcomm.testing.deep_ep import REPLAYS, run_replays
 
@@ -23,6 +23,7 @@ def _assert_clean(results) -> None:
 def test_gpu_deep_ep(world_size, transport, part):
     if gpu_ranks() < world_size:
         pytest.skip(f"needs {world_size} GPU rank slots")
+    skip_split_shared_group(transport, world_size, world_size)
     if part == "graph":
         skip_gloo_graph(transport, world_size)
     names = ["graph"] if part == "graph" else [n for n in REPLAYS if n != "graph"]

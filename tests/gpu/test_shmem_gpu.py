@@ -12,11 +12,13 @@ import torch
 from epcomm.shmem import checks
 from epcomm.testing import spawn
 
-from conftest import gpu_count, gpu_ranks
+from conftest import gpu_count, gpu_ranks, splits_shared_gpus
 
 NGPU = gpu_count()
 pytestmark = pytest.mark.gpu
-RANKS = [pytest.param(n, marks=pytest.mark.skipif(gpu_ranks() < n, reason=f"needs {n} GPUs, found {NGPU}"),
+RANKS = [pytest.param(n, marks=[pytest.mark.skipif(gpu_ranks() < n, reason=f"needs {n} GPUs, found {NGPU}"),
+                                 pytest.mark.skipif(gpu_ranks() >= n and splits_shared_gpus(n, n),
+                                                    reason=f"{n} ranks would share GPUs and span several")],
                       id=f"{n}gpu")
          for n in (2, 4, 8)]
 
