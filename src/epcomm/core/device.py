@@ -1,4 +1,4 @@
-"""The device a process group communicates on."""
+"""The device a process group communicates on, and which groups of ranks sharing GPUs a one-sided heap can map."""
 
 from __future__ import annotations
 
@@ -13,3 +13,10 @@ def default_device(group) -> torch.device:
     if ("nccl" in backend or "cuda:" in backend) and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def split_shared_group(gpus: list) -> bool:
+    """Whether a group whose ranks are on ``gpus`` (one GPU name or index per rank) both shares a GPU and spans
+    several: its symmetric heap would map another GPU's memory through CUDA IPC, which that GPU's kernels cannot
+    reach (an illegal address on H200s, even with peer access enabled), so the heap refuses it."""
+    return 1 < len(set(gpus)) < len(gpus)

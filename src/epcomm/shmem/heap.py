@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from .. import env
+from ..core.device import split_shared_group
 from ..core.layout import align_up
 from ..errors import BufferTooSmallError, EpcommError, EpcommTimeoutError, TransportUnavailableError
 from ..kernels import triton_available
@@ -161,10 +162,11 @@ class SymmetricHeap:
         dist.all_gather_object(facts, (device.index if device.type == "cuda" else -1, device_uuid(device), nonce),
                                group=self.group)
         self._peer_devices = tuple(f[0] for f in facts)
-        shares_gpu = device.type == "cuda" and len({f[1] for f in facts}) < self.world_size
-        if shares_gpu and len({f[1] for f in facts}) > 1:
+        gpus = [f[1] for f in facts]
+        shares_gpu = device.type == "cuda" and len(set(gpus)) < self.world_size
+        if device.type == "cuda" and split_shared_group(gpus):
             raise TransportUnavailableError(
-                f"{fn}: the group's {self.world_size} ranks share GPUs and span {len({f[1] for f in facts})} of them "
+                f"{fn}: the group's {self.world_size} ranks share GPUs and span {len(set(gpus))} of them "
                 f"(rank {self.rank} on {device}): ranks that share a GPU map each other's memory through CUDA IPC, "
                 "and a kernel cannot reach another GPU's memory through such a mapping (an illegal address). Keep a "
                 "group of ranks that share GPUs on one GPU (EPCOMM_RANKS_PER_NODE places each simulated node's ranks "

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from .. import env
+from ..core.device import split_shared_group  # noqa: F401  (the placement's rule, for its callers)
 from ..errors import EpcommError, EpcommTimeoutError
 
 log = logging.getLogger(__name__)
@@ -117,13 +118,6 @@ def gpu_placement(local_rank: int, local_world_size: int, n_gpus: int, ranks_per
         gpus = [r % n_gpus for r in range(local_world_size)]
     gpu = gpus[local_rank]
     return gpu, (gpus.count(gpu) if ranks_per_gpu > 1 else 1)
-
-
-def split_shared_group(gpus: list) -> bool:
-    """Whether a group whose ranks are on ``gpus`` (one device index per rank) both shares a GPU and spans
-    several: its symmetric heap would map another GPU's memory through CUDA IPC, which that GPU's kernels cannot
-    reach (an illegal address on H200s, even with peer access enabled), so the heap refuses it."""
-    return len(set(gpus)) > 1 and len(set(gpus)) < len(gpus)
 
 
 def _setup_logging(rank: int) -> None:

@@ -1013,7 +1013,7 @@ class HierarchicalTransport(Transport):
             return None
         xb, wb = x.size(1) * x.element_size(), w.size(1) * 4
         width = xb + wb
-        if width % x.element_size() or width % 4 or xb % 4:
+        if xb % 4:  # (then the weights start 4-byte aligned and the width divides into x's elements too)
             return None
         buf = torch.empty(n, width, dtype=torch.uint8, device=x.device)
         return (torch.as_strided(buf.view(x.dtype), (n, x.size(1)), (width // x.element_size(), 1)),
