@@ -414,8 +414,9 @@ def test_rows_and_records_in_one_collective():
 
 def test_parts_side_by_side_are_sent_as_they_are():
     """``_side_by_side``: parts that fill one buffer's rows in order without a gap (a combine's partials and weights as
-    the one-sided node leg writes them) are that buffer's rows, sent without a copy, with one row or none too; parts
-    apart, out of order, with a gap or of other row counts are not (nor need rows of none be: nothing to copy)."""
+    the one-sided node leg writes them; an exact dispatch's rows and records as its pack writes them, with up to 15
+    bytes of padding after them) are that buffer's rows, sent without a copy, with one row or none too; parts apart,
+    out of order, with a gap or of other row counts are not (nor need rows of none be: nothing to copy)."""
     import torch
 
     from epcomm.transports.alltoall import _side_by_side
@@ -428,7 +429,13 @@ def test_parts_side_by_side_are_sent_as_they_are():
         assert got is not None and got.data_ptr() == buf.data_ptr() and tuple(got.shape) == (n, 40), n
         assert torch.equal(got, buf) and got.is_contiguous()
         assert _side_by_side([w, x]) is None  # (out of order)
-        assert _side_by_side([x, torch.as_strided(buf.view(torch.float32), (n, 3), (10, 1), 6)]) is None  # (a gap)
+        assert _side_by_side([x, torch.as_strided(buf.view(torch.float32), (n, 3), (10, 1), 7)]) is None  # (a gap)
+        # padding after the last part, less than 16 bytes (an exact dispatch's rows and records packed in 16-byte
+        # rows): the whole rows, padding too; 16 bytes or more: not
+        got = _side_by_side([x, torch.as_strided(buf.view(torch.float32), (n, 3), (10, 1), 6)])
+        assert got is not None and tuple(got.shape) == (n, 40) and torch.equal(got, buf), n
+        assert _side_by_side([torch.as_strided(buf.view(torch.bfloat16), (n, 4), (20, 1)),
+                              torch.as_strided(buf.view(torch.float32), (n, 2), (10, 1), 2)]) is None  # (24 bytes)
     buf = torch.zeros(4, 40, dtype=torch.uint8)
     x = torch.as_strided(buf.view(torch.bfloat16), (4, 12), (20, 1))
     assert _side_by_side([x, torch.zeros(4, 4)]) is None  # (another buffer)
@@ -595,6 +602,8 @@ def _in_place_cases(ctx):
     """One-chunk exact-mode dispatches over the one-sided domain leg (its kernels under the interpreter): four of
     the Buffer suite's normal cases and one with -1 slots against the reference (dispatch, combine, cached dispatch), and how many calls
     wrote their rows in place."""
+    import torch
+
     from epcomm.transports import hierarchical
     from epcomm.transports.nvlink import NVLinkTransport
 
@@ -610,11 +619,13 @@ def _in_place_cases(ctx):
     from epcomm.testing.checks import NormalCase
     from epcomm.transports import alltoall
 
-    found, sent = alltoall._side_by_side, [0]
+    # (and the dispatches' pack writing rows and records side by side into the rows the inter-domain leg sends)
+    found, sent, packed = alltoall._side_by_side, [0], [0]
 
     def side_by_side(parts):
         got = found(parts)
         sent[0] += got is not None
+        packed[0] += got is not None and parts[0].dtype == torch.int32  # (a dispatch's: rows as int32 words)
         return got
 
     alltoall._side_by_side = side_by_side
@@ -631,7 +642,7 @@ def _in_place_cases(ctx):
         NormalCase(num_tokens=(6, 0, 11, 3), hidden=72, num_experts=24, topk=3, dtype="bf16", routing="dropped",
                    bias=1, seed=81)]  # (-1 slots)
     return (run_cases(ctx, cases, NVLinkTransport, {"ranks_per_node": 2, "num_nvl_bytes": 1 << 23}), calls[0],
-            sent[0], views[0])
+            sent[0] - packed[0], views[0], packed[0])
 
 
 def test_one_chunk_rows_written_in_place(monkeypatch):
@@ -642,9 +653,9 @@ def test_one_chunk_rows_written_in_place(monkeypatch):
     combines' node leg writes each chunk's partials and weights side by side into the rows the inter-domain leg sends
     as they are, and the node leg reads the dispatches' rows where they landed (a view, beside their records)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    for failed, calls, sent, views in spawn(_in_place_cases, 4, device="cpu", timeout_s=900):
+    for failed, calls, sent, views, packed in spawn(_in_place_cases, 4, device="cpu", timeout_s=900):
         assert failed == [], failed
-        assert calls >= 4 and sent >= 2 and views >= 4, (calls, sent, views)
+        assert calls >= 4 and sent >= 2 and views >= 4 and packed >= 4, (calls, sent, views, packed)
 
 
 @pytest.mark.parametrize("head_chunk", [None, True])
@@ -1165,9 +1176,11 @@ def test_bench_internode_and_its_model(tmp_path, monkeypatch):
     first = 2 * (e.crossing_bytes + 4096 * (7168 + 4 * 7168 // 128)) / 4000e9 * 1e6
     assert abs(placed.pipelined_us - (e.pipelined_us - e.reorder_us + first)) < 1e-6, (placed, e, first)
     # copies of each chunk's rows before it crosses and after it lands overlap the other chunks' transfers: in one
-    # chunk both are exposed, in four chunks less than that (an exact-mode dispatch: one of each; a combine: the
-    # partials' sum where they landed, its node leg writing them beside their weights into the rows that are sent)
-    assert internode.HostCosts().model_args("dispatch FP8")["copies"] == (1.0, 1.0, 0.0, 0.0)
+    # chunk both are exposed, in four chunks less than that (an exact-mode dispatch: its records copied out after its
+    # rows land, its pack writing rows and records into the rows that are sent; a combine: the partials' sum where
+    # they landed, its node leg writing them beside their weights into the rows that are sent)
+    assert internode.HostCosts().model_args("dispatch FP8", records=0.04)["copies"] == (0.0, 0.04, 0.0, 0.0)
+    assert abs(internode.records_share(7168, 8, "fp8") - 74 * 4 / 7392) < 1e-12  # (source, 56 scales, 8 ids, 8 weights)
     assert internode.HostCosts().model_args("combine BF16")["copies"] == (0.0, 1.0, 0.0, 0.0)
     copy = 2 * e.crossing_bytes / 4000e9 * 1e6
     for c in (1, 4):

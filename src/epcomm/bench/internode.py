@@ -563,10 +563,10 @@ class HostCosts:
         one-sided: ``HierarchicalTransport._mapped``), not gathered after it; so are an exact-mode dispatch's in one
         chunk without a head chunk (``in_place_one_chunk``: ``best_estimate`` applies it to one chunk only). The
         device's own passes over the rows (``internode_estimate``'s ``copies``), as the inter-domain leg makes them
-        (``AllToAllTransport`` with ``fuse_rows``): an exact-mode dispatch puts each chunk's rows and records side by
-        side before they cross (its packing runs while the counts travel) and copies only the records out after
-        (``records``: their share of the crossing bytes; its one-sided node leg reads the rows where they landed,
-        ``rows_as_views``); a cached
+        (``AllToAllTransport`` with ``fuse_rows``): an exact-mode dispatch's pack writes each chunk's rows and records
+        side by side into the rows it sends (no copy before they cross; its packing runs while the counts travel) and
+        copies only the records out after (``records``: their share of the crossing bytes; its one-sided node leg
+        reads the rows where they landed, ``rows_as_views``); a cached
         one packs every chunk's rows at once before the first crosses, after putting each token's FP8 scales at the
         end of its row, and its node leg reads the landed rows in place; a combine's node leg writes each chunk's
         partials and weights side by side into the rows the inter-domain leg sends, and the source sums the partials
@@ -579,10 +579,10 @@ class HostCosts:
                 fixed = (self.fixed if self.nohead_fixed is None else self.nohead_fixed) if fixed is None else fixed
                 return dict(fixed_us=fixed, host_us=self.nohead_host, lead_us=self.nohead_lead,
                             host_chunk_us=self.dispatch_chunk, in_place_one_chunk=True,
-                            copies=(1.0, records, 0.0, 0.0))
+                            copies=(0.0, records, 0.0, 0.0))
             return dict(fixed_us=self.fixed if fixed is None else fixed, host_us=self.dispatch_host,
                         lead_us=self.dispatch_lead, host_chunk_us=self.dispatch_chunk,
-                        head_share=HierarchicalTransport.head_share, copies=(1.0, records, 0.0, 0.0))
+                        head_share=HierarchicalTransport.head_share, copies=(0.0, records, 0.0, 0.0))
         return dict(host_us=self.combine_host, host_chunk_us=self.combine_chunk, copies=(0.0, 1.0, 0.0, 0.0))
 
     def host_ahead(self) -> "HostCosts":

@@ -295,7 +295,8 @@ def _push_tokens(pid, nprog, slot, nslots, x_ptr, scales_ptr, s_stride_t, s_stri
                  R: tl.constexpr, R_POW2: tl.constexpr, TOK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
                  BLOCK_K: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr,
                  SINGLE_ROUND: tl.constexpr, VEC: tl.constexpr, USE_PTX: tl.constexpr, PMAX: tl.constexpr,
-                 SIG: tl.constexpr, pidx_ptr=None, HAS_PIDX: tl.constexpr = False, XS: tl.constexpr = 0):
+                 SIG: tl.constexpr, pidx_ptr=None, HAS_PIDX: tl.constexpr = False, XS: tl.constexpr = 0,
+                 DST_RS: tl.constexpr = 0):
     """Program ``pid`` of ``nprog`` pushes its contiguous range of tokens ``[t_begin, t_end)``, ``TOK`` at a
     time: reads each row once and stores it, with its record, into every destination it goes to, at row
     ``rank * cap + pos[t, r] - first[r]`` of that destination's area. ``SIG > 0`` (streaming dispatch) also
@@ -305,7 +306,9 @@ def _push_tokens(pid, nprog, slot, nslots, x_ptr, scales_ptr, s_stride_t, s_stri
     fence so that it publishes the rows before it (slot 0 also announces ``nslots`` and ``first``).
     ``HAS_PIDX`` (expert-major dispatch, ``epcomm.kernels.expert_major``): records end with K more words,
     ``pidx [N, K]`` int32 (each pair's index among this rank's pairs of its expert). ``XS``: the rows of ``x`` are
-    that many words apart (0: ``XW``, contiguous)."""
+    that many words apart (0: ``XW``, contiguous). ``DST_RS`` (a pack into one local buffer): each destination row is
+    that many words, its row's words then its record's (at ``meta_off``, the row's end) side by side; 0: rows ``XW``
+    and records ``W`` words apart in their own areas."""
     per = tl.cdiv(tl.cdiv(t_end - t_begin, nprog), TOK) * TOK
     lo = t_begin + pid * per
     hi = tl.minimum(lo + per, t_end)
@@ -313,6 +316,12 @@ def _push_tokens(pid, nprog, slot, nslots, x_ptr, scales_ptr, s_stride_t, s_stri
     scols = tl.arange(0, BLOCK_S)
     kc = tl.arange(0, BLOCK_K)
     rcols = tl.arange(0, R_POW2)
+    if DST_RS > 0:  # rows and records side by side in one buffer's rows
+        row_bytes = DST_RS * 4
+        rec_bytes = DST_RS * 4
+    else:
+        row_bytes = XW * 4
+        rec_bytes = W * 4
     row = rank * (PMAX + 2)  # this rank's row of progress words at each destination (pairs of int64)
     if SIG > 0:
         if slot == 0:
@@ -334,7 +343,7 @@ def _push_tokens(pid, nprog, slot, nslots, x_ptr, scales_ptr, s_stride_t, s_stri
             v, cols, cm = _row_tile(x_ptr, t, live, c0, XW, BLOCK, VEC, XS)
             for r in tl.static_range(R):
                 go, a = _dest_row(itr_ptr, pos_ptr, first_ptr, t, live, r, rank, cap, R, SINGLE_ROUND)
-                dst = (tl.load(bases_ptr + r) + area_off + a * (XW * 4)).to(tl.pointer_type(tl.int32))
+                dst = (tl.load(bases_ptr + r) + area_off + a * row_bytes).to(tl.pointer_type(tl.int32))
                 if VEC:  # heap bases and areas are 256-byte aligned, rows 16: 16-byte stores of the loaded layout
                     dst = tl.multiple_of(dst, 16)  # (measured 1-3% faster here; not in _push_rows, see there)
                 tl.store(dst[:, None] + cols[None, :], v, mask=go[:, None] & cm[None, :])
@@ -350,7 +359,7 @@ def _push_tokens(pid, nprog, slot, nslots, x_ptr, scales_ptr, s_stride_t, s_stri
                 pv = tl.load(pidx_ptr + t[:, None] * K + kc[None, :], mask=km, other=-1)
         for r in tl.static_range(R):
             go, a = _dest_row(itr_ptr, pos_ptr, first_ptr, t, live, r, rank, cap, R, SINGLE_ROUND)
-            rec = (tl.load(bases_ptr + r) + meta_off + a * (W * 4)).to(tl.pointer_type(tl.int32))
+            rec = (tl.load(bases_ptr + r) + meta_off + a * rec_bytes).to(tl.pointer_type(tl.int32))
             tl.store(rec, t.to(tl.int32), mask=go)
             tl.store(rec + 1, tl.zeros([TOK], tl.int32) + rank, mask=go)
             if HAS_SCALES:
@@ -392,7 +401,7 @@ def dispatch_push_kernel(x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_
                          R_POW2: tl.constexpr, TOK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
                          BLOCK_K: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr,
                          HAS_W: tl.constexpr, SINGLE_ROUND: tl.constexpr, VEC: tl.constexpr,
-                         USE_PTX: tl.constexpr, PUBLISH: tl.constexpr = True):
+                         USE_PTX: tl.constexpr, PUBLISH: tl.constexpr = True, DST_RS: tl.constexpr = 0):
     """Token-major push (``_push_tokens``) by every program, then the last one publishes the round (headers
     and epoch, for ``dispatch_copyout_kernel``).
 
@@ -400,13 +409,14 @@ def dispatch_push_kernel(x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_
     (int64 or int32); w_ptr float32 ``[N, K]``; itr_ptr int8 ``[N, R]``; pos_ptr int32 ``[N, R]``;
     first_ptr/rows_ptr int32 ``[R]``: this round's first pair index and rows per destination (with
     SINGLE_ROUND, first is 0 and rows_ptr is num_tokens_per_rank). With ``PUBLISH=False`` it only packs
-    (every ``bases`` entry is one local buffer: the portable transport's send area) and signals nobody."""
+    (every ``bases`` entry is one local buffer: the portable transport's send area) and signals nobody; ``DST_RS``:
+    as ``_push_tokens``."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     _push_tokens(pid, nprog, pid, nprog, x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_ptr, itr_ptr,
                  pos_ptr, first_ptr, bases_ptr, area_off, meta_off, 0, 0, t_begin, t_end, cap, rank, world, XW, W, NS,
                  K, E_LOCAL, R, R_POW2, TOK, BLOCK, BLOCK_S, BLOCK_K, HAS_SCALES, HAS_TOPK, HAS_W, SINGLE_ROUND, VEC,
-                 USE_PTX, 1, 0)
+                 USE_PTX, 1, 0, DST_RS=DST_RS)
     if PUBLISH:
         fence_sys(USE_PTX)
         tl.debug_barrier()
@@ -896,7 +906,7 @@ def launch_push(*, x, scales, topk_idx, topk_weights, itr, pos, first, rows, bas
                 hdr_off: int, arrive_off: int, epoch, counter, t_begin: int, t_end: int, cap: int, rank: int,
                 world: int, num_experts: int, grid: int, tokens_per_step: int, use_ptx: bool, single_round: bool,
                 publish: bool, dummy, receive: Optional[ReceiveSide] = None, gate: Optional[Gate] = None,
-                limit: int = 0) -> None:
+                limit: int = 0, row_words: int = 0) -> None:
     """``dispatch_push_kernel`` for rows of ``x [N, H]`` (any dtype; rows a multiple of 4 bytes), optional
     ``scales [N, S]`` (4-byte dtype, any strides), ``topk_idx``/``topk_weights [N, K]``; with ``receive``,
     the streaming ``dispatch_kernel`` instead (``grid`` pushing programs, at most ``PROGRESS_SLOTS``, plus
@@ -905,7 +915,9 @@ def launch_push(*, x, scales, topk_idx, topk_weights, itr, pos, first, rows, bas
     ``PROGRESS_SLOTS``); ``limit``: the most programs the streaming launch may hold at once (0: as many as fit), so
     that other streams' kernels (a gated dispatch's writers) keep the rest of the GPU. The streaming kernel reads rows
     of ``x`` with any row stride (a multiple of 4 bytes; e.g. the first columns of wider rows), the others contiguous
-    ones (``x`` is copied where it is not)."""
+    ones (``x`` is copied where it is not). ``row_words`` (the pushing kernel without ``publish``: a pack): each
+    destination row that many int32 words (a multiple of 4: 16-byte rows for the vector stores), its row then its
+    record at ``meta_off`` side by side; 0: rows and records in their own areas."""
     import torch
 
     n = x.size(0)
@@ -920,9 +932,12 @@ def launch_push(*, x, scales, topk_idx, topk_weights, itr, pos, first, rows, bas
     push_args = (x_words, *scale_args(scales, dummy), topk_idx if k else dummy, topk_weights if has_w else dummy,
                  itr.view(torch.int8), pos, first)
     meta = _push_meta(xw, ns, k, has_w, num_experts, world, tokens_per_step, single_round, use_ptx, xs % 4 == 0)
+    if row_words and (receive is not None or publish or row_words % 4 or row_words < xw + meta["W"]):
+        raise ValueError(f"launch_push: row_words={row_words} packs rows of {xw} and records of {meta['W']} words side "
+                         f"by side (a multiple of 4 at least their sum), without receive or publish")
     if receive is None:
         launch(dispatch_push_kernel, (grid,), *push_args, rows, bases, area_off, meta_off, hdr_off, arrive_off, epoch,
-               counter, t_begin, t_end, cap, rank, world, PUBLISH=publish, **meta)
+               counter, t_begin, t_end, cap, rank, world, PUBLISH=publish, DST_RS=row_words, **meta)
         return
     slots = grid * (gate.chunks if gate is not None else 1)
     if not 1 <= slots <= PROGRESS_SLOTS:

@@ -66,8 +66,9 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def _side_by_side(parts: list) -> Optional[torch.Tensor]:
     """The ``[rows, bytes]`` uint8 rows of one buffer that ``parts`` (2-D, unit column stride) fill side by side, in
-    order and without a gap (each row of the buffer is a row of every part, one after another), or None where they do
-    not (then they are copied side by side to be sent)."""
+    order and without a gap between them (each row of the buffer is a row of every part, one after another, then at
+    most 15 bytes of padding: rows of 16 bytes), or None where they do not (then they are copied side by side to be
+    sent). The padding crosses with the rows."""
     first = parts[0]
     if any(t.dim() != 2 or t.size(0) != first.size(0) or (t.size(1) > 1 and t.stride(1) != 1) for t in parts):
         return None
@@ -77,10 +78,30 @@ def _side_by_side(parts: list) -> Optional[torch.Tensor]:
         if t.data_ptr() != at or (t.size(0) > 1 and t.stride(0) * t.element_size() != stride):
             return None
         at += t.size(1) * t.element_size()
-    if at - first.data_ptr() != stride or any(t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
-                                              for t in parts):
+    storage = first.untyped_storage()
+    end = first.data_ptr() + first.size(0) * stride  # (the last row's padding must be in the buffer too)
+    if (not 0 <= stride - (at - first.data_ptr()) < 16 or end > storage.data_ptr() + storage.nbytes()
+            or any(t.untyped_storage().data_ptr() != storage.data_ptr() for t in parts)):
         return None
     return torch.as_strided(first.view(torch.uint8), (first.size(0), stride), (stride, 1))
+
+
+def fused_width(views: list) -> int:
+    """Bytes of one fused row (``fuse_rows``): the parts' bytes side by side, padded to 16 (the pack kernel's vector
+    stores want 16-byte rows). A function of the parts' widths alone, the same on every rank: a receiver sizes its
+    rows by it whatever way its own rows were made."""
+    return -(-sum(v.size(1) for v in views) // 16) * 16
+
+
+def _fused_send(parts: list, views: list) -> torch.Tensor:
+    """The ``[rows, fused_width]`` uint8 rows that carry ``parts`` (their byte ``views``) side by side: the buffer they
+    already fill (``_side_by_side``, sent as it is) where its rows are that wide, else a copy (zero padding)."""
+    width = fused_width(views)
+    send = _side_by_side(parts)
+    if send is not None and send.size(1) == width:
+        return send
+    pad = width - sum(v.size(1) for v in views)
+    return torch.cat(views + ([views[0].new_zeros(views[0].size(0), pad)] if pad else []), 1)
 
 
 def reduce_rows(buf: torch.Tensor, slot: torch.Tensor, bias: tuple, out_dtype: torch.dtype) -> torch.Tensor:
@@ -119,8 +140,9 @@ class Ahead:
     req: DispatchRequest
     plan: "_Plan"
     capacity: int  # slots per destination
-    recv: torch.Tensor  # [R * capacity, row bytes + record bytes] uint8: the slots as received, source by source
+    recv: torch.Tensor  # [R * capacity, row bytes + record bytes (+ padding)] uint8: the slots as received, by source
     row_bytes: int  # of x's rows (the records follow them)
+    record_bytes: int  # of the records (any padding after them)
 
 
 @dataclass(frozen=True)
@@ -204,9 +226,9 @@ class AllToAllTransport(Transport):
                 outs.append(out)
             return outs
         views = [_as_bytes(t if t.stride(-1) == 1 else t.contiguous()) for t in parts]  # (cat reads strided rows)
-        recv = torch.empty(out_rows, sum(v.size(1) for v in views), dtype=torch.uint8, device=dev)
-        send = _side_by_side(parts)  # (already side by side in one buffer's rows: sent as they are)
-        self._a2a(recv, send if send is not None else torch.cat(views, 1), out_splits, in_splits)
+        send = _fused_send(parts, views)
+        recv = torch.empty(out_rows, send.size(1), dtype=torch.uint8, device=dev)
+        self._a2a(recv, send, out_splits, in_splits)
         outs, col = [], 0
         for i, (t, v) in enumerate(zip(parts, views)):
             width = v.size(1)
@@ -402,10 +424,12 @@ class AllToAllTransport(Transport):
                            if req.num_tokens_per_expert is not None else [])
         return DispatchResult(recv_x, recv_scales, recv_idx, recv_w, per_expert_list, handle)
 
-    def _pack(self, x, scales, topk_idx, topk_weights, itr, pos, first, num_experts, num_rows=None):
+    def _pack(self, x, scales, topk_idx, topk_weights, itr, pos, first, num_experts, num_rows=None, fused=False):
         """GPU path: rows and records of every (token, destination) pair, in send order, with one kernel
         (the one-sided push kernel in local mode). Returns ``(rows [S, XW] int32, records [S, W])``: ``S`` is
-        ``num_rows`` (the pairs, when the host knows their number) or ``N * R`` (room for any routing)."""
+        ``num_rows`` (the pairs, when the host knows their number) or ``N * R`` (room for any routing). ``fused``:
+        both are views of one buffer's rows, a row's words then its record's, padded to 16 bytes (what ``fuse_rows``
+        sends as it is: ``_side_by_side``)."""
         from ..kernels.ep import launch_push, record_words
         from ..kernels.shmem import num_sms
 
@@ -414,11 +438,17 @@ class AllToAllTransport(Transport):
         ns = scales.size(1) if scales is not None else 0
         k = topk_idx.size(1) if topk_idx is not None else 0
         num_rows = n * num_ranks if num_rows is None else num_rows
+        mw = record_words(ns, k, topk_weights is not None)
         # (at least one row allocated, whose address the kernel takes as an integer: an empty tensor's address is 0,
         # a 32-bit argument, so another variant of the kernel, compiled and loaded in the middle of a call)
-        rows = torch.empty(max(num_rows, 1), xw, dtype=torch.int32, device=x.device)
-        recs = torch.empty(max(num_rows, 1), record_words(ns, k, topk_weights is not None), dtype=torch.int32,
-                           device=x.device)
+        if fused:
+            width = -(-(xw + mw) // 4) * 4  # (in words: fused_width of the rows and the records)
+            both = torch.empty(max(num_rows, 1), width, dtype=torch.int32, device=x.device)
+            rows, recs = both[:, :xw], both[:, xw:xw + mw]
+        else:
+            width = 0
+            rows = torch.empty(max(num_rows, 1), xw, dtype=torch.int32, device=x.device)
+            recs = torch.empty(max(num_rows, 1), mw, dtype=torch.int32, device=x.device)
         # every "destination" base is 0 and the offsets are the local buffers' addresses: no per-call table
         zero_bases = self._zero_bases.get(num_ranks)
         if zero_bases is None:
@@ -427,7 +457,8 @@ class AllToAllTransport(Transport):
                     rows=first, bases=zero_bases, area_off=rows.data_ptr(), meta_off=recs.data_ptr(), hdr_off=0,
                     arrive_off=0, epoch=self._errors, counter=self._errors, t_begin=0, t_end=n, cap=0, rank=self.rank,
                     world=num_ranks, num_experts=num_experts, grid=max(1, min(num_sms(x.device) * 4, -(-n // 4))),
-                    tokens_per_step=4, use_ptx=x.is_cuda, single_round=False, publish=False, dummy=self._errors)
+                    tokens_per_step=4, use_ptx=x.is_cuda, single_round=False, publish=False, dummy=self._errors,
+                    row_words=width)
         return rows[:num_rows], recs[:num_rows]
 
     def _dispatch_gpu(self, req: DispatchRequest) -> DispatchResult:
@@ -475,16 +506,18 @@ class AllToAllTransport(Transport):
             slots = self._slot_first[(num_ranks, capacity)] = -capacity * torch.arange(
                 num_ranks, dtype=torch.int32, device=req.x.device)
         rows, recs = self._pack_plan(req, plan, slots, num_ranks * capacity)
-        send = torch.cat([_as_bytes(rows), _as_bytes(recs)], 1)  # (slots no row fills hold what was there)
+        # (slots no row fills hold what was there; rows packed beside their records are sent as they are)
+        send = _fused_send([rows, recs], [_as_bytes(rows), _as_bytes(recs)])
         recv = torch.empty_like(send)
         self._a2a(recv, send)
-        return Ahead(req, plan, capacity, recv, rows.size(1) * 4)
+        return Ahead(req, plan, capacity, recv, rows.size(1) * 4, recs.size(1) * 4)
 
     def receive_ahead(self, ahead: "Ahead", known: KnownCounts) -> DispatchResult:
         """The result of ``send_ahead``'s dispatch, given its counts (``known``, as ``DispatchRequest.known``): the
         rows each source filled of its slots, side by side, exactly what ``dispatch`` with those counts returns
         (the same rows, records and handle)."""
         cap, rb, recv = ahead.capacity, ahead.row_bytes, ahead.recv
+        end = rb + ahead.record_bytes
         recv_counts = list(known.num_recv_tokens_per_rank)
         filled = [(s * cap, c) for s, c in enumerate(recv_counts) if c]
 
@@ -498,9 +531,9 @@ class AllToAllTransport(Transport):
             # ``_exchange_rows`` gives them: the same kernel variant downstream whether a chunk was sent ahead or not
             whole = columns(0, recv.size(1))
             rows = torch.as_strided(whole, (whole.size(0), rb), (whole.size(1), 1))
-            records = one_variant(whole[:, rb:])
+            records = one_variant(whole[:, rb:end])
         else:
-            rows, records = columns(0, rb), columns(rb, recv.size(1))
+            rows, records = columns(0, rb), columns(rb, end)
         return self._received(ahead.req, rows, records.view(torch.int32),
                               list(known.num_tokens_per_rank), recv_counts, self._known_expert_counts(known),
                               self._gpu_state(ahead.plan, known.num_tokens_per_rank))
@@ -565,7 +598,7 @@ class AllToAllTransport(Transport):
         """``(rows, records)`` of every (token, destination) pair of ``req`` (``_pack``), in the plan's positions
         (``first``: minus each destination's first row, the plan's when None; ``num_rows``: as ``_pack``)."""
         return self._pack(req.x, req.x_scales, req.topk_idx, req.topk_weights, req.is_token_in_rank, plan.pos,
-                          plan.first if first is None else first, req.num_experts, num_rows)
+                          plan.first if first is None else first, req.num_experts, num_rows, fused=self.fuse_rows)
 
     def _check_plan(self, req: DispatchRequest, host: list) -> None:
         bad_layout, bad_topk = host[:2]

@@ -1012,7 +1012,7 @@ class HierarchicalTransport(Transport):
         if w is None or not self.domain.combines_into or not getattr(self.rail, "fuse_rows", False):
             return None
         xb, wb = x.size(1) * x.element_size(), w.size(1) * 4
-        width = xb + wb
+        width = -(-(xb + wb) // 16) * 16  # (alltoall.fused_width: as wide as the rows the inter-domain leg sends)
         if xb % 4:  # (then the weights start 4-byte aligned and the width divides into x's elements too)
             return None
         buf = torch.empty(n, width, dtype=torch.uint8, device=x.device)
