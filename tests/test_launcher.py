@@ -36,6 +36,23 @@ def test_worker_error_is_reraised_with_traceback():
     assert "_fail_on_rank_one" in str(info.value)
 
 
+def _not_rebuilt():
+    raise RuntimeError("cannot be rebuilt in the worker")
+
+
+class _BreaksInTheWorker:
+    """Pickles in the parent; unpickling it (in the worker) raises."""
+
+    def __reduce__(self):
+        return (_not_rebuilt, ())
+
+
+def test_argument_that_cannot_be_unpickled_names_the_rank():
+    with pytest.raises(WorkerError, match=r"spawn: rank [01] of 2 failed") as info:
+        spawn(_rank_info, 2, _BreaksInTheWorker(), device="cpu", timeout_s=60)
+    assert "cannot be rebuilt in the worker" in str(info.value)
+
+
 def _env_value(ctx, name):
     import os
 

@@ -151,7 +151,8 @@ def exchange_kernel(per_rank_ptr, per_expert_ptr, itr_ptr, topk_ptr, pos_ptr, su
         row = tl.load(mat_ptr + (s * R + rcols) * TW, mask=sm, other=0)
         max_pair = tl.maximum(max_pair, tl.max(row, axis=0))
         max_tokens = tl.maximum(max_tokens, tl.load(mat_ptr + (s * R) * TW + 1))
-    tl.store(summary_ptr + 0, tl.sum(recv_from, axis=0))
+    total = tl.sum(recv_from, axis=0)
+    tl.store(summary_ptr + 0, total)
     tl.store(summary_ptr + 1, max_pair)
     tl.store(summary_ptr + 2, max_tokens)
     tl.store(summary_ptr + 3, bad_topk)
@@ -170,7 +171,7 @@ def exchange_kernel(per_rank_ptr, per_expert_ptr, itr_ptr, topk_ptr, pos_ptr, su
         tl.store(summary_ptr + 8 + 3 * R + ecols, acc, mask=em)
     if CHECK:
         wrong = bad_topk + bad_layout
-        wrong += (tl.sum(recv_from, axis=0) != tl.load(expected_ptr)).to(tl.int32)
+        wrong += (total != tl.load(expected_ptr)).to(tl.int32)
         wrong += (max_pair != tl.load(expected_ptr + 1)).to(tl.int32)
         wrong += (max_tokens != tl.load(expected_ptr + 2)).to(tl.int32)
         for j in tl.static_range(3):  # prefix, received from, sent

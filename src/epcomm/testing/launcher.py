@@ -156,16 +156,17 @@ def init_worker(rank: int, world_size: int, device_kind: str, timeout_s: float) 
     return WorkerContext(rank=rank, world_size=world_size, device=device, group=dist.group.WORLD)
 
 
-def _forked_worker(environ: dict, payload: bytes, results: Any) -> None:
+def _forked_worker(rank: int, environ: dict, payload: bytes, results: Any) -> None:
     """A CPU worker forked from the forkserver: it takes the launching process's environment first (the server's is
-    older), then unpickles its function and arguments, whose modules import the kernels under that environment."""
+    older), then unpickles its function and arguments, whose modules import the kernels under that environment.
+    ``rank`` travels beside the payload, so that a payload that cannot be unpickled is reported as this rank's."""
     env.adopt(environ)
     try:
         work = pickle.loads(payload)
     except BaseException:  # noqa: BLE001 - back to the parent, which names this rank
-        results.put((-1, "error", traceback.format_exc()))
+        results.put((rank, "error", traceback.format_exc()))
         return
-    _worker_main(*work, results)
+    _worker_main(rank, *work, results)
 
 
 def _worker_main(rank: int, world_size: int, port: int, device_kind: str, timeout_s: float,
@@ -224,8 +225,8 @@ def _spawn_once(fn: Callable, world_size: int, args: tuple, kwargs: dict, device
         ctx.set_forkserver_preload(["torch"])
         results = ctx.Queue()
         environ = env.snapshot()
-        procs = [ctx.Process(target=_forked_worker, name=f"epcomm-rank{r}", args=(environ, pickle.dumps(
-            (r, world_size, port, device_kind, timeout_s, fn, args, kwargs)), results)) for r in range(world_size)]
+        procs = [ctx.Process(target=_forked_worker, name=f"epcomm-rank{r}", args=(r, environ, pickle.dumps(
+            (world_size, port, device_kind, timeout_s, fn, args, kwargs)), results)) for r in range(world_size)]
     else:  # (CUDA: spawn, a fresh process)
         ctx = mp.get_context("spawn")
         results = ctx.Queue()

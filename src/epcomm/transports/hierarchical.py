@@ -984,7 +984,7 @@ class HierarchicalTransport(Transport):
             with self._leg(fn, "sums within the domain", within=True):
                 part, part_w = self.domain.combine(CombineRequest(
                     one_variant(x[rows]), st.domain[c], None if w is None else one_variant(w[rows]), (), req.config,
-                    req.overlapped, out=self._side_by_side(st.domain[c].num_tokens, req.x, w)))
+                    req.overlapped, out=self._partials_send_rows(st.domain[c].num_tokens, req.x, w)))
             partials.append((part, part_w))
             a, b = st.bounds[c]
 
@@ -1003,7 +1003,7 @@ class HierarchicalTransport(Transport):
             outs = [out for out, _ in issued]
         return _cat([o[0] for o in outs]), _cat([o[1] for o in outs])
 
-    def _side_by_side(self, n: int, x: torch.Tensor, w: Optional[torch.Tensor]) -> Optional[tuple]:
+    def _partials_send_rows(self, n: int, x: torch.Tensor, w: Optional[torch.Tensor]) -> Optional[tuple]:
         """Where a combine's domain leg writes a chunk's ``n`` partial rows (of ``x``'s dtype and width) and their
         weights ``[n, K]`` float32: side by side in the rows of one buffer, which the inter-domain leg then sends as
         it is (its ``fuse_rows``: no copy into a send buffer); None (the domain leg's own outputs) where the domain
