@@ -1358,6 +1358,40 @@ def test_model_takes_the_head_chunk_only_where_it_pays():
     assert {r["head chunk"] for r in rows if r["op"] != "dispatch FP8"} == {""}
 
 
+def test_model_host_ahead_columns_take_the_count_exchange_timed_with_the_host_ahead():
+    """Where the run timed the count exchange with the host ahead (``COUNTS_AHEAD``, with a head chunk and without),
+    the model's host-ahead columns charge that one and the isolated columns the isolated one; a given
+    ``--fixed-us`` replaces all four; without those rows nothing changes."""
+    from types import SimpleNamespace
+
+    from epcomm.bench import internode
+
+    opts = SimpleNamespace(tokens=4096, hidden=7168, topk=8, experts=256, max_groups=4)
+    row = lambda impl, op, us: {"routing": "uniform", "impl": impl, "op": op, "time_us": str(us)}  # noqa: E731
+    one, nohead = internode.phased_impl(1), internode.phased_impl(1, head=False)
+    after, counts = f"dispatch BF16: {internode.HOST_AFTER_READ}", f"dispatch BF16: {internode.COUNTS_PHASE}"
+    ahead = f"dispatch BF16: {internode.COUNTS_AHEAD}"
+    assert ahead == f"dispatch BF16: {internode.COUNTS_PHASE}, host ahead"
+    rows = [row(one, counts, 900.0), row(one, after, 1500.0), row(nohead, counts, 800.0), row(nohead, after, 1400.0)]
+    plain = internode.HostCosts.measured(rows)
+    timed = internode.HostCosts.measured(rows + [row(one, ahead, 300.0), row(nohead, ahead, 250.0)])
+    assert (plain.fixed_ahead, plain.nohead_fixed_ahead) == (None, None)
+    assert (timed.fixed_ahead, timed.nohead_fixed_ahead) == (300.0, 250.0)
+    assert plain.host_ahead().fixed == 900.0 and plain.host_ahead().nohead_fixed == 800.0
+    assert timed.host_ahead().fixed == 300.0 and timed.host_ahead().nohead_fixed == 250.0
+    assert timed.model_args("dispatch FP8")["fixed_us"] == 900.0  # (isolated: the isolated exchange)
+    assert timed.host_ahead().model_args("dispatch FP8", head=False)["fixed_us"] == 250.0
+    assert "(300 us with the host ahead, 250 us without a head chunk)" in timed.describe()
+    shares = {(r["EP"], r["routing"], r["op"]): r for r in internode.model_rows(opts, 50.0, 322.0, timed)}
+    before = {(r["EP"], r["routing"], r["op"]): r for r in internode.model_rows(opts, 50.0, 322.0, plain)}
+    key = (64, "uniform", "dispatch FP8")
+    assert shares[key]["NIC share"] == before[key]["NIC share"]  # (the isolated columns: unchanged)
+    assert shares[key]["NIC share (host ahead)"] > before[key]["NIC share (host ahead)"]
+    given = internode._override(timed, 100.0, None)
+    assert (given.fixed, given.nohead_fixed, given.fixed_ahead, given.nohead_fixed_ahead) == (100.0, None, None, None)
+    assert given.host_ahead().model_args("dispatch FP8", head=False)["fixed_us"] == 100.0
+
+
 def test_model_charges_the_one_sided_node_leg():
     """Where each simulated node is one GPU, the model charges every chunk's node leg at the one-sided transport's
     host time (measured on the GPUs as one domain) where that is the larger: each call's one-chunk and per-chunk

@@ -43,7 +43,8 @@ distinct remote ranks for the flat ones), crossing MB per rank, and link GB/s (c
 time). Then the traffic model (``epcomm.bench.traffic.internode_estimate``) at EP16, EP32 and EP64 from
 ``--nic-gbps`` (default 50 GB/s per GPU, ConnectX-7 400 Gb/s) and ``--nvlink-gbps`` (the intranode dispatch's
 measured rate), beside DeepEP's published internode figures; its host terms are this run's, charged as for an
-isolated call and (``(host ahead)`` columns, ``HostCosts.host_ahead``) as in a step."""
+isolated call and (``(host ahead)`` columns, ``HostCosts.host_ahead``) as in a step, where an exact-mode dispatch's
+count exchange is the one timed with the host ahead (the ``..., host ahead`` phase row)."""
 
 from __future__ import annotations
 
@@ -321,7 +322,10 @@ def _by_phase(ctx, hier, x, layout: dict, iters: int) -> dict:
     host times of its combine and of an FP8 dispatch with its cached handle: ``{(chunks, head): {op: us}}``, the
     median over calls of the slowest rank; where the inter-domain leg can send a head chunk, the calls send one, and
     the first count's is also measured without one (no combine or cached call there); the modes take turns call by
-    call (a drift of the host's speed weighs on each alike).
+    call (a drift of the host's speed weighs on each alike). On GPUs each mode's count exchange is also timed as a
+    model's step meets it (``COUNTS_AHEAD``): the call issued while every rank's device runs the same matrix
+    products (``HostLead``, sized from the call's host time), so that the device runs the exchange with the call's
+    work before it already enqueued and the ranks lined up (no host gaps, no skew between the ranks' hosts in it).
     Each phase's parts are summed per call, as the device ran them (calls that record CUDA events around them) and
     (``(host)``) as the host spent them (other calls, which record the host's times alone: the events cost the host
     time); the host's milestones (``host_milestones``) split the call's host time at the count read: up to it, and
@@ -336,12 +340,23 @@ def _by_phase(ctx, hier, x, layout: dict, iters: int) -> dict:
     modes = [(c, True) for c in PHASED_CHUNKS]
     if runtime.rail.can_send_ahead(x) and HierarchicalTransport.head_share > 0:
         modes.append((PHASED_CHUNKS[0], False))
-    handles = {}
+    handles, host_s = {}, []
+    cuda = ctx.device.type == "cuda"
     for chunks, head in modes:
         HierarchicalTransport.pipeline_chunks, HierarchicalTransport.head_chunk = chunks, head
         recv_x, _, _, _, handle, _ = hier.dispatch(x, **layout)
         if head:
             handles[chunks] = (recv_x, handle)
+        if cuda:  # (the host's time of a call, which sizes its head start below)
+            torch.cuda.synchronize()
+            began = time.perf_counter()
+            hier.dispatch(x, **layout)
+            host_s.append(time.perf_counter() - began)
+            torch.cuda.synchronize()
+    # the count exchange as a model's step meets it: the device busy while the host issues the call up to its count
+    # read, every rank's device lined up behind the same products (``HostLead``)
+    lead = HostLead(ctx.group, ctx.device) if cuda else None
+    products = dict(zip(modes, lead.products(host_s))) if cuda else {}
     durations: dict = {m: {} for m in modes}
 
     def host_time(label: str, got: dict, call) -> None:
@@ -363,6 +378,12 @@ def _by_phase(ctx, hier, x, layout: dict, iters: int) -> dict:
         for chunks, head in modes:
             HierarchicalTransport.pipeline_chunks, HierarchicalTransport.head_chunk = chunks, head
             got = durations[(chunks, head)]
+            if lead is not None:
+                lead.lead(products[(chunks, head)])
+                runtime.phase_log, runtime.phase_events = [], True
+                hier.dispatch(x, **layout)
+                log, runtime.phase_log = runtime.phase_log, None
+                got.setdefault(COUNTS_AHEAD, []).append(sum(phase_durations_us(log).get(COUNTS_PHASE, [0.0])))
             for events in (True, False):
                 dist.barrier(group=ctx.group)
                 runtime.phase_log, runtime.phase_events = [], events
@@ -482,6 +503,7 @@ def _node_leg(ctx, opts, hier, x, idx, w) -> dict:
 HOST_BEFORE_READ = "host up to the count read"
 HOST_AFTER_READ = "host after the count read"
 HOST_LEAD = "host from the count read to the first rows"
+COUNTS_AHEAD = f"{COUNTS_PHASE}{AHEAD}"  # the count exchange's device time in calls issued with the host ahead
 
 
 def _median_of_rounds(rows: list) -> list:
@@ -533,6 +555,11 @@ class HostCosts:
     nohead_host: Optional[float] = None
     nohead_lead: float = 0.0
     nohead_fixed: Optional[float] = None
+    # the count exchange as the device runs it with the host ahead (``COUNTS_AHEAD``: the call's work up to the count
+    # read already enqueued when the device reaches it, the ranks lined up, as in a model's step), with a head chunk
+    # and without; None where not measured (``fixed`` / ``nohead_fixed`` then serve the host-ahead columns too)
+    fixed_ahead: Optional[float] = None
+    nohead_fixed_ahead: Optional[float] = None
 
     def describe(self) -> str:
         def per_chunk(v):
@@ -546,7 +573,12 @@ class HostCosts:
                   f" (without a head chunk {self.nohead_host:.0f} us, {self.nohead_lead:.0f} us of it before its first "
                   f"rows' collective" + ("" if self.nohead_fixed is None else
                                          f", after {self.nohead_fixed:.0f} us of count exchange") + ")")
-        return (f"{self.fixed:.0f} us of count exchange per dispatch before its rows cross; a dispatch's host time "
+        ahead = ("" if self.fixed_ahead is None else
+                 f" ({self.fixed_ahead:.0f} us with the host ahead" + ("" if self.nohead_fixed_ahead is None else
+                                                                      f", {self.nohead_fixed_ahead:.0f} us without a "
+                                                                      f"head chunk") + ")")
+        return (f"{self.fixed:.0f} us of count exchange per dispatch before its rows cross{ahead}; a dispatch's host "
+                f"time "
                 f"after the count read {self.dispatch_host:.0f} us in one chunk ({self.dispatch_lead:.0f} us of it "
                 f"before its first rows' collective){nohead}, {per_chunk(self.dispatch_chunk)} more per further "
                 f"chunk; a "
@@ -589,8 +621,12 @@ class HostCosts:
         """These costs as a model's step meets the calls: the host ahead of its GPU (it issues a call while the GPU
         still runs the step's earlier work), so a call that never synchronises the host (a combine, a cached
         dispatch) costs no host time; an exact-mode dispatch keeps its host time after the count read (the read
-        synchronises; its host time before the read is not charged in either case)."""
-        return replace(self, combine_host=0.0, combine_chunk=0.0, cached_host=0.0, cached_chunk=0.0)
+        synchronises; its host time before the read is not charged in either case), and its count exchange is the one
+        measured with the host ahead where it was (``fixed_ahead``: no rank's host is still issuing the call's work
+        when the device reaches the exchange, so neither the host's gaps nor the ranks' skew is in it)."""
+        return replace(self, combine_host=0.0, combine_chunk=0.0, cached_host=0.0, cached_chunk=0.0,
+                       fixed=self.fixed if self.fixed_ahead is None else self.fixed_ahead,
+                       nohead_fixed=self.nohead_fixed if self.nohead_fixed_ahead is None else self.nohead_fixed_ahead)
 
     def heads(self, op: str) -> tuple:
         """The head options the transport measures for ``op``'s calls (an exact-mode dispatch: with a head chunk and,
@@ -600,7 +636,7 @@ class HostCosts:
     @classmethod
     def measured(cls, rows: list) -> "HostCosts":
         """From a run's rows by phase (uniform routing, else the first): the count exchange as the device saw it in
-        one chunk (its host read included), the dispatch's host time after the count read and up to its first rows,
+        one chunk (its host read included; isolated, and where measured with the host ahead), the dispatch's host time after the count read and up to its first rows,
         the combine's and the cached dispatch's host times, and what each further chunk adds (from the difference
         between the counts of ``PHASED_CHUNKS``)."""
         got = {chunks: _ops_of(rows, phased_impl(chunks)) for chunks in PHASED_CHUNKS}
@@ -617,13 +653,15 @@ class HostCosts:
         def more(key, base):  # per further chunk
             return max(0.0, last[key] - base) / (cn - c1) if key in last and key in one else None
 
+        ahead = f"dispatch BF16: {COUNTS_AHEAD}"
         costs = cls(one[counts], host, one.get(combine, 0.0), one.get(f"dispatch BF16: {HOST_LEAD}", 0.0),
                     more(after, host), more(combine, one.get(combine, 0.0)), one.get(cached, 0.0),
-                    more(cached, one.get(cached, 0.0)))
+                    more(cached, one.get(cached, 0.0)), fixed_ahead=one.get(ahead))
         nohead = _ops_of(rows, phased_impl(c1, head=False))
         if after in nohead:
             costs = replace(costs, nohead_host=nohead[after],
-                            nohead_lead=nohead.get(f"dispatch BF16: {HOST_LEAD}", 0.0), nohead_fixed=nohead.get(counts))
+                            nohead_lead=nohead.get(f"dispatch BF16: {HOST_LEAD}", 0.0), nohead_fixed=nohead.get(counts),
+                            nohead_fixed_ahead=nohead.get(ahead))
         return costs.with_node_leg(rows)
 
     def with_node_leg(self, rows: list) -> "HostCosts":
@@ -735,7 +773,7 @@ def _override(costs: HostCosts, fixed_us: Optional[float], host_us: Optional[flo
     """``costs`` with the count exchange (``fixed_us``, with a head chunk or without) and every chunk's host time
     (``host_us``, none of it before the first rows) replaced where given."""
     if fixed_us is not None:
-        costs = replace(costs, fixed=fixed_us, nohead_fixed=None)
+        costs = replace(costs, fixed=fixed_us, nohead_fixed=None, fixed_ahead=None, nohead_fixed_ahead=None)
     if host_us is not None:
         h = host_us
         costs = replace(costs, dispatch_host=h, combine_host=h, dispatch_lead=0.0, dispatch_chunk=h, combine_chunk=h,
