@@ -578,13 +578,11 @@ class HostCosts:
                                                                       f", {self.nohead_fixed_ahead:.0f} us without a "
                                                                       f"head chunk") + ")")
         return (f"{self.fixed:.0f} us of count exchange per dispatch before its rows cross{ahead}; a dispatch's host "
-                f"time "
-                f"after the count read {self.dispatch_host:.0f} us in one chunk ({self.dispatch_lead:.0f} us of it "
-                f"before its first rows' collective){nohead}, {per_chunk(self.dispatch_chunk)} more per further "
-                f"chunk; a "
-                f"combine's host time {self.combine_host:.0f} us in one chunk, {per_chunk(self.combine_chunk)} more "
-                f"per further chunk; a cached dispatch's {self.cached_host:.0f} us in one chunk, "
-                f"{per_chunk(self.cached_chunk)} more per further chunk{leg}")
+                f"time after the count read {self.dispatch_host:.0f} us in one chunk ({self.dispatch_lead:.0f} us of "
+                f"it before its first rows' collective){nohead}, {per_chunk(self.dispatch_chunk)} more per further "
+                f"chunk; a combine's host time {self.combine_host:.0f} us in one chunk, "
+                f"{per_chunk(self.combine_chunk)} more per further chunk; a cached dispatch's "
+                f"{self.cached_host:.0f} us in one chunk, {per_chunk(self.cached_chunk)} more per further chunk{leg}")
 
     def model_args(self, op: str, fixed: Optional[float] = None, head: bool = True, records: float = 1.0) -> dict:
         """``internode_estimate``'s cost arguments for ``op`` (a dispatch, a dispatch with a cached handle, else a
@@ -636,9 +634,9 @@ class HostCosts:
     @classmethod
     def measured(cls, rows: list) -> "HostCosts":
         """From a run's rows by phase (uniform routing, else the first): the count exchange as the device saw it in
-        one chunk (its host read included; isolated, and where measured with the host ahead), the dispatch's host time after the count read and up to its first rows,
-        the combine's and the cached dispatch's host times, and what each further chunk adds (from the difference
-        between the counts of ``PHASED_CHUNKS``)."""
+        one chunk (its host read included; isolated, and where measured with the host ahead), the dispatch's host
+        time after the count read and up to its first rows, the combine's and the cached dispatch's host times, and
+        what each further chunk adds (from the difference between the counts of ``PHASED_CHUNKS``)."""
         got = {chunks: _ops_of(rows, phased_impl(chunks)) for chunks in PHASED_CHUNKS}
         c1, cn = PHASED_CHUNKS[0], PHASED_CHUNKS[-1]
         one, last = got[c1], got[cn]
@@ -876,8 +874,8 @@ def main(argv: list[str] | None = None) -> int:
              "each chunk's tokens over the previous one's, as the transport sets it from the forwarding's time over "
              f"the network's; the device's own copies of the rows charged at {HBM_GBPS:g} GB/s of HBM, read and "
              "write: an exact-mode dispatch's records copied out after they land (its rows are packed beside them "
-             "and forwarded where they landed), a cached dispatch's packing of every chunk before the first crosses, a combine's sum of the "
-             "partials where they land). "
+             "and forwarded where they landed), a cached dispatch's packing of every chunk before the first "
+             "crosses, a combine's sum of the partials where they land). "
              f"With this run's host issue times, the FP8 dispatch at EP64 (uniform routing) {need}; with a cached "
              f"handle (no count exchange: what DeepEP's published dispatch figures time, its tests tuning "
              f"`dispatch(x, handle=...)`) it reaches {cached:.0%}. The columns `(host ahead)` charge the host's time "
