@@ -25,7 +25,8 @@ def splits_shared_gpus(world_size: int, group_size: int) -> bool:
     """Whether the launcher's placement of ``world_size`` ranks puts a group (consecutive blocks of ``group_size``)
     on shared GPUs that span several: a one-sided transport's symmetric heap refuses such a group."""
     from epcomm import env
-    from epcomm.testing.launcher import gpu_placement, split_shared_group
+    from epcomm.core.device import split_shared_group
+    from epcomm.testing.launcher import gpu_placement
 
     if world_size <= gpu_count():
         return False

@@ -123,7 +123,8 @@ def test_taken_rendezvous_port_is_retried(monkeypatch):
 ])
 def test_gpu_placement(local_world, n_gpus, per_gpu, per_node, expect):
     """Where the launcher puts each rank; a simulated node's ranks never share GPUs and span several at once."""
-    from epcomm.testing.launcher import gpu_placement, split_shared_group
+    from epcomm.core.device import split_shared_group
+    from epcomm.testing.launcher import gpu_placement
 
     got = [gpu_placement(r, local_world, n_gpus, per_gpu, per_node) for r in range(local_world)]
     assert got == expect
@@ -135,7 +136,7 @@ def test_gpu_placement(local_world, n_gpus, per_gpu, per_node, expect):
 
 
 def test_split_shared_group():
-    from epcomm.testing.launcher import split_shared_group
+    from epcomm.core.device import split_shared_group
 
     assert split_shared_group([0, 1, 0, 1]) and split_shared_group([0, 0, 1])
     assert not split_shared_group([0, 1, 2, 3]) and not split_shared_group([1, 1, 1]) and not split_shared_group([2])

@@ -38,7 +38,7 @@ from typing import Optional
 import triton
 import triton.language as tl
 
-from ..core.layout import record_words  # noqa: F401  (the records' width, which the launchers here use)
+from ..core.layout import record_words  # (the records' width: the launchers here and their callers use it)
 from .launch import cdiv, launch, next_pow2
 from .numerics import pick
 from .shmem import (arrive_last, barrier_enter, block_barrier, fence_sys, record_error, st_release, wait_after,

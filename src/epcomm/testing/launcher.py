@@ -40,7 +40,6 @@ import torch
 import torch.distributed as dist
 
 from .. import env
-from ..core.device import split_shared_group  # noqa: F401  (the placement's rule, for its callers)
 from ..errors import EpcommError, EpcommTimeoutError
 
 log = logging.getLogger(__name__)
@@ -109,7 +108,7 @@ def gpu_placement(local_rank: int, local_world_size: int, n_gpus: int, ranks_per
     asks for it: a job whose processes each see one GPU (``CUDA_VISIBLE_DEVICES``) shares nothing. Simulated nodes
     (``ranks_per_node``, ``EPCOMM_RANKS_PER_NODE``) of more ranks than GPUs, on shared GPUs: each node's ranks on
     one GPU, node after node round-robin, since one-sided ranks that share GPUs must stay on one GPU
-    (``split_shared_group``)."""
+    (``core.device.split_shared_group``)."""
     if n_gpus < 1:
         raise ValueError(f"launcher: no CUDA device for rank {local_rank}")
     if ranks_per_gpu > 1 and n_gpus < ranks_per_node < local_world_size:
@@ -225,8 +224,9 @@ def _spawn_once(fn: Callable, world_size: int, args: tuple, kwargs: dict, device
         ctx.set_forkserver_preload(["torch"])
         results = ctx.Queue()
         environ = env.snapshot()
-        procs = [ctx.Process(target=_forked_worker, name=f"epcomm-rank{r}", args=(r, environ, pickle.dumps(
-            (world_size, port, device_kind, timeout_s, fn, args, kwargs)), results)) for r in range(world_size)]
+        payload = pickle.dumps((world_size, port, device_kind, timeout_s, fn, args, kwargs))  # (the same for all)
+        procs = [ctx.Process(target=_forked_worker, name=f"epcomm-rank{r}", args=(r, environ, payload, results))
+                 for r in range(world_size)]
     else:  # (CUDA: spawn, a fresh process)
         ctx = mp.get_context("spawn")
         results = ctx.Queue()

@@ -86,17 +86,28 @@ def _side_by_side(parts: list) -> Optional[torch.Tensor]:
     return torch.as_strided(first.view(torch.uint8), (first.size(0), stride), (stride, 1))
 
 
-def fused_width(views: list) -> int:
-    """Bytes of one fused row (``fuse_rows``): the parts' bytes side by side, padded to 16 (the pack kernel's vector
-    stores want 16-byte rows). A function of the parts' widths alone, the same on every rank: a receiver sizes its
-    rows by it whatever way its own rows were made."""
-    return -(-sum(v.size(1) for v in views) // 16) * 16
+def columns_of_rows(buf: torch.Tensor, dtype: torch.dtype, width: int, offset: int = 0) -> torch.Tensor:
+    """``[rows, width]`` elements of ``dtype`` starting ``offset`` bytes into each row of ``buf`` (contiguous uint8
+    rows whose width and ``offset`` are multiples of ``dtype``'s size): a view, its row stride stated rather than left
+    to torch (a view of one row or none would report the row's width: another kernel variant than the calls with
+    more rows)."""
+    typed = buf.view(dtype)
+    size = typed.element_size()
+    return torch.as_strided(typed, (buf.size(0), width), (buf.size(1) // size, 1), offset // size)
+
+
+def fused_width(widths) -> int:
+    """Bytes of one fused row (``fuse_rows``) of parts ``widths`` bytes wide: side by side, padded to 16 (the pack
+    kernel's vector stores want 16-byte rows). A function of the parts' widths alone, the same on every rank: a
+    receiver sizes its rows by it whatever way its own rows were made; the pack and the hierarchical combine's send
+    rows are made this wide, so that they are sent as they are."""
+    return -(-sum(widths) // 16) * 16
 
 
 def _fused_send(parts: list, views: list) -> torch.Tensor:
     """The ``[rows, fused_width]`` uint8 rows that carry ``parts`` (their byte ``views``) side by side: the buffer they
     already fill (``_side_by_side``, sent as it is) where its rows are that wide, else a copy (zero padding)."""
-    width = fused_width(views)
+    width = fused_width(v.size(1) for v in views)
     send = _side_by_side(parts)
     if send is not None and send.size(1) == width:
         return send
@@ -233,10 +244,7 @@ class AllToAllTransport(Transport):
         for i, (t, v) in enumerate(zip(parts, views)):
             width = v.size(1)
             if i == 0 and first_in_place and t.dim() == 2 and recv.size(1) % t.element_size() == 0:
-                # (its row stride stated, not left to torch: a view of one row or none would report the row's width,
-                # another kernel variant than the calls that receive more rows)
-                outs.append(torch.as_strided(recv.view(t.dtype), (out_rows, t.size(1)),
-                                             (recv.size(1) // t.element_size(), 1)))
+                outs.append(columns_of_rows(recv, t.dtype, t.size(1)))
             else:
                 outs.append(one_variant(recv[:, col:col + width]).view(t.dtype).view(out_rows, *t.shape[1:]))
             col += width
@@ -442,7 +450,7 @@ class AllToAllTransport(Transport):
         # (at least one row allocated, whose address the kernel takes as an integer: an empty tensor's address is 0,
         # a 32-bit argument, so another variant of the kernel, compiled and loaded in the middle of a call)
         if fused:
-            width = -(-(xw + mw) // 4) * 4  # (in words: fused_width of the rows and the records)
+            width = fused_width((xw * 4, mw * 4)) // 4  # (in words)
             both = torch.empty(max(num_rows, 1), width, dtype=torch.int32, device=x.device)
             rows, recs = both[:, :xw], both[:, xw:xw + mw]
         else:
@@ -530,7 +538,7 @@ class AllToAllTransport(Transport):
         if self.rows_as_views:  # the filled rows whole, once; the rows a view of them (the row stride stated), as
             # ``_exchange_rows`` gives them: the same kernel variant downstream whether a chunk was sent ahead or not
             whole = columns(0, recv.size(1))
-            rows = torch.as_strided(whole, (whole.size(0), rb), (whole.size(1), 1))
+            rows = columns_of_rows(whole, torch.uint8, rb)
             records = one_variant(whole[:, rb:end])
         else:
             rows, records = columns(0, rb), columns(rb, end)

@@ -140,7 +140,7 @@ from ..errors import EpcommError, EpcommTimeoutError
 from ..fp8 import FP8_DTYPE, per_token_cast_to_fp8
 from ..kernels.launch import one_variant
 from ..topology.domains import Domains
-from .alltoall import AllToAllTransport, _as_bytes
+from .alltoall import AllToAllTransport, _as_bytes, columns_of_rows, fused_width
 from .base import (Capabilities, CombineRequest, DispatchRequest, DispatchResult, KnownCounts,
                    LowLatencyCombineRequest, LowLatencyCombineResult, LowLatencyDispatchRequest,
                    LowLatencyDispatchResult, Transport, counts_to_device, meet)
@@ -1012,12 +1012,11 @@ class HierarchicalTransport(Transport):
         if w is None or not self.domain.combines_into or not getattr(self.rail, "fuse_rows", False):
             return None
         xb, wb = x.size(1) * x.element_size(), w.size(1) * 4
-        width = -(-(xb + wb) // 16) * 16  # (alltoall.fused_width: as wide as the rows the inter-domain leg sends)
+        width = fused_width((xb, wb))  # (as wide as the rows the inter-domain leg sends)
         if xb % 4:  # (then the weights start 4-byte aligned and the width divides into x's elements too)
             return None
         buf = torch.empty(n, width, dtype=torch.uint8, device=x.device)
-        return (torch.as_strided(buf.view(x.dtype), (n, x.size(1)), (width // x.element_size(), 1)),
-                torch.as_strided(buf.view(torch.float32), (n, w.size(1)), (width // 4, 1), xb // 4))
+        return columns_of_rows(buf, x.dtype, x.size(1)), columns_of_rows(buf, torch.float32, w.size(1), xb)
 
     # ------------------------------------------------------------------ low-latency mode
     @_guarded("Buffer.low_latency_dispatch")
