@@ -577,25 +577,45 @@ def test_known_counts_from_the_exchange():
         KnownCounts((1, -2), (3, 0), ())
 
 
+_ROWS_IN_PLACE = """
+import random
+import torch
+from epcomm.transports.hierarchical import _canonical_order, _rows_in_place
+
+rng = random.Random(3)
+for L, D in ((2, 2), (3, 2), (1, 4), (4, 3), (2, 1), (8, 8), (5, 7)):
+    for _ in range(4):
+        sources = [rng.choice((0, 0, 1, 2, 5, 9)) for _ in range(L * D)]
+        # the domain's gathered counts: other columns first (random), then by source domain, then rank of the domain
+        col0 = rng.randrange(0, 6)
+        counts = torch.randint(-5, 50, (L, col0 + D * L), dtype=torch.int32)
+        local = rng.randrange(L)
+        for f in range(L):
+            for d in range(D):
+                counts[f, col0 + d * L + local] = sources[f * D + d]
+        src_rank = torch.tensor([d * L + f for f in range(L) for d in range(D) for _ in range(sources[f * D + d])],
+                                dtype=torch.int64)
+        want = _canonical_order(src_rank, L * D)[1]
+        got = torch.full((sum(sources),), -7, dtype=torch.int64)
+        _rows_in_place(counts, got, col0 + local, L, D)
+        assert got.tolist() == want.tolist(), (L, D, sources)
+print("ok")
+"""
+
+
 def test_rows_in_place_is_the_canonical_order():
-    """``_rows_in_place``: where each row of a one-chunk dispatch's domain leg (by forwarding rank, then source
-    domain, then token) lands in the intranode path's order (by source rank, then token) is the permutation the
-    stable sort by source rank finds (``_canonical_order``'s ``back``), with empty blocks and empty calls."""
-    import random
+    """``_rows_in_place`` (its kernel under the interpreter): where each row of a one-chunk dispatch's domain leg (by
+    forwarding rank, then source domain, then token) lands in the intranode path's order (by source rank, then
+    token) is the permutation the stable sort by source rank finds (``_canonical_order``'s ``back``), read from the
+    domain's gathered counts as the device holds them (this rank's column of each source domain), with empty blocks,
+    empty calls and up to 8 x 8 ranks."""
+    import os
+    import subprocess
+    import sys
 
-    import torch
-
-    from epcomm.transports.hierarchical import _canonical_order, _rows_in_place
-
-    rng = random.Random(3)
-    for L, D in ((2, 2), (3, 2), (1, 4), (4, 3), (2, 1)):
-        for _ in range(4):
-            sources = tuple(rng.choice((0, 0, 1, 2, 5, 9)) for _ in range(L * D))
-            src_rank = torch.tensor([d * L + f for f in range(L) for d in range(D) for _ in range(sources[f * D + d])],
-                                    dtype=torch.int64)
-            want = _canonical_order(src_rank, L * D)[1]
-            got = _rows_in_place(sources, L, D, torch.device("cpu"))
-            assert got.dtype == torch.int64 and got.tolist() == want.tolist(), (L, D, sources)
+    out = subprocess.run([sys.executable, "-c", _ROWS_IN_PLACE], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
 
 
 def _in_place_cases(ctx):
@@ -1203,7 +1223,9 @@ def test_bench_internode_and_its_model(tmp_path, monkeypatch):
     assert internode.CACHED_FP8 in model and "with a cached handle" in model
     assert {"dispatch BF16: counts of both legs", "dispatch BF16: the call (host)", "combine BF16: the call (host)",
             "dispatch BF16: host after the count read", "dispatch BF16: host up to the count read",
-            "dispatch BF16: host from the count read to the first rows"} <= {r["op"] for r in phases}
+            "dispatch BF16: host from the count read to the first rows",
+            "dispatch BF16: host after the call's device work is issued"} <= {r["op"] for r in phases}
+    assert not any("device work issued" in r["op"] and "(host)" in r["op"] for r in phases)  # (a point, not a part)
     assert {r["op"] for r in rows if r["impl"] == "hierarchical, 4 chunks, by phase"} >= {
         "dispatch BF16: host after the count read", "combine BF16: the call (host)"}
     # the split-node targets' table, from the isolated rows (no host-ahead rows on CPUs: no device to be ahead of)
@@ -1390,6 +1412,50 @@ def test_model_host_ahead_columns_take_the_count_exchange_timed_with_the_host_ah
     given = internode._override(timed, 100.0, None)
     assert (given.fixed, given.nohead_fixed, given.fixed_ahead, given.nohead_fixed_ahead) == (100.0, None, None, None)
     assert given.host_ahead().model_args("dispatch FP8", head=False)["fixed_us"] == 100.0
+
+
+def test_model_lets_the_host_tail_run_beside_the_last_forwarding():
+    """The host's time after a dispatch's last device work is issued (``HOST_TAIL``: its handle) runs beside the
+    device's last forwarding: a host-bound call ends that much earlier, up to the forwarding's time, never before the
+    host's own end; the measured rows give it (with a head chunk and without) and ``--host-us`` clears it."""
+    from types import SimpleNamespace
+
+    from epcomm.bench import internode
+    from epcomm.bench.traffic import internode_estimate
+
+    args = dict(ranks=64, gpus_per_node=8, num_tokens=4096, hidden=7168, topk=8, num_experts=256, kind="fp8",
+                nic_gbps=50.0, nvlink_gbps=322.0, chunks=1, fixed_us=150.0, host_us=5000.0, lead_us=200.0,
+                in_place=True)
+    plain = internode_estimate(**args)
+    fwd = plain.forward_us
+    assert abs(plain.pipelined_us - (150.0 + 5000.0 + fwd)) < 1e-6  # host-bound: the host's end, then the forwarding
+    for tail in (100.0, fwd / 2):
+        assert abs(internode_estimate(**args, tail_us=tail).pipelined_us - (plain.pipelined_us - tail)) < 1e-6
+    # a tail longer than the forwarding: the call ends with the host
+    assert abs(internode_estimate(**args, tail_us=fwd + 500.0).pipelined_us - (150.0 + 5000.0)) < 1e-6
+    # network-bound: the tail changes nothing
+    quick = dict(args, host_us=600.0)
+    assert internode_estimate(**quick, tail_us=300.0).pipelined_us == internode_estimate(**quick).pipelined_us
+    row = lambda impl, op, us: {"routing": "uniform", "impl": impl, "op": op, "time_us": str(us)}  # noqa: E731
+    one, nohead = internode.phased_impl(1), internode.phased_impl(1, head=False)
+    counts = f"dispatch BF16: {internode.COUNTS_PHASE}"
+    after, tail = f"dispatch BF16: {internode.HOST_AFTER_READ}", f"dispatch BF16: {internode.HOST_TAIL}"
+    costs = internode.HostCosts.measured([row(one, counts, 900.0), row(one, after, 3000.0), row(one, tail, 250.0),
+                                          row(nohead, counts, 800.0), row(nohead, after, 2800.0),
+                                          row(nohead, tail, 200.0)])
+    assert (costs.dispatch_tail, costs.nohead_tail) == (250.0, 200.0)
+    assert costs.model_args("dispatch FP8")["tail_us"] == 250.0
+    assert costs.model_args("dispatch FP8", head=False)["tail_us"] == 200.0
+    assert "200 us after its last device work" in costs.describe()
+    given = internode._override(costs, None, 500.0)
+    assert given.model_args("dispatch FP8")["tail_us"] == 0.0 and given.model_args("dispatch FP8", head=False)[
+        "tail_us"] == 0.0
+    opts = SimpleNamespace(tokens=4096, hidden=7168, topk=8, experts=256, max_groups=4)
+    shares = {(r["EP"], r["routing"], r["op"]): r for r in internode.model_rows(opts, 50.0, 322.0, costs)}
+    untailed = {(r["EP"], r["routing"], r["op"]): r for r in internode.model_rows(
+        opts, 50.0, 322.0, internode.replace(costs, dispatch_tail=0.0, nohead_tail=None))}
+    key = (64, "uniform", "dispatch FP8")
+    assert shares[key]["NIC share"] > untailed[key]["NIC share"]
 
 
 def test_model_charges_the_one_sided_node_leg():

@@ -42,6 +42,15 @@ def _precast_dispatches(ctx, transport) -> None:
     buf.destroy()
 
 
+def _rows_in_place() -> None:
+    """The hierarchical path's row map of a one-chunk exact-mode dispatch (``rows_in_place_kernel``), 2 domains of 2."""
+    import torch
+
+    from epcomm.kernels.ep import launch_rows_in_place
+
+    launch_rows_in_place(torch.ones(2, 9, dtype=torch.int32), torch.empty(4, dtype=torch.int64), 9, 5, 2, 2)
+
+
 def _record(ctx):
     from epcomm.testing.compile_check import record_launches
     from epcomm.transports.alltoall import AllToAllTransport
@@ -58,8 +67,10 @@ def _record(ctx):
         problems = run_cases(ctx, CASES, NVLinkTransport, {"num_nvl_bytes": 1 << 20})
         problems += run_cases(ctx, CASES[:3] + CASES[5:], AllToAllTransport, {})
         _precast_dispatches(ctx, NVLinkTransport)
+        _rows_in_place()
     assert not problems, problems
     assert any(n == "ll_dispatch_kernel" and kw.get("PRECAST") for _, n, _, kw in launches), "no pre-cast launch"
+    assert any(n == "rows_in_place_kernel" for _, n, _, _ in launches), "no row map launch"
     return launches
 
 

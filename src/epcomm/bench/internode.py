@@ -403,6 +403,8 @@ def _by_phase(ctx, hier, x, layout: dict, iters: int) -> dict:
                     got.setdefault(HOST_AFTER_READ, []).append((ended - read) * 1e6)
                     if "rows issued" in marks:
                         got.setdefault(HOST_LEAD, []).append((marks["rows issued"] - read) * 1e6)
+                if "device work issued" in marks:
+                    got.setdefault(HOST_TAIL, []).append((ended - marks["device work issued"]) * 1e6)
                 for phase, parts in phase_durations_us(log, True).items():
                     got.setdefault(phase + " (host)", []).append(sum(parts))
                 if ctx.device.type == "cuda":
@@ -503,6 +505,7 @@ def _node_leg(ctx, opts, hier, x, idx, w) -> dict:
 HOST_BEFORE_READ = "host up to the count read"
 HOST_AFTER_READ = "host after the count read"
 HOST_LEAD = "host from the count read to the first rows"
+HOST_TAIL = "host after the call's device work is issued"
 COUNTS_AHEAD = f"{COUNTS_PHASE}{AHEAD}"  # the count exchange's device time in calls issued with the host ahead
 
 
@@ -560,6 +563,10 @@ class HostCosts:
     # and without; None where not measured (``fixed`` / ``nohead_fixed`` then serve the host-ahead columns too)
     fixed_ahead: Optional[float] = None
     nohead_fixed_ahead: Optional[float] = None
+    # the host's time after a dispatch's last device work is issued (its handle; the end of the measured host time),
+    # with a head chunk and without: it runs beside the device's last forwarding
+    dispatch_tail: float = 0.0
+    nohead_tail: Optional[float] = None
 
     def describe(self) -> str:
         def per_chunk(v):
@@ -571,15 +578,18 @@ class HostCosts:
                if self.node_leg else "")
         nohead = ("" if self.nohead_host is None else
                   f" (without a head chunk {self.nohead_host:.0f} us, {self.nohead_lead:.0f} us of it before its first "
-                  f"rows' collective" + ("" if self.nohead_fixed is None else
-                                         f", after {self.nohead_fixed:.0f} us of count exchange") + ")")
+                  f"rows' collective" + ("" if self.nohead_tail is None else
+                                         f" and {self.nohead_tail:.0f} us after its last device work")
+                  + ("" if self.nohead_fixed is None else f", after {self.nohead_fixed:.0f} us of count exchange")
+                  + ")")
         ahead = ("" if self.fixed_ahead is None else
                  f" ({self.fixed_ahead:.0f} us with the host ahead" + ("" if self.nohead_fixed_ahead is None else
                                                                       f", {self.nohead_fixed_ahead:.0f} us without a "
                                                                       f"head chunk") + ")")
         return (f"{self.fixed:.0f} us of count exchange per dispatch before its rows cross{ahead}; a dispatch's host "
                 f"time after the count read {self.dispatch_host:.0f} us in one chunk ({self.dispatch_lead:.0f} us of "
-                f"it before its first rows' collective){nohead}, {per_chunk(self.dispatch_chunk)} more per further "
+                f"it before its first rows' collective, {self.dispatch_tail:.0f} us after its last device work, "
+                f"beside its last forwarding){nohead}, {per_chunk(self.dispatch_chunk)} more per further "
                 f"chunk; a combine's host time {self.combine_host:.0f} us in one chunk, "
                 f"{per_chunk(self.combine_chunk)} more per further chunk; a cached dispatch's "
                 f"{self.cached_host:.0f} us in one chunk, {per_chunk(self.cached_chunk)} more per further chunk{leg}")
@@ -609,10 +619,12 @@ class HostCosts:
                 fixed = (self.fixed if self.nohead_fixed is None else self.nohead_fixed) if fixed is None else fixed
                 return dict(fixed_us=fixed, host_us=self.nohead_host, lead_us=self.nohead_lead,
                             host_chunk_us=self.dispatch_chunk, in_place_one_chunk=True,
-                            copies=(0.0, records, 0.0, 0.0))
+                            copies=(0.0, records, 0.0, 0.0),
+                            tail_us=self.dispatch_tail if self.nohead_tail is None else self.nohead_tail)
             return dict(fixed_us=self.fixed if fixed is None else fixed, host_us=self.dispatch_host,
                         lead_us=self.dispatch_lead, host_chunk_us=self.dispatch_chunk,
-                        head_share=HierarchicalTransport.head_share, copies=(0.0, records, 0.0, 0.0))
+                        head_share=HierarchicalTransport.head_share, copies=(0.0, records, 0.0, 0.0),
+                        tail_us=self.dispatch_tail)
         return dict(host_us=self.combine_host, host_chunk_us=self.combine_chunk, copies=(0.0, 1.0, 0.0, 0.0))
 
     def host_ahead(self) -> "HostCosts":
@@ -654,11 +666,13 @@ class HostCosts:
         ahead = f"dispatch BF16: {COUNTS_AHEAD}"
         costs = cls(one[counts], host, one.get(combine, 0.0), one.get(f"dispatch BF16: {HOST_LEAD}", 0.0),
                     more(after, host), more(combine, one.get(combine, 0.0)), one.get(cached, 0.0),
-                    more(cached, one.get(cached, 0.0)), fixed_ahead=one.get(ahead))
+                    more(cached, one.get(cached, 0.0)), fixed_ahead=one.get(ahead),
+                    dispatch_tail=one.get(f"dispatch BF16: {HOST_TAIL}", 0.0))
         nohead = _ops_of(rows, phased_impl(c1, head=False))
         if after in nohead:
             costs = replace(costs, nohead_host=nohead[after],
                             nohead_lead=nohead.get(f"dispatch BF16: {HOST_LEAD}", 0.0), nohead_fixed=nohead.get(counts),
+                            nohead_tail=nohead.get(f"dispatch BF16: {HOST_TAIL}"),
                             nohead_fixed_ahead=nohead.get(ahead))
         return costs.with_node_leg(rows)
 
@@ -769,14 +783,14 @@ def fixed_for_share(opts, nic_gbps: float, nvlink_gbps: float, costs: HostCosts,
 
 def _override(costs: HostCosts, fixed_us: Optional[float], host_us: Optional[float]) -> HostCosts:
     """``costs`` with the count exchange (``fixed_us``, with a head chunk or without) and every chunk's host time
-    (``host_us``, none of it before the first rows) replaced where given."""
+    (``host_us``, none of it before the first rows nor beside the last forwarding) replaced where given."""
     if fixed_us is not None:
         costs = replace(costs, fixed=fixed_us, nohead_fixed=None, fixed_ahead=None, nohead_fixed_ahead=None)
     if host_us is not None:
         h = host_us
         costs = replace(costs, dispatch_host=h, combine_host=h, dispatch_lead=0.0, dispatch_chunk=h, combine_chunk=h,
                         cached_host=h, cached_chunk=h, nohead_host=None if costs.nohead_host is None else h,
-                        nohead_lead=0.0)
+                        nohead_lead=0.0, dispatch_tail=0.0, nohead_tail=None)
     return costs
 
 

@@ -106,8 +106,8 @@ def internode_estimate(ranks: int, gpus_per_node: int, num_tokens: int, hidden: 
                        kind: str, nic_gbps: float, nvlink_gbps: float, max_groups: int = 0, chunks: int = 4,
                        hbm_gbps: float = HBM_GBPS, fixed_us: float = 0.0, host_us: float = 0.0, lead_us: float = 0.0,
                        host_chunk_us: Optional[float] = None, ratio: Optional[float] = None,
-                       in_place: bool = False, head_share: float = 0.0, copies: tuple = (0.0, 0.0, 0.0, 0.0)
-                       ) -> InternodeEstimate:
+                       in_place: bool = False, head_share: float = 0.0, copies: tuple = (0.0, 0.0, 0.0, 0.0),
+                       tail_us: float = 0.0) -> InternodeEstimate:
     """Model of one dispatch (``kind`` fp8 or bf16; a combine moves the BF16 bytes the other way) of the
     hierarchical path: every token crosses once to each remote domain holding one of its experts (at
     ``nic_gbps`` per GPU), then each forwarding rank copies the rows it received to the ranks of its domain
@@ -122,7 +122,9 @@ def internode_estimate(ranks: int, gpus_per_node: int, num_tokens: int, hidden: 
     ``lead_us`` passes before the first rows' collective is issued (exposed: nothing crosses meanwhile);
     ``host_chunk_us`` what each further chunk adds (None: ``host_us``, every chunk as costly as a whole call). The
     rest is issued while the rows cross: it costs nothing while it stays below the network's time, and bounds the
-    call above it. The host's work before the count read is not counted: in a model's step the host runs ahead of
+    call above it; of it, ``tail_us`` (the host's time after the call's last device work is issued: the handle)
+    runs beside the last chunk's forwarding, so the device's end waits for the host's issue less the tail, and the
+    call ends at the later of the device's end and the host's. The host's work before the count read is not counted: in a model's step the host runs ahead of
     its GPU (no synchronisation since the previous layer's dispatch), so that work overlaps the GPU's earlier work.
     Chunk sizes: ``ratio`` times the previous chunk's tokens (``chunk_shares``; None: what the transport measures and
     uses, ``chunk_ratio`` of the forwarding's time over the network's); the two legs then run as a two-stage
@@ -182,7 +184,8 @@ def internode_estimate(ranks: int, gpus_per_node: int, num_tokens: int, hidden: 
     return InternodeEstimate(ranks, domains, chunks, rows * (domains - 1) / domains, crossing, network_us, forward_us,
                              reorder_us, fixed_us, lead_us, issue_us,
                              fixed_us + lead_us + first + before + max(network_us, host_us - lead_us) + after
-                             + forward_us, max(legs, start + behind + stages[-1][2]) + reorder_us, ratio)
+                             + forward_us, max(legs, start + behind - min(tail_us, behind) + stages[-1][2],
+                                               start + behind) + reorder_us, ratio)
 
 
 # DeepEP's published internode figures (its README; H800, ConnectX-7 400 Gb/s InfiniBand, ~50 GB/s per GPU), for

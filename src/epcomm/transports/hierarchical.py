@@ -155,6 +155,9 @@ COUNTS_PHASE = "counts of both legs"  # an exact-mode dispatch's one count excha
 PACK_PHASE = "packing the tokens"  # the inter-domain leg's local work, issued while the counts travel
 ROWS_PHASE = "tokens to their domains"  # the inter-domain leg's rows (benchmarks time the host's path up to it)
 HEAD_PHASE = "the first tokens to their domains, ahead of their counts"  # the head chunk's rows (fixed slots)
+# (a point, not a part) an exact-mode dispatch's device work is all enqueued: what the host does after it (the
+# handle) runs beside the device's last forwarding (benchmarks time it)
+ISSUED_MILESTONE = "the call's device work issued"
 
 _subgroups: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 # per rail group: {"message": why its groups were aborted}, shared by every transport that uses them
@@ -378,6 +381,14 @@ class HierarchicalTransport(Transport):
         finally:
             self._phase = outer
 
+    def _milestone(self, name: str) -> None:
+        """With ``phase_log`` a list, append a point of the call named ``name``: a part that takes no time
+        (``_leg``'s entry, its start and end the same)."""
+        log = self.phase_log
+        if log is not None:
+            mark = _mark(self.device) if self.phase_events else None
+            log.append((name, mark, mark, 0.0, time.perf_counter()))
+
     def _fail(self, fn: str, phase: str, within: bool, exc: Exception) -> EpcommTimeoutError:
         """A collective of ``phase`` did not complete in time: ask the ranks of its leg where they are (the store,
         bounded), abort the inter-domain and domain groups (their stuck kernels exit; NCCL's watchdog leaves the
@@ -549,10 +560,10 @@ class HierarchicalTransport(Transport):
             bounds.insert(0, (0, h))
         ahead = None
         if W:  # fixed slots, no counts to learn
-            subs, counts_known, starts = [req], None, None
+            subs, counts_known, starts, gathered = [req], None, None, None
         else:  # every chunk's layout computed here (the counts below are made from it), both legs' counts learnt
             subs = [self._chunk(req, a, b, c == 0) for c, (a, b) in enumerate(bounds)]
-            counts_known, starts, ahead = self._exchange_counts(fn, req, subs, bounds, head)
+            counts_known, starts, ahead, gathered = self._exchange_counts(fn, req, subs, bounds, head)
         # one chunk with its counts known: the domain leg writes each row where the intranode path's order puts it
         # (no sort, no gather after the call), where it can (the one-sided transports' streaming dispatch); its map
         # is made once the rows cross (nothing crosses while the host works between the count read and them)
@@ -565,8 +576,7 @@ class HierarchicalTransport(Transport):
         for c, r1 in enumerate(self._rail_chunks(fn, subs, cap, counts_known, ahead)):
             h1 = r1.handle
             if place:
-                in_place = _rows_in_place(counts_known[0][2], L=self.local_size, D=self.num_domains,
-                                          device=self.device)
+                in_place = self._rows_in_place(fn, counts_known[0][2], gathered)
             _mark_into(marks, self.device)
             r2, src_rank, src_idx = self._forward(fn, subs[c], r1, h1, None if starts is None else starts[:, c],
                                                   None if counts_known is None else counts_known[c][1], in_place)
@@ -584,6 +594,13 @@ class HierarchicalTransport(Transport):
         per_expert = handles[0].num_recv_tokens_per_expert
         for h in handles[1:]:
             per_expert = per_expert + h.num_recv_tokens_per_expert
+        fields = ("recv_x", "recv_scales", "recv_topk_idx", "recv_topk_weights")
+        if order is None:
+            outs = tuple(getattr(r2s[0], f) for f in fields)
+        else:
+            outs = tuple(_take([getattr(r, f) for r in r2s], order) for f in fields)
+            src_rank, src_idx = src_rank[order], src_idx[order]
+        self._milestone(ISSUED_MILESTONE)
         counts = []
         if not W and req.num_tokens_per_expert is not None:  # the domain leg counted without alignment
             totals = [sum(cs) for cs in zip(*(r.num_recv_tokens_per_expert_list for r in r2s))]
@@ -595,15 +612,11 @@ class HierarchicalTransport(Transport):
             num_tokens=n, hidden=x.size(1), is_token_in_rank=req.is_token_in_rank, num_tokens_per_rank=None,
             num_recv_tokens=sum(h.num_recv_tokens for h in handles), num_recv_tokens_per_rank=None,
             num_recv_tokens_per_expert=per_expert,
-            recv_src_rank=src_rank if order is None else src_rank[order],
-            recv_src_idx=src_idx if order is None else src_idx[order],
+            recv_src_rank=src_rank, recv_src_idx=src_idx,
             num_worst_tokens=W, state=_HandleState(tuple(p[3] for p in parts), tuple(handles), tuple(bounds),
                                                    tuple(h.num_recv_tokens for h in handles), back, order,
                                                    ahead is not None))
-        fields = ("recv_x", "recv_scales", "recv_topk_idx", "recv_topk_weights")
-        if order is None:
-            return DispatchResult(*(getattr(r2s[0], f) for f in fields), counts, handle)
-        return DispatchResult(*(_take([getattr(r, f) for r in r2s], order) for f in fields), counts, handle)
+        return DispatchResult(*outs, counts, handle)
 
     def _chunk(self, req: DispatchRequest, a: int, b: int, first: bool) -> DispatchRequest:
         """Tokens ``[a, b)`` of ``req`` as a request of their own (their layout computed on the device)."""
@@ -633,7 +646,8 @@ class HierarchicalTransport(Transport):
         each source rank through each forwarding rank. Returns ``([(the inter-domain leg's request, its counts known
         and its local work prepared; domain KnownCounts; this rank's rows from each source, by forwarding rank then
         source domain)] per chunk, [D, chunks] int32 first token of each chunk of every rail peer, or None for one
-        chunk, the head's ``Ahead`` or None)``; raises on bad expert ids (``req.bad_topk``)."""
+        chunk, the head's ``Ahead`` or None, the domain's gathered counts ``[L * chunks, W]`` int32 on the device)``;
+        raises on bad expert ids (``req.bad_topk``)."""
         D, L, C, dev = self.num_domains, self.local_size, len(subs), req.x.device
         e_dom = req.num_experts // D
         tables, legs = [], []
@@ -684,7 +698,17 @@ class HierarchicalTransport(Transport):
         # (the inter-domain leg's received per-expert counts are this rank's sums, already on the device)
         return ([(replace(leg, known=replace(rail, recv_per_expert_tensor=mine[c, 1 + L:])), domain, sources)
                  for c, ((rail, domain, sources), leg) in enumerate(zip(known, legs))],
-                (recv[:, :, -2] if C > 1 else None), ahead)
+                (recv[:, :, -2] if C > 1 else None), ahead, every)
+
+    def _rows_in_place(self, fn: str, sources: tuple, gathered: torch.Tensor) -> torch.Tensor:
+        """``[M]`` int64: where each row of a one-chunk exact-mode dispatch's domain leg goes in the output
+        (``_rows_in_place``), made on the device from the domain's gathered counts (``gathered``, ``_exchange_counts``;
+        ``sources``: the same counts as the host read them, which give ``M``)."""
+        L, D = self.local_size, self.num_domains
+        row_map = torch.empty(sum(sources), dtype=torch.int64, device=self.device)
+        col = gathered.size(1) - D * L + self.local_index  # (the columns by source domain, then rank of this domain)
+        self.first_call(fn, ("rows in place",), lambda: _rows_in_place(gathered, row_map, col, L, D))
+        return row_map
 
     def _head_slots(self, slots: int, row_bytes: int) -> int:
         """An exact-mode dispatch's head chunk, slots per domain (0: none; the same on every rank): ``slots``
@@ -783,10 +807,10 @@ class HierarchicalTransport(Transport):
             own = h2.state.recv_src.index_select(0, row_map)  # its rows' sources in its own order
             h2 = replace(h2, recv_src_rank=own[:, 1], recv_src_idx=own[:, 0], state=replace(h2.state, recv_src=own))
             r2 = replace(r2, recv_scales=r2.recv_scales[:, :ns].contiguous() if ns else None, handle=h2)
-            return r2, got[:, 0] * L + fwd, got[:, 1].contiguous()
+            return r2, torch.add(fwd, got[:, 0], alpha=L), got[:, 1].contiguous()
         r2 = replace(r2, recv_scales=r2.recv_scales[:, :ns] if ns else None)
         if not W:  # exact sizes: every row has a source
-            return r2, got[:, 0] * L + fwd, got[:, 1]
+            return r2, torch.add(fwd, got[:, 0], alpha=L), got[:, 1]
         real = fwd >= 0
         return r2, torch.where(real, got[:, 0] * L + fwd, -1), torch.where(real, got[:, 1], -1)
 
@@ -1334,6 +1358,8 @@ def phase_durations_us(log: list, host: bool = False) -> dict:
         torch.cuda.synchronize()
     out: dict = {}
     for phase, start, end, on_host, _ in log:
+        if phase == ISSUED_MILESTONE:  # (a point, not a part: ``host_milestones``)
+            continue
         if host:
             us = on_host * 1e6
         else:
@@ -1345,9 +1371,13 @@ def phase_durations_us(log: list, host: bool = False) -> dict:
 def host_milestones(log: list) -> dict:
     """When the host reached the points of an exact-mode dispatch that bound its exposed time, from its ``phase_log``
     (``time.perf_counter`` seconds): ``"counts read"``, the count read's return (the last part of ``COUNTS_PHASE``),
-    and ``"rows issued"``, the first part of the inter-domain rows (``ROWS_PHASE``) beginning. Missing ones are
+    and ``"rows issued"``, the first part of the inter-domain rows (``ROWS_PHASE``) beginning, and ``"device work
+    issued"``, the point after which the call enqueues no more device work (``ISSUED_MILESTONE``). Missing ones are
     absent."""
     out = {}
+    issued = [began for phase, _, _, _, began in log if phase == ISSUED_MILESTONE]
+    if issued:
+        out["device work issued"] = max(issued)
     counts = [began + on_host for phase, _, _, on_host, began in log if phase == COUNTS_PHASE]
     rows = [began for phase, _, _, _, began in log if phase == ROWS_PHASE]
     if counts:
@@ -1448,23 +1478,17 @@ def _cat(parts: list) -> Optional[torch.Tensor]:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _rows_in_place(sources: tuple, L: int, D: int, device: torch.device) -> torch.Tensor:
-    """``[M]`` int64 on ``device``: the output row of each row a one-chunk exact-mode dispatch's domain leg receives
-    (``DispatchRequest.row_map``). That leg's rows come by forwarding rank ``f``, then source domain ``d`` (its
+def _rows_in_place(counts: torch.Tensor, row_map: torch.Tensor, col: int, L: int, D: int) -> None:
+    """Fill ``row_map [M]`` int64 (``DispatchRequest.row_map``): the output row of each row a one-chunk exact-mode
+    dispatch's domain leg receives. That leg's rows come by forwarding rank ``f``, then source domain ``d`` (its
     input, the inter-domain leg's rows, is by source then token), then token; the output's, as the intranode path's,
-    by source rank ``d * L + f``, then token: so every (``f``, ``d``) block moves as a whole. ``sources``: ``[L * D]``
-    rows from source rank ``d * L + f`` at ``f * D + d`` (``_known_counts``)."""
-    start, at = 0, [0] * (L * D)
-    for g in range(L * D):  # where each source rank's rows start in the output
-        d, f = divmod(g, L)
-        at[f * D + d] = start
-        start += sources[f * D + d]
-    shift, row = [], 0
-    for i, n in enumerate(sources):
-        shift.append(at[i] - row)
-        row += n
-    t = counts_to_device(shift + list(sources), device)
-    return torch.repeat_interleave(t[:L * D], t[L * D:], output_size=row) + torch.arange(row, device=device)
+    by source rank ``d * L + f``, then token: so every (``f``, ``d``) block moves as a whole. ``counts [L, W]``
+    int32: the domain's gathered counts of the call on the device (``_exchange_counts``), this rank's rows from
+    source rank ``d * L + f`` at ``[f, col + d * L]``. One launch (``rows_in_place_kernel``) and no other host
+    work: it is made after the count read, which the host's time there holds up."""
+    from ..kernels.ep import launch_rows_in_place
+
+    launch_rows_in_place(counts, row_map, counts.stride(0), col, L, D)
 
 
 def _canonical_order(src_rank: torch.Tensor, num_ranks: int) -> tuple:
@@ -1511,4 +1535,4 @@ def _tensors(out) -> list:
     return [t for t in found if isinstance(t, torch.Tensor)]
 
 
-__all__ = ["HierarchicalTransport", "INTER_DOMAIN_LEGS", "host_milestones", "subgroups"]
+__all__ = ["HierarchicalTransport", "INTER_DOMAIN_LEGS", "ISSUED_MILESTONE", "host_milestones", "subgroups"]
