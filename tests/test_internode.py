@@ -584,31 +584,45 @@ from epcomm.transports.hierarchical import _canonical_order, _rows_in_place
 
 rng = random.Random(3)
 for L, D in ((2, 2), (3, 2), (1, 4), (4, 3), (2, 1), (8, 8), (5, 7)):
-    for _ in range(4):
-        sources = [rng.choice((0, 0, 1, 2, 5, 9)) for _ in range(L * D)]
-        # the domain's gathered counts: other columns first (random), then by source domain, then rank of the domain
+    for chunks in (1, 2, 4):
+        # this rank's rows from source rank d * L + f in chunk c (the source's tokens of chunk c come after chunk
+        # c - 1's)
+        sources = [[rng.choice((0, 0, 1, 2, 5, 9)) for _ in range(L * D)] for _ in range(chunks)]
+        # the domain's gathered counts [L * chunks, W]: other columns first (random), then by source domain, then rank
         col0 = rng.randrange(0, 6)
-        counts = torch.randint(-5, 50, (L, col0 + D * L), dtype=torch.int32)
+        counts = torch.randint(-5, 50, (L * chunks, col0 + D * L), dtype=torch.int32)
         local = rng.randrange(L)
-        for f in range(L):
-            for d in range(D):
-                counts[f, col0 + d * L + local] = sources[f * D + d]
-        src_rank = torch.tensor([d * L + f for f in range(L) for d in range(D) for _ in range(sources[f * D + d])],
-                                dtype=torch.int64)
+        for c in range(chunks):
+            for f in range(L):
+                for d in range(D):
+                    counts[f * chunks + c, col0 + d * L + local] = sources[c][f * D + d]
+        # every chunk's rows (each by forwarder, then source domain), chunk after chunk: source rank and token
+        src_rank = torch.tensor([d * L + f for c in range(chunks) for f in range(L) for d in range(D)
+                                 for _ in range(sources[c][f * D + d])], dtype=torch.int64)
+        token = torch.tensor([sum(sources[e][f * D + d] for e in range(c)) + i for c in range(chunks) for f in range(L)
+                              for d in range(D) for i in range(sources[c][f * D + d])], dtype=torch.int64)
+        # the stable sort by source rank keeps each source's tokens in order (chunk after chunk)
         want = _canonical_order(src_rank, L * D)[1]
-        got = torch.full((sum(sources),), -7, dtype=torch.int64)
-        _rows_in_place(counts, got, col0 + local, L, D)
-        assert got.tolist() == want.tolist(), (L, D, sources)
+        got = []
+        for c in range(chunks):
+            part = torch.full((sum(sources[c]),), -7, dtype=torch.int64)
+            _rows_in_place(counts, part, col0 + local, L, D, c, chunks)
+            got.append(part)
+        got = torch.cat(got)
+        assert got.tolist() == want.tolist(), (L, D, chunks, sources)
+        out = torch.empty_like(src_rank)
+        out[got] = src_rank * 1000 + token
+        assert out.tolist() == sorted(out.tolist()), (L, D, chunks)
 print("ok")
 """
 
 
 def test_rows_in_place_is_the_canonical_order():
-    """``_rows_in_place`` (its kernel under the interpreter): where each row of a one-chunk dispatch's domain leg (by
-    forwarding rank, then source domain, then token) lands in the intranode path's order (by source rank, then
-    token) is the permutation the stable sort by source rank finds (``_canonical_order``'s ``back``), read from the
-    domain's gathered counts as the device holds them (this rank's column of each source domain), with empty blocks,
-    empty calls and up to 8 x 8 ranks."""
+    """``_rows_in_place`` (its kernel under the interpreter): where each row of each chunk of a dispatch's domain leg
+    (by forwarding rank, then source domain, then token) lands in the intranode path's order (by source rank, then
+    token, chunk after chunk) is the permutation the stable sort by source rank finds (``_canonical_order``'s
+    ``back``), read from the domain's gathered counts as the device holds them (this rank's column of each source
+    domain in each chunk's row), in 1, 2 and 4 chunks, with empty blocks, empty calls and up to 8 x 8 ranks."""
     import os
     import subprocess
     import sys
@@ -618,16 +632,16 @@ def test_rows_in_place_is_the_canonical_order():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
 
 
-def _in_place_cases(ctx):
-    """One-chunk exact-mode dispatches over the one-sided domain leg (its kernels under the interpreter): four of
-    the Buffer suite's normal cases and one with -1 slots against the reference (dispatch, combine, cached dispatch), and how many calls
-    wrote their rows in place."""
+def _in_place_cases(ctx, chunks):
+    """Exact-mode dispatches in ``chunks`` chunks over the one-sided domain leg (its kernels under the interpreter):
+    four of the Buffer suite's normal cases and one with -1 slots against the reference (dispatch, combine, cached
+    dispatch), and how many chunks wrote their rows in place."""
     import torch
 
     from epcomm.transports import hierarchical
     from epcomm.transports.nvlink import NVLinkTransport
 
-    hierarchical.HierarchicalTransport.pipeline_chunks, hierarchical.HierarchicalTransport.head_chunk = 1, False
+    hierarchical.HierarchicalTransport.pipeline_chunks, hierarchical.HierarchicalTransport.head_chunk = chunks, False
     made, calls = hierarchical._rows_in_place, [0]
 
     def counted(*args, **kwargs):
@@ -665,17 +679,19 @@ def _in_place_cases(ctx):
             sent[0] - packed[0], views[0], packed[0])
 
 
-def test_one_chunk_rows_written_in_place(monkeypatch):
-    """A one-chunk exact-mode dispatch whose domain leg is the one-sided transport writes every row where the
-    intranode path's order puts it (no sort, no gather after the call); its combine and cached dispatches (which
-    read the domain leg's own order) match the reference too: uneven and empty ranks, FP8 with column-major scales,
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_rows_written_in_place(monkeypatch, chunks):
+    """An exact-mode dispatch whose domain leg is the one-sided transport writes every row of every chunk where the
+    intranode path's order puts it, all chunks into one set of outputs (no sort, no gather after the call); its
+    combine and cached dispatches (which read the domain leg's own order) match the reference too: uneven and empty
+    ranks, FP8 with column-major scales,
     skewed routing, a domain that receives nothing, bias, alignment, a dispatch without top-k ids, -1 slots. The
     combines' node leg writes each chunk's partials and weights side by side into the rows the inter-domain leg sends
     as they are, and the node leg reads the dispatches' rows where they landed (a view, beside their records)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    for failed, calls, sent, views, packed in spawn(_in_place_cases, 4, device="cpu", timeout_s=900):
+    for failed, calls, sent, views, packed in spawn(_in_place_cases, 4, chunks, device="cpu", timeout_s=900):
         assert failed == [], failed
-        assert calls >= 4 and sent >= 2 and views >= 4 and packed >= 4, (calls, sent, views, packed)
+        assert calls >= 4 * chunks and sent >= 2 and views >= 4 and packed >= 4, (calls, sent, views, packed)
 
 
 @pytest.mark.parametrize("head_chunk", [None, True])
@@ -1210,15 +1226,16 @@ def test_bench_internode_and_its_model(tmp_path, monkeypatch):
         exposed = copied.pipelined_us - bare.pipelined_us
         assert abs(exposed - 2 * copy) < 1e-6 if c == 1 else copy / 4 <= exposed < copy, (c, exposed, copy)
         assert abs(copied.sequential_us - bare.sequential_us - 2 * copy) < 1e-6
-    # an exact-mode dispatch without a head chunk is written in place in one chunk only (HierarchicalTransport's
-    # _rows_in_place); in more chunks its rows are gathered
-    exact_args = internode.HostCosts(fixed=500.0, nohead_host=900.0).model_args("dispatch FP8", head=False)
-    assert exact_args.get("in_place_one_chunk") and "in_place" not in exact_args
+    # an exact-mode dispatch is written in place in any chunk count, with a head chunk or without (HierarchicalTransport's
+    # _rows_in_place): no reorder charged
     shape = internode.InternodeBenchOptions(4096, 8, 7168, 8, 256, 2, ("uniform",), 4, "auto", 2)
-    for c in (1, 4):
-        monkeypatch.setattr(HierarchicalTransport, "CHUNK_CANDIDATES", (c,))
-        got = internode.best_estimate(shape, 64, 8, "fp8", 50.0, 322.0, 0, exact_args)
-        assert (got.reorder_us == 0.0) == (c == 1), (c, got)
+    for head in (True, False):
+        exact_args = internode.HostCosts(fixed=500.0, nohead_host=900.0).model_args("dispatch FP8", head=head)
+        assert exact_args["in_place"], exact_args
+        for c in (1, 4):
+            monkeypatch.setattr(HierarchicalTransport, "CHUNK_CANDIDATES", (c,))
+            got = internode.best_estimate(shape, 64, 8, "fp8", 50.0, 322.0, 0, exact_args)
+            assert got.reorder_us == 0.0 and got.chunks == c, (c, got)
     model = open(tmp_path / "bench_internode_4ranks.md").read()
     assert internode.CACHED_FP8 in model and "with a cached handle" in model
     assert {"dispatch BF16: counts of both legs", "dispatch BF16: the call (host)", "combine BF16: the call (host)",

@@ -600,8 +600,8 @@ class HostCosts:
         while the counts travel: ``HierarchicalTransport.head_share``), else one without (its own host times where
         measured). Calls without a count read (combine, cached dispatch) are charged their whole host time: nothing
         synchronises the host with its GPU in them. A cached dispatch's rows are written in place (its node leg is
-        one-sided: ``HierarchicalTransport._mapped``), not gathered after it; so are an exact-mode dispatch's in one
-        chunk without a head chunk (``in_place_one_chunk``: ``best_estimate`` applies it to one chunk only). The
+        one-sided: ``HierarchicalTransport._mapped``), not gathered after it; so are an exact-mode dispatch's, every
+        chunk's (``HierarchicalTransport._rows_in_place``). The
         device's own passes over the rows (``internode_estimate``'s ``copies``), as the inter-domain leg makes them
         (``AllToAllTransport`` with ``fuse_rows``): an exact-mode dispatch's pack writes each chunk's rows and records
         side by side into the rows it sends (no copy before they cross; its packing runs while the counts travel) and
@@ -618,13 +618,13 @@ class HostCosts:
             if not head and self.nohead_host is not None:
                 fixed = (self.fixed if self.nohead_fixed is None else self.nohead_fixed) if fixed is None else fixed
                 return dict(fixed_us=fixed, host_us=self.nohead_host, lead_us=self.nohead_lead,
-                            host_chunk_us=self.dispatch_chunk, in_place_one_chunk=True,
+                            host_chunk_us=self.dispatch_chunk, in_place=True,
                             copies=(0.0, records, 0.0, 0.0),
                             tail_us=self.dispatch_tail if self.nohead_tail is None else self.nohead_tail)
             return dict(fixed_us=self.fixed if fixed is None else fixed, host_us=self.dispatch_host,
                         lead_us=self.dispatch_lead, host_chunk_us=self.dispatch_chunk,
                         head_share=HierarchicalTransport.head_share, copies=(0.0, records, 0.0, 0.0),
-                        tail_us=self.dispatch_tail)
+                        tail_us=self.dispatch_tail, in_place=True)
         return dict(host_us=self.combine_host, host_chunk_us=self.combine_chunk, copies=(0.0, 1.0, 0.0, 0.0))
 
     def host_ahead(self) -> "HostCosts":
@@ -703,14 +703,9 @@ class HostCosts:
 def best_estimate(opts, ranks: int, gpus_per_node: int, kind: str, nic_gbps: float, nvlink_gbps: float, groups: int,
                   cost_args: dict):
     """The model's estimate (``internode_estimate`` with ``cost_args``) in the chunk count the transport would
-    measure as fastest: the fastest of ``HierarchicalTransport.CHUNK_CANDIDATES``. ``cost_args``'s
-    ``in_place_one_chunk``: the rows of a one-chunk call are written in place (an exact-mode dispatch without a head
-    chunk over a one-sided node leg), a call in more chunks gathers them."""
-    args = dict(cost_args)
-    one = args.pop("in_place_one_chunk", False)
+    measure as fastest: the fastest of ``HierarchicalTransport.CHUNK_CANDIDATES``."""
     return min((internode_estimate(ranks, gpus_per_node, opts.tokens, opts.hidden, opts.topk, opts.experts, kind,
-                                   nic_gbps, nvlink_gbps, groups, c, **args, **({"in_place": True} if one and c == 1
-                                                                                 else {}))
+                                   nic_gbps, nvlink_gbps, groups, c, **cost_args)
                 for c in HierarchicalTransport.CHUNK_CANDIDATES), key=lambda e: e.pipelined_us)
 
 

@@ -75,21 +75,33 @@ def layout_kernel(topk_ptr, itr_ptr, per_rank_ptr, per_expert_ptr, n, E, E_LOCAL
         tl.atomic_add(per_rank_ptr + r, tl.sum(tl.where(live, inr, 0), axis=0), sem="relaxed")
 
 
-@triton.jit(do_not_specialize=["m"])
-def rows_in_place_kernel(counts_ptr, map_ptr, m, stride, col, L, D, LP: tl.constexpr, DP: tl.constexpr,
-                         BLOCK: tl.constexpr):
-    """``map [M]`` int64: the output row of each of ``M`` rows that come in blocks by ``f``, then ``d`` (``f < L``,
-    ``d < D``), when the output holds the same blocks by ``d``, then ``f``; block ``(f, d)`` has
-    ``counts[f * stride + col + d * L]`` rows (int32). Every program makes the ``[L, D]`` table of block starts in
-    both orders (prefix sums), then maps its ``BLOCK`` rows."""
+@triton.jit(do_not_specialize=["m", "stride", "cstride", "col", "chunk", "chunks", "L", "D"])
+def rows_in_place_kernel(counts_ptr, map_ptr, m, stride, cstride, col, chunk, chunks, L, D, LP: tl.constexpr,
+                         DP: tl.constexpr, BLOCK: tl.constexpr):
+    """``map [M]`` int64: the output row of each of the ``M`` rows of chunk ``chunk`` of ``chunks``. A chunk's rows
+    come in blocks by ``f``, then ``d`` (``f < L``, ``d < D``); the output holds every chunk's rows by ``d``, then
+    ``f``, then chunk (each block of a chunk after the same block of the chunks before it). Block ``(f, d)`` of chunk
+    ``c`` has ``counts[f * stride + c * cstride + col + d * L]`` rows (int32). Every program makes the ``[L, D]``
+    tables of block starts (prefix sums over all chunks' blocks, and over this chunk's in its own order), then maps
+    its ``BLOCK`` rows."""
     f = tl.arange(0, LP)
     d = tl.arange(0, DP)
     ok = (f < L)[:, None] & (d < D)[None, :]
-    n = tl.load(counts_ptr + f[:, None] * stride + col + d[None, :] * L, mask=ok, other=0)  # [LP, DP]
+    at = counts_ptr + f[:, None] * stride + col + d[None, :] * L
+    total = tl.zeros([LP, DP], tl.int32)
+    before = tl.zeros([LP, DP], tl.int32)
+    n = tl.zeros([LP, DP], tl.int32)
+    c = 0
+    while c < chunks:
+        got = tl.load(at + c * cstride, mask=ok, other=0)
+        total += got
+        before += tl.where(c < chunk, got, 0)
+        n += tl.where(c == chunk, got, 0)
+        c += 1
     row_sum = tl.sum(n, axis=1)
     src_start = (tl.cumsum(row_sum, axis=0) - row_sum)[:, None] + tl.cumsum(n, axis=1) - n  # by f, then d
-    col_sum = tl.sum(n, axis=0)
-    dst_start = (tl.cumsum(col_sum, axis=0) - col_sum)[None, :] + tl.cumsum(n, axis=0) - n  # by d, then f
+    col_sum = tl.sum(total, axis=0)
+    dst_start = (tl.cumsum(col_sum, axis=0) - col_sum)[None, :] + tl.cumsum(total, axis=0) - total + before
     lo = tl.reshape(src_start, [LP * DP])
     hi = tl.reshape(src_start + n, [LP * DP])
     shift = tl.reshape(dst_start - src_start, [LP * DP])
@@ -864,14 +876,15 @@ def launch_layout(topk_idx, num_experts: int, num_ranks: int, per_rank, per_expe
                num_experts // num_ranks, K=k, R=num_ranks, BLOCK_T=64, BLOCK_K=pow2_block(k))
 
 
-def launch_rows_in_place(counts, row_map, stride: int, col: int, L: int, D: int) -> None:
+def launch_rows_in_place(counts, row_map, stride: int, col: int, L: int, D: int, chunk: int = 0, chunks: int = 1,
+                         cstride: int = 0) -> None:
     """``rows_in_place_kernel`` into ``row_map [M]`` int64 (launched for ``M = 0`` too: every rank compiles the same
     variant)."""
     lp, dp = next_pow2(max(L, 2)), next_pow2(max(D, 2))
     block = max(16, min(1024, 16384 // (lp * dp)))
     m = row_map.numel()
-    launch(rows_in_place_kernel, (max(1, cdiv(m, block)),), counts, row_map, m, stride, col, L, D, LP=lp, DP=dp,
-           BLOCK=block)
+    launch(rows_in_place_kernel, (max(1, cdiv(m, block)),), counts, row_map, m, stride, cstride, col, chunk, chunks, L,
+           D, LP=lp, DP=dp, BLOCK=block)
 
 
 def launch_unpack_records(records, out_scales, out_idx, out_w, out_src, num_scales: int, num_topk: int) -> None:

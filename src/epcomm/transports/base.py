@@ -96,6 +96,10 @@ class DispatchRequest:
     # int64 [num_recv_tokens] on the device: the output row of each received row (a permutation of the transport's
     # own order, applied as the rows are written; cached dispatches of transports with gates_cached_dispatch), or None
     row_map: Any = None
+    # with row_map, the outputs to write (recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src: as the
+    # transport would allocate them, with at least the rows row_map names; a hierarchical dispatch's chunks all write
+    # into the same ones), or None (the transport allocates them)
+    outs: Any = None
 
 
 @dataclass(frozen=True)

@@ -69,9 +69,10 @@ noise favour the simpler);
 Results do not depend on the count. Received rows are then put in the intranode path's order (by source rank, then
 source token; one gather of the outputs, and one of the combine's input back), so the order does not depend on the
 chunks or the domains, and ``handle.recv_src_rank`` / ``recv_src_idx`` hold each row's global source rank and token.
-In one chunk over a one-sided domain leg the rows are written there directly instead (``_rows_in_place``: the
-domain's gather also carries what each forwarder got from each source domain for every rank, so each (forwarder,
-source domain) block's place in that order is known before the rows move): no sort and no gather after the call.
+In exact mode over a one-sided domain leg every chunk's rows are written there directly instead, into one set of
+outputs (``_rows_in_place``: the domain's gather also carries what each forwarder got from each source domain for
+every rank in every chunk, so each (forwarder, source domain, chunk) block's place in that order is known before the
+rows move; a kernel makes each chunk's map from the gathered counts): no sort and no gather after the call.
 ``num_worst_tokens`` (no host synchronisation): each rank sends at most ``num_worst_tokens // num_ranks`` tokens to
 each domain (the inter-domain leg has fixed slots of that many rows per peer); more tokens raise at once.
 
@@ -564,42 +565,43 @@ class HierarchicalTransport(Transport):
         else:  # every chunk's layout computed here (the counts below are made from it), both legs' counts learnt
             subs = [self._chunk(req, a, b, c == 0) for c, (a, b) in enumerate(bounds)]
             counts_known, starts, ahead, gathered = self._exchange_counts(fn, req, subs, bounds, head)
-        # one chunk with its counts known: the domain leg writes each row where the intranode path's order puts it
-        # (no sort, no gather after the call), where it can (the one-sided transports' streaming dispatch); its map
-        # is made once the rows cross (nothing crosses while the host works between the count read and them)
-        place = (counts_known is not None and len(subs) == 1 and self.domain.gates_cached_dispatch
-                 and self.domain.can_gate(subs[0]))
-        in_place = None
+        # with its counts known, every chunk's domain leg writes each row where the intranode path's order puts it,
+        # into one set of outputs (no sort, no gather after the call), where it can (the one-sided transports'
+        # streaming dispatch); each chunk's map is made once its rows cross (nothing crosses while the host works
+        # between the count read and them)
+        place = (counts_known is not None and self.domain.gates_cached_dispatch and self.domain.can_gate(subs[0]))
+        shared = self._outputs(req, sum(sum(k[2]) for k in counts_known)) if place else None
         parts = []
         marks = timing[2] if timing is not None and chunks == 1 else None  # a one-chunk call's legs, timed
         _mark_into(marks, self.device)
         for c, r1 in enumerate(self._rail_chunks(fn, subs, cap, counts_known, ahead)):
             h1 = r1.handle
-            if place:
-                in_place = self._rows_in_place(fn, counts_known[0][2], gathered)
+            in_place = self._rows_in_place(fn, counts_known[c][2], gathered, c, len(subs)) if place else None
             _mark_into(marks, self.device)
             r2, src_rank, src_idx = self._forward(fn, subs[c], r1, h1, None if starts is None else starts[:, c],
-                                                  None if counts_known is None else counts_known[c][1], in_place)
+                                                  None if counts_known is None else counts_known[c][1], in_place,
+                                                  shared)
             _mark_into(marks, self.device)
-            parts.append((r2, src_rank, src_idx, h1))
+            parts.append((r2, src_rank, src_idx, h1, in_place))
         self._join()
         r2s = [p[0] for p in parts]
         handles = [r.handle for r in r2s]
-        # the rows in the order of the intranode path: by source rank, then source token (padding rows last)
-        src_rank, src_idx = _cat([p[1] for p in parts]), _cat([p[2] for p in parts])
-        if in_place is not None:  # (there already)
-            order, back = None, in_place
-        else:
+        fields = ("recv_x", "recv_scales", "recv_topk_idx", "recv_topk_weights")
+        if place:  # (there already: the rows' sources and the scales split from the carried columns once)
+            order, back = None, _cat([p[4] for p in parts])
+            out_x, carried, out_idx, out_w, out_src = shared
+            ns = carried.size(1) - 2
+            got = carried[:, ns:].view(torch.int32)  # (source domain, source token) of every row
+            src_rank, src_idx = torch.add(out_src[:, 1], got[:, 0], alpha=self.local_size), got[:, 1].contiguous()
+            outs = (out_x, carried[:, :ns].contiguous() if ns else None, out_idx, out_w)
+        else:  # the rows in the order of the intranode path: by source rank, then source token (padding rows last)
+            src_rank, src_idx = _cat([p[1] for p in parts]), _cat([p[2] for p in parts])
             order, back = _canonical_order(src_rank, self.num_ranks)
+            outs = tuple(_take([getattr(r, f) for r in r2s], order) for f in fields)
+            src_rank, src_idx = src_rank[order], src_idx[order]
         per_expert = handles[0].num_recv_tokens_per_expert
         for h in handles[1:]:
             per_expert = per_expert + h.num_recv_tokens_per_expert
-        fields = ("recv_x", "recv_scales", "recv_topk_idx", "recv_topk_weights")
-        if order is None:
-            outs = tuple(getattr(r2s[0], f) for f in fields)
-        else:
-            outs = tuple(_take([getattr(r, f) for r in r2s], order) for f in fields)
-            src_rank, src_idx = src_rank[order], src_idx[order]
         self._milestone(ISSUED_MILESTONE)
         counts = []
         if not W and req.num_tokens_per_expert is not None:  # the domain leg counted without alignment
@@ -700,15 +702,29 @@ class HierarchicalTransport(Transport):
                  for c, ((rail, domain, sources), leg) in enumerate(zip(known, legs))],
                 (recv[:, :, -2] if C > 1 else None), ahead, every)
 
-    def _rows_in_place(self, fn: str, sources: tuple, gathered: torch.Tensor) -> torch.Tensor:
-        """``[M]`` int64: where each row of a one-chunk exact-mode dispatch's domain leg goes in the output
-        (``_rows_in_place``), made on the device from the domain's gathered counts (``gathered``, ``_exchange_counts``;
-        ``sources``: the same counts as the host read them, which give ``M``)."""
+    def _rows_in_place(self, fn: str, sources: tuple, gathered: torch.Tensor, chunk: int, chunks: int
+                       ) -> torch.Tensor:
+        """``[M]`` int64: where each row of chunk ``chunk`` (of ``chunks``) of an exact-mode dispatch's domain leg
+        goes in the call's outputs (``_rows_in_place``), made on the device from the domain's gathered counts
+        (``gathered``, ``_exchange_counts``; ``sources``: the chunk's counts as the host read them, which give
+        ``M``)."""
         L, D = self.local_size, self.num_domains
         row_map = torch.empty(sum(sources), dtype=torch.int64, device=self.device)
         col = gathered.size(1) - D * L + self.local_index  # (the columns by source domain, then rank of this domain)
-        self.first_call(fn, ("rows in place",), lambda: _rows_in_place(gathered, row_map, col, L, D))
+        self.first_call(fn, ("rows in place",), lambda: _rows_in_place(gathered, row_map, col, L, D, chunk, chunks))
         return row_map
+
+    def _outputs(self, req: DispatchRequest, rows: int) -> tuple:
+        """The outputs every chunk's domain leg writes in place (``DispatchRequest.outs``): ``(recv_x [M, H] of x's
+        dtype, its scales and each row's (source domain, source token) [M, S + 2] float32 words, recv_topk_idx [M, K]
+        int64, recv_topk_weights [M, K] float32 or None, recv_src [M, 2] int32)`` for ``M = rows``."""
+        x, k, dev = req.x, req.topk_idx.size(1), self.device
+        ns = 0 if req.x_scales is None else req.x_scales.size(1)
+        return (torch.empty(rows, x.size(1), dtype=x.dtype, device=dev),
+                torch.empty(rows, ns + 2, dtype=torch.float32, device=dev),
+                torch.empty(rows, k, dtype=torch.int64, device=dev),
+                None if req.topk_weights is None else torch.empty(rows, k, dtype=torch.float32, device=dev),
+                torch.empty(rows, 2, dtype=torch.int32, device=dev))
 
     def _head_slots(self, slots: int, row_bytes: int) -> int:
         """An exact-mode dispatch's head chunk, slots per domain (0: none; the same on every rank): ``slots``
@@ -780,12 +796,14 @@ class HierarchicalTransport(Transport):
 
     def _forward(self, fn: str, req: DispatchRequest, r1: DispatchResult, h1: DispatchHandle,
                  starts: Optional[torch.Tensor], known: Optional[KnownCounts],
-                 row_map: Optional[torch.Tensor] = None) -> tuple:
+                 row_map: Optional[torch.Tensor] = None, outs: Optional[tuple] = None) -> tuple:
         """The domain leg of (a chunk of) a dispatch: ``(result, recv_src_rank, recv_src_idx)``, the source token
         index within the source's x (``starts``: ``[D]`` int32, this chunk's first token on each rail peer; None
         for a single chunk). ``known``: its counts (``_exchange_counts``), None with ``num_worst_tokens``.
-        ``row_map`` (``_rows_in_place``, exact mode): the rows written where it says, every output in that order; the
-        domain leg's handle keeps its own order (its combine and cached dispatches read it)."""
+        ``row_map`` (``_rows_in_place``, exact mode) and ``outs`` (``_outputs``): the rows written into ``outs`` where
+        it says (every chunk's into the same outputs), the source columns left in them (the caller splits them once:
+        the source rank and token returned are None); the domain leg's handle keeps its own order (its combine and
+        cached dispatches read it)."""
         e_dom, L, W = req.num_experts // self.num_domains, self.local_size, req.num_worst_tokens
         per_rank, per_expert, itr = self.domain.get_dispatch_layout(r1.recv_topk_idx, e_dom)
         # every row's source, (domain, token) as the forwarding rank received it, rides along as two more scale
@@ -799,15 +817,14 @@ class HierarchicalTransport(Transport):
             r2 = self.domain.dispatch(DispatchRequest(
                 r1.recv_x, carried, r1.recv_topk_idx, r1.recv_topk_weights, per_rank, itr, per_expert, e_dom,
                 req.expert_alignment if W else 1, W, None, req.config, None, req.overlapped, known=known,
-                row_map=row_map))
-        got = r2.recv_scales[:, ns:].view(torch.int32)
-        fwd = r2.handle.recv_src_rank
+                row_map=row_map, outs=outs))
         if row_map is not None:  # (exact sizes: every row has a source)
             h2 = r2.handle
             own = h2.state.recv_src.index_select(0, row_map)  # its rows' sources in its own order
             h2 = replace(h2, recv_src_rank=own[:, 1], recv_src_idx=own[:, 0], state=replace(h2.state, recv_src=own))
-            r2 = replace(r2, recv_scales=r2.recv_scales[:, :ns].contiguous() if ns else None, handle=h2)
-            return r2, torch.add(fwd, got[:, 0], alpha=L), got[:, 1].contiguous()
+            return replace(r2, handle=h2), None, None
+        got = r2.recv_scales[:, ns:].view(torch.int32)
+        fwd = r2.handle.recv_src_rank
         r2 = replace(r2, recv_scales=r2.recv_scales[:, :ns] if ns else None)
         if not W:  # exact sizes: every row has a source
             return r2, torch.add(fwd, got[:, 0], alpha=L), got[:, 1]
@@ -1478,17 +1495,19 @@ def _cat(parts: list) -> Optional[torch.Tensor]:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _rows_in_place(counts: torch.Tensor, row_map: torch.Tensor, col: int, L: int, D: int) -> None:
-    """Fill ``row_map [M]`` int64 (``DispatchRequest.row_map``): the output row of each row a one-chunk exact-mode
-    dispatch's domain leg receives. That leg's rows come by forwarding rank ``f``, then source domain ``d`` (its
-    input, the inter-domain leg's rows, is by source then token), then token; the output's, as the intranode path's,
-    by source rank ``d * L + f``, then token: so every (``f``, ``d``) block moves as a whole. ``counts [L, W]``
-    int32: the domain's gathered counts of the call on the device (``_exchange_counts``), this rank's rows from
-    source rank ``d * L + f`` at ``[f, col + d * L]``. One launch (``rows_in_place_kernel``) and no other host
-    work: it is made after the count read, which the host's time there holds up."""
+def _rows_in_place(counts: torch.Tensor, row_map: torch.Tensor, col: int, L: int, D: int, chunk: int = 0,
+                   chunks: int = 1) -> None:
+    """Fill ``row_map [M]`` int64 (``DispatchRequest.row_map``): the output row of each row chunk ``chunk`` of an
+    exact-mode dispatch's domain leg receives. That leg's rows come by forwarding rank ``f``, then source domain ``d``
+    (its input, the inter-domain leg's rows, is by source then token), then token; the output's, as the intranode
+    path's, by source rank ``d * L + f``, then token, so every (``f``, ``d``) block of a chunk moves as a whole, after
+    the same block of the chunks before it (their tokens come first). ``counts [L * chunks, W]`` int32: the domain's
+    gathered counts of the call on the device (``_exchange_counts``), this rank's rows from source rank ``d * L + f``
+    in chunk ``c`` at ``[f * chunks + c, col + d * L]``. One launch (``rows_in_place_kernel``) and no other host work:
+    it is made after the count read, which the host's time there holds up."""
     from ..kernels.ep import launch_rows_in_place
 
-    launch_rows_in_place(counts, row_map, counts.stride(0), col, L, D)
+    launch_rows_in_place(counts, row_map, counts.stride(0) * chunks, col, L, D, chunk, chunks, counts.stride(0))
 
 
 def _canonical_order(src_rank: torch.Tensor, num_ranks: int) -> tuple:

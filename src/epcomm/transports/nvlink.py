@@ -378,7 +378,8 @@ class NVLinkTransport(Transport):
             return self._cached_dispatch(req)
         itr, pos, summary, num_recv, per_expert_list, n_max, max_pair, host, worst = self._exchange(req)
         num_ranks, x, e_local = self.num_ranks, req.x, req.num_experts // self.num_ranks
-        outs = self._alloc_recv(num_recv, x, req.x_scales, req.topk_idx, req.topk_weights is not None, bool(worst))
+        outs = req.outs if req.outs is not None and req.row_map is not None else self._alloc_recv(
+            num_recv, x, req.x_scales, req.topk_idx, req.topk_weights is not None, bool(worst))
         recv_x, recv_scales, recv_idx, recv_w, recv_src = outs
         state = _NVLinkState(summary=summary, recv_src=recv_src, pos=pos, num_tokens_per_rank=req.num_tokens_per_rank,
                              num_tokens_max=n_max, max_pair=max_pair)
