@@ -1226,8 +1226,8 @@ def test_bench_internode_and_its_model(tmp_path, monkeypatch):
         exposed = copied.pipelined_us - bare.pipelined_us
         assert abs(exposed - 2 * copy) < 1e-6 if c == 1 else copy / 4 <= exposed < copy, (c, exposed, copy)
         assert abs(copied.sequential_us - bare.sequential_us - 2 * copy) < 1e-6
-    # an exact-mode dispatch is written in place in any chunk count, with a head chunk or without (HierarchicalTransport's
-    # _rows_in_place): no reorder charged
+    # an exact-mode dispatch is written in place in any chunk count, with a head chunk or without
+    # (HierarchicalTransport's _rows_in_place): no reorder charged
     shape = internode.InternodeBenchOptions(4096, 8, 7168, 8, 256, 2, ("uniform",), 4, "auto", 2)
     for head in (True, False):
         exact_args = internode.HostCosts(fixed=500.0, nohead_host=900.0).model_args("dispatch FP8", head=head)

@@ -124,8 +124,9 @@ def internode_estimate(ranks: int, gpus_per_node: int, num_tokens: int, hidden: 
     rest is issued while the rows cross: it costs nothing while it stays below the network's time, and bounds the
     call above it; of it, ``tail_us`` (the host's time after the call's last device work is issued: the handle)
     runs beside the last chunk's forwarding, so the device's end waits for the host's issue less the tail, and the
-    call ends at the later of the device's end and the host's. The host's work before the count read is not counted: in a model's step the host runs ahead of
-    its GPU (no synchronisation since the previous layer's dispatch), so that work overlaps the GPU's earlier work.
+    call ends at the later of the device's end and the host's. The host's work before the count read is not
+    counted: in a model's step the host runs ahead of its GPU (no synchronisation since the previous layer's
+    dispatch), so that work overlaps the GPU's earlier work.
     Chunk sizes: ``ratio`` times the previous chunk's tokens (``chunk_shares``; None: what the transport measures and
     uses, ``chunk_ratio`` of the forwarding's time over the network's); the two legs then run as a two-stage
     pipeline, each a chunk at a time: the call's legs end at the largest, over chunks ``k``, of the network's time for
