@@ -715,16 +715,12 @@ class HierarchicalTransport(Transport):
         return row_map
 
     def _outputs(self, req: DispatchRequest, rows: int) -> tuple:
-        """The outputs every chunk's domain leg writes in place (``DispatchRequest.outs``): ``(recv_x [M, H] of x's
-        dtype, its scales and each row's (source domain, source token) [M, S + 2] float32 words, recv_topk_idx [M, K]
-        int64, recv_topk_weights [M, K] float32 or None, recv_src [M, 2] int32)`` for ``M = rows``."""
-        x, k, dev = req.x, req.topk_idx.size(1), self.device
+        """The outputs every chunk's domain leg writes in place (``DispatchRequest.outs``), as the one-sided domain
+        leg allocates them (``alloc_recv``) for ``rows`` rows whose scales are ``_forward``'s carried columns: x's
+        scales and each row's (source domain, source token), float32 words."""
         ns = 0 if req.x_scales is None else req.x_scales.size(1)
-        return (torch.empty(rows, x.size(1), dtype=x.dtype, device=dev),
-                torch.empty(rows, ns + 2, dtype=torch.float32, device=dev),
-                torch.empty(rows, k, dtype=torch.int64, device=dev),
-                None if req.topk_weights is None else torch.empty(rows, k, dtype=torch.float32, device=dev),
-                torch.empty(rows, 2, dtype=torch.int32, device=dev))
+        return self.domain.alloc_recv(rows, req.x, (ns + 2, torch.float32), req.topk_idx.size(1),
+                                      req.topk_weights is not None, False)
 
     def _head_slots(self, slots: int, row_bytes: int) -> int:
         """An exact-mode dispatch's head chunk, slots per domain (0: none; the same on every rank): ``slots``

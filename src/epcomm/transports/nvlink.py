@@ -378,8 +378,9 @@ class NVLinkTransport(Transport):
             return self._cached_dispatch(req)
         itr, pos, summary, num_recv, per_expert_list, n_max, max_pair, host, worst = self._exchange(req)
         num_ranks, x, e_local = self.num_ranks, req.x, req.num_experts // self.num_ranks
-        outs = req.outs if req.outs is not None and req.row_map is not None else self._alloc_recv(
-            num_recv, x, req.x_scales, req.topk_idx, req.topk_weights is not None, bool(worst))
+        outs = req.outs if req.outs is not None and req.row_map is not None else self.alloc_recv(
+            num_recv, x, _columns(req.x_scales), None if req.topk_idx is None else req.topk_idx.size(1),
+            req.topk_weights is not None, bool(worst))
         recv_x, recv_scales, recv_idx, recv_w, recv_src = outs
         state = _NVLinkState(summary=summary, recv_src=recv_src, pos=pos, num_tokens_per_rank=req.num_tokens_per_rank,
                              num_tokens_max=n_max, max_pair=max_pair)
@@ -508,18 +509,20 @@ class NVLinkTransport(Transport):
                                if req.num_tokens_per_expert is not None else [])
         return itr, pos, summary, num_recv, per_expert_list, n_max, max_pair, host, worst
 
-    def _alloc_recv(self, num_recv: int, x, x_scales, topk_idx, has_w: bool, padded: bool):
+    def alloc_recv(self, num_recv: int, x: torch.Tensor, scales: Optional[tuple], k: Optional[int], has_w: bool,
+                   padded: bool) -> tuple:
+        """The outputs a dispatch of ``num_recv`` rows writes (what ``DispatchRequest.outs`` takes): ``(recv_x [M, H]
+        of x's dtype, recv_scales [M, S] or None, recv_topk_idx [M, K] int64 or None, recv_topk_weights [M, K]
+        float32 or None, recv_src [M, 2] int32)``. ``scales``: ``(S, dtype)`` or None; ``k``: the top-k columns or
+        None; ``padded``: rows a call may leave unwritten are filled (ids and sources -1, weights 0)."""
         dev = x.device
         recv_x = torch.empty(num_recv, x.size(1), dtype=x.dtype, device=dev)
-        recv_scales = (torch.empty(num_recv, x_scales.size(1), dtype=x_scales.dtype, device=dev)
-                       if x_scales is not None else None)
+        recv_scales = torch.empty(num_recv, scales[0], dtype=scales[1], device=dev) if scales is not None else None
         recv_idx = recv_w = None
-        if topk_idx is not None:
-            recv_idx = (torch.full if padded else _empty)((num_recv, topk_idx.size(1)), -1, dtype=torch.int64,
-                                                          device=dev)
+        if k is not None:
+            recv_idx = (torch.full if padded else _empty)((num_recv, k), -1, dtype=torch.int64, device=dev)
             if has_w:
-                recv_w = (torch.zeros if padded else torch.empty)(num_recv, topk_idx.size(1), dtype=torch.float32,
-                                                                  device=dev)
+                recv_w = (torch.zeros if padded else torch.empty)(num_recv, k, dtype=torch.float32, device=dev)
         recv_src = (torch.full if padded else _empty)((num_recv, 2), -1, dtype=torch.int32, device=dev)
         return recv_x, recv_scales, recv_idx, recv_w, recv_src
 
@@ -654,7 +657,7 @@ class NVLinkTransport(Transport):
         plan_req = DispatchRequest(req.x, req.x_scales, None, None, st.num_tokens_per_rank, h.is_token_in_rank, None,
                                    h.num_experts, 1, h.num_worst_tokens, None, req.config, None, req.overlapped,
                                    gate=req.gate, row_map=req.row_map)
-        outs = self._alloc_recv(h.num_recv_tokens, req.x, req.x_scales, None, False, bool(h.num_worst_tokens))
+        outs = self.alloc_recv(h.num_recv_tokens, req.x, _columns(req.x_scales), None, False, bool(h.num_worst_tokens))
         self._run_dispatch(plan_req, h.is_token_in_rank, st, outs, h.num_recv_tokens, h.num_worst_tokens)
         return DispatchResult(outs[0], outs[1], None, None, None, h)
 
@@ -1001,6 +1004,11 @@ def _tokens_per_step(config) -> int:
     v = max(1, min(16, config.num_max_nvl_chunked_send_tokens))
     return 1 << (v.bit_length() - 1)
 
+
+
+def _columns(t: Optional[torch.Tensor]) -> Optional[tuple]:
+    """``(columns, dtype)`` of a 2-D tensor, or None (``alloc_recv``'s ``scales``)."""
+    return None if t is None else (t.size(1), t.dtype)
 
 
 def _empty(shape, fill, dtype, device):
