@@ -529,23 +529,30 @@ def test_rail_per_expert_counts_from_the_exchange():
 
 
 def test_known_counts_from_the_exchange():
-    """How a rank reads both legs' counts from the one exchange's host list (``_known_counts``): 2 domains of 2
-    ranks, 1 chunk, 4 experts per domain; and ``KnownCounts`` refuses counts that cannot be."""
+    """How a rank reads both legs' counts from the one exchange's host list (``_Counts``: the inter-domain leg's at
+    once, the domain leg's when first asked): 2 domains of 2 ranks, 1 chunk, 4 experts per domain; and
+    ``KnownCounts`` refuses counts that cannot be."""
     from epcomm.transports.base import KnownCounts
-    from epcomm.transports.hierarchical import _known_counts
+    from epcomm.transports.hierarchical import _Counts
+
+    def read(host, C, L, D, e_dom, l):  # ([(rail, domain, sources)] per chunk, most tokens)
+        counts = _Counts(host, C, L, D, e_dom, l)
+        return ([(r, d, s) for r, (d, s) in zip(counts.rail_known(), counts.domain)],
+                counts.most_tokens)
 
     # the domain's gathered rows per forwarding rank f: [tokens it forwards, rows to rank 0, rows to rank 1,
     # pairs per expert of the domain (4), the most tokens of its rail peers, rows from source domain 0 to rank 0 and
     # to rank 1, from source domain 1 to rank 0 and to rank 1]; then this rank's rail sends [D] and receives [D]
     every = [[5, 3, 4, 1, 2, 3, 4, 9, 1, 3, 2, 1], [6, 2, 5, 5, 6, 7, 8, 12, 0, 4, 2, 1]]
     host = every[0] + every[1] + [7, 8] + [2, 3]
-    ((rail, domain, sources),), most = _known_counts(host, 1, 2, 2, 4, 0)
+    assert "domain" not in vars(_Counts(host, 1, 2, 2, 4, 0))  # (made when first asked: after the rows' collective)
+    ((rail, domain, sources),), most = read(host, 1, 2, 2, 4, 0)
     assert most == 12
     assert rail == KnownCounts((7, 8), (2, 3), (1, 2, 3, 4))
     assert domain == KnownCounts((3, 4), (3, 2), (1 + 5, 2 + 6), num_tokens_max=6, max_pair=5)
     assert domain.num_recv_tokens == 5
     assert sources == (1, 2, 0, 2)  # (by forwarder, then source domain)
-    ((_, domain1, sources1),), _ = _known_counts(host, 1, 2, 2, 4, 1)  # the same gather read by local index 1
+    ((_, domain1, sources1),), _ = read(host, 1, 2, 2, 4, 1)  # the same gather read by local index 1
     assert domain1 == KnownCounts((2, 5), (4, 5), (3 + 7, 4 + 8), num_tokens_max=6, max_pair=5)
     assert sources1 == (3, 1, 4, 1)
     # several chunks, domains and forwarders: every count from its definition
@@ -559,7 +566,7 @@ def test_known_counts_from_the_exchange():
     at = lambda f, c, i: host[(f * C + c) * W + i]  # noqa: E731 - forwarder f's row of chunk c
     sends, recvs = host[L * C * W:L * C * W + D * C], host[L * C * W + D * C:]
     for l in range(L):
-        known, most = _known_counts(host, C, L, D, e_dom, l)
+        known, most = read(host, C, L, D, e_dom, l)
         assert most == max(at(f, 0, V - 1) for f in range(L))
         for c, (rail, domain, sources) in enumerate(known):
             assert sources == tuple(at(f, c, V + d * L + l) for f in range(L) for d in range(D))

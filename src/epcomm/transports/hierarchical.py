@@ -561,26 +561,31 @@ class HierarchicalTransport(Transport):
             bounds.insert(0, (0, h))
         ahead = None
         if W:  # fixed slots, no counts to learn
-            subs, counts_known, starts, gathered = [req], None, None, None
+            subs, counts, starts, gathered = [req], None, None, None
         else:  # every chunk's layout computed here (the counts below are made from it), both legs' counts learnt
             subs = [self._chunk(req, a, b, c == 0) for c, (a, b) in enumerate(bounds)]
-            counts_known, starts, ahead, gathered = self._exchange_counts(fn, req, subs, bounds, head)
+            counts, starts, ahead, gathered = self._exchange_counts(fn, req, subs, bounds, head)
         # with its counts known, every chunk's domain leg writes each row where the intranode path's order puts it,
         # into one set of outputs (no sort, no gather after the call), where it can (the one-sided transports'
         # streaming dispatch); each chunk's map is made once its rows cross (nothing crosses while the host works
         # between the count read and them)
-        place = (counts_known is not None and self.domain.gates_cached_dispatch and self.domain.can_gate(subs[0]))
-        shared = self._outputs(req, sum(sum(k[2]) for k in counts_known)) if place else None
+        place = (counts is not None and self.domain.gates_cached_dispatch and self.domain.can_gate(subs[0]))
+        shared = None  # (made once the first rows' collective is issued, as the domain leg's counts are)
         parts = []
         marks = timing[2] if timing is not None and chunks == 1 else None  # a one-chunk call's legs, timed
         _mark_into(marks, self.device)
-        for c, r1 in enumerate(self._rail_chunks(fn, subs, cap, counts_known, ahead)):
+        for c, r1 in enumerate(self._rail_chunks(fn, subs, cap, counts, ahead)):
             h1 = r1.handle
-            in_place = self._rows_in_place(fn, counts_known[c][2], gathered, c, len(subs)) if place else None
+            known, sources = (None, None) if counts is None else counts.domain[c]
+            if place:
+                if shared is None:
+                    shared = self._outputs(req, sum(sum(d[1]) for d in counts.domain))
+                in_place = self._rows_in_place(fn, sources, gathered, c, len(subs))
+            else:
+                in_place = None
             _mark_into(marks, self.device)
             r2, src_rank, src_idx = self._forward(fn, subs[c], r1, h1, None if starts is None else starts[:, c],
-                                                  None if counts_known is None else counts_known[c][1], in_place,
-                                                  shared)
+                                                  known, in_place, shared)
             _mark_into(marks, self.device)
             parts.append((r2, src_rank, src_idx, h1, in_place))
         self._join()
@@ -645,11 +650,12 @@ class HierarchicalTransport(Transport):
         reads them (issued after the domain's gather and the counts' copy to the host: the read does not wait for
         the host's work on the head). Every rank also learns the largest token count of any rank (its rail peers'
         largest, gathered over its domain), which sizes the next call's head chunk, and the rows it receives from
-        each source rank through each forwarding rank. Returns ``([(the inter-domain leg's request, its counts known
-        and its local work prepared; domain KnownCounts; this rank's rows from each source, by forwarding rank then
-        source domain)] per chunk, [D, chunks] int32 first token of each chunk of every rail peer, or None for one
-        chunk, the head's ``Ahead`` or None, the domain's gathered counts ``[L * chunks, W]`` int32 on the device)``;
-        raises on bad expert ids (``req.bad_topk``)."""
+        each source rank through each forwarding rank. Returns ``(_Counts: the inter-domain leg's requests with their
+        counts known and their local work prepared, ``rails``, and per chunk the domain KnownCounts and this rank's
+        rows from each source, by forwarding rank then source domain, ``domain``, made when first asked: after the
+        first rows' collective; [D, chunks] int32 first token of each chunk of every rail peer, or None for one
+        chunk; the head's ``Ahead`` or None; the domain's gathered counts ``[L * chunks, W]`` int32 on the
+        device)``; raises on bad expert ids (``req.bad_topk``)."""
         D, L, C, dev = self.num_domains, self.local_size, len(subs), req.x.device
         e_dom = req.num_experts // D
         tables, legs = [], []
@@ -695,12 +701,11 @@ class HierarchicalTransport(Transport):
         with self._leg(fn, COUNTS_PHASE):
             host = read()
         raise_if_bad_topk(fn, host[-1], req.num_experts)
-        known, most_tokens = _known_counts(host, C, L, D, e_dom, self.local_index)
-        self._head = math.ceil(most_tokens * self.head_share)  # (the same on every rank)
+        counts = _Counts(host, C, L, D, e_dom, self.local_index)
+        self._head = math.ceil(counts.most_tokens * self.head_share)  # (the same on every rank)
         # (the inter-domain leg's received per-expert counts are this rank's sums, already on the device)
-        return ([(replace(leg, known=replace(rail, recv_per_expert_tensor=mine[c, 1 + L:])), domain, sources)
-                 for c, ((rail, domain, sources), leg) in enumerate(zip(known, legs))],
-                (recv[:, :, -2] if C > 1 else None), ahead, every)
+        counts.rails = [replace(leg, known=rail) for rail, leg in zip(counts.rail_known(mine[:, 1 + L:]), legs)]
+        return counts, (recv[:, :, -2] if C > 1 else None), ahead, every
 
     def _rows_in_place(self, fn: str, sources: tuple, gathered: torch.Tensor, chunk: int, chunks: int
                        ) -> torch.Tensor:
@@ -731,7 +736,7 @@ class HierarchicalTransport(Transport):
         fewest, most = head_bounds(self._tuner.reach / row_bytes)
         return 0 if slots < fewest else min(slots, most)
 
-    def _rail_chunks(self, fn: str, subs: list, cap: int, counts_known: Optional[list], ahead: Any = None):
+    def _rail_chunks(self, fn: str, subs: list, cap: int, counts: Optional["_Counts"], ahead: Any = None):
         """The inter-domain leg of each chunk of a dispatch (a generator of its results, in order). With several
         chunks on GPUs every chunk's rows are issued on the network stream before the first result is yielded (with
         their counts known, or one count exchange for all: ``Transport.dispatch_many``), so the link moves chunk
@@ -740,11 +745,11 @@ class HierarchicalTransport(Transport):
         D, L = self.num_domains, self.local_size
 
         def head() -> DispatchResult:  # its slots as the exact result (on the stream its rows were sent on)
-            return self.rail.receive_ahead(ahead, counts_known[0][0].known)
+            return self.rail.receive_ahead(ahead, counts.rails[0].known)
 
         def request(c: int, req: DispatchRequest) -> DispatchRequest:
-            if counts_known is not None:
-                return counts_known[c][0]
+            if counts is not None:
+                return counts.rails[c]
             in_domain = req.is_token_in_rank.view(req.x.size(0), D, L).any(2)
             return self._rail_request(req, in_domain.sum(0, dtype=torch.int32), in_domain, cap)
 
@@ -1458,30 +1463,48 @@ def _true_sources(h2: LowLatencyHandle, t_max: int, D: int, L: int, src_info: to
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def _known_counts(host: list, C: int, L: int, D: int, e_dom: int, l: int) -> tuple:
-    """``([(rail KnownCounts, domain KnownCounts, rows from each source)] per chunk, the most tokens of any rank)``
-    from the host read of ``_exchange_counts`` (the domain's gathered rows ``[L, C, V + D L]``: sums with ``V = 2 +
-    L + e_dom``, the last their rail peers' most tokens, then the rows each source domain sends each rank of this
-    domain through that forwarder; then this rank's sends ``[D, C]`` and receives ``[D, C]`` over the rail) for
-    local index ``l``. Rows from each source: ``[L * D]``, this rank's rows from source rank ``d * L + f`` at
-    ``f * D + d`` (the domain leg's order: by forwarding rank, then source domain)."""
-    V = 2 + L + e_dom
-    W = V + D * L
-    e_local = e_dom // L
-    every = [[host[(f * C + c) * W:(f * C + c + 1) * W] for c in range(C)] for f in range(L)]
-    base = L * C * W
-    sends, recvs = host[base:base + D * C], host[base + D * C:base + 2 * D * C]
-    mine = slice(1 + L + l * e_local, 1 + L + (l + 1) * e_local)  # this rank's experts in a forwarder's sums
-    out = []
-    for c in range(C):  # (slices and zips: this runs between the count read and the first rows crossing)
-        rows = [every[f][c] for f in range(L)]
-        rail = KnownCounts(tuple(sends[c::C]), tuple(recvs[c::C]), tuple(rows[l][1 + L:V - 1]))
-        domain = KnownCounts(
-            tuple(rows[l][1:1 + L]), tuple(r[1 + l] for r in rows),
-            tuple(map(sum, zip(*(r[mine] for r in rows)))),
-            num_tokens_max=max(r[0] for r in rows), max_pair=max(max(r[1:1 + L]) for r in rows))
-        out.append((rail, domain, tuple(r[V + d * L + l] for r in rows for d in range(D))))
-    return out, max(every[f][0][V - 1] for f in range(L))
+class _Counts:
+    """Both legs' counts of every chunk of an exact-mode dispatch, from the host read of ``_exchange_counts`` (the
+    domain's gathered rows ``[L, C, V + D L]``: sums with ``V = 2 + L + e_dom``, the last their rail peers' most
+    tokens, then the rows each source domain sends each rank of this domain through that forwarder; then this rank's
+    sends ``[D, C]`` and receives ``[D, C]`` over the rail) for local index ``l``. The inter-domain leg's counts
+    (``rail_known``) are what its first rows' collective waits for; the domain leg's (``domain``: per chunk, its
+    ``KnownCounts`` and this rank's rows from each source, ``[L * D]``, from source rank ``d * L + f`` at
+    ``f * D + d``, the domain leg's order: by forwarding rank, then source domain) are made when first asked, after
+    that collective is issued. ``rails``: the inter-domain leg's requests, set by the caller."""
+
+    def __init__(self, host: list, C: int, L: int, D: int, e_dom: int, l: int) -> None:
+        V = 2 + L + e_dom
+        W = V + D * L
+        self._every = [[host[(f * C + c) * W:(f * C + c + 1) * W] for c in range(C)] for f in range(L)]
+        base = L * C * W
+        self._sends, self._recvs = host[base:base + D * C], host[base + D * C:base + 2 * D * C]
+        self._shape = (C, L, D, e_dom, l, V)
+        self.most_tokens = max(self._every[f][0][V - 1] for f in range(L))
+        self.rails: list = []
+
+    def rail_known(self, per_expert: Optional[torch.Tensor] = None) -> list:
+        """The inter-domain leg's ``KnownCounts`` of each chunk (``per_expert``: ``[C, e_dom]`` the same received
+        per-expert counts on the device, or None)."""
+        C, L, D, e_dom, l, V = self._shape
+        return [KnownCounts(tuple(self._sends[c::C]), tuple(self._recvs[c::C]), tuple(self._every[l][c][1 + L:V - 1]),
+                            recv_per_expert_tensor=None if per_expert is None else per_expert[c]) for c in range(C)]
+
+    @functools.cached_property
+    def domain(self) -> list:
+        """``[(domain KnownCounts, rows from each source)]`` per chunk."""
+        C, L, D, e_dom, l, V = self._shape
+        e_local = e_dom // L
+        mine = slice(1 + L + l * e_local, 1 + L + (l + 1) * e_local)  # this rank's experts in a forwarder's sums
+        out = []
+        for c in range(C):  # (slices and zips)
+            rows = [self._every[f][c] for f in range(L)]
+            known = KnownCounts(
+                tuple(rows[l][1:1 + L]), tuple(r[1 + l] for r in rows),
+                tuple(map(sum, zip(*(r[mine] for r in rows)))),
+                num_tokens_max=max(r[0] for r in rows), max_pair=max(max(r[1:1 + L]) for r in rows))
+            out.append((known, tuple(r[V + d * L + l] for r in rows for d in range(D))))
+        return out
 
 
 def _cat(parts: list) -> Optional[torch.Tensor]:
