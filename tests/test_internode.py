@@ -639,6 +639,51 @@ def test_rows_in_place_is_the_canonical_order():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
 
 
+def _domain_counts_after_the_rows(ctx):
+    """One exact-mode dispatch in 2 chunks over the one-sided domain leg (interpreter): the order in which the host
+    issued the collectives and first asked for the domain leg's counts."""
+    import torch.distributed as dist
+
+    from epcomm.buffer import Buffer
+    from epcomm.testing.checks import NormalCase, check_normal
+    from epcomm.transports import hierarchical
+    from epcomm.transports.nvlink import NVLinkTransport
+
+    hierarchical.HierarchicalTransport.pipeline_chunks, hierarchical.HierarchicalTransport.head_chunk = 2, False
+    events, a2a, domain = [], dist.all_to_all_single, hierarchical._Counts.domain.func
+
+    def counted(*args, **kwargs):
+        events.append("all_to_all")
+        return a2a(*args, **kwargs)
+
+    def asked(self):
+        events.append("domain counts")
+        return domain(self)
+
+    dist.all_to_all_single = counted
+    hierarchical._Counts.domain = hierarchical.functools.cached_property(asked)
+    hierarchical._Counts.domain.__set_name__(hierarchical._Counts, "domain")
+    buf = Buffer(ctx.group, transport=NVLinkTransport, num_nvl_bytes=1 << 23, ranks_per_node=2)
+    case = NormalCase(num_tokens=(9, 4, 0, 7), hidden=64, num_experts=8, topk=3, dtype="bf16", seed=91)
+    try:
+        failures = check_normal(ctx, buf, case).failures
+    finally:
+        dist.all_to_all_single = a2a
+    buf.destroy()
+    return failures, events
+
+
+def test_domain_counts_made_after_the_first_rows_collective(monkeypatch):
+    """An exact-mode dispatch asks for the domain leg's counts (``_Counts.domain``) only after the inter-domain leg's
+    first rows' collective is issued (the count all_to_all, then the rows' all_to_all, then the counts): the host's
+    lead from the count read to the first rows holds only what that collective needs."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for failures, events in spawn(_domain_counts_after_the_rows, 4, device="cpu", timeout_s=600):
+        assert failures == [], failures
+        first = events.index("domain counts")
+        assert events[:first].count("all_to_all") >= 2, events  # (the counts', then the first rows')
+
+
 def _in_place_cases(ctx, chunks):
     """Exact-mode dispatches in ``chunks`` chunks over the one-sided domain leg (its kernels under the interpreter):
     four of the Buffer suite's normal cases and one with -1 slots against the reference (dispatch, combine, cached
