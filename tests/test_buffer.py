@@ -49,3 +49,21 @@ def _assert_clean(results):
 def test_buffer_matches_reference(world_size):
     _assert_clean(spawn(run_cases, world_size, normal_cases(world_size) + low_latency_cases(world_size),
                         device="cpu"))
+
+
+def test_evolve_copies_a_record_with_its_changes():
+    """``evolve`` (the per-call copy of frozen records): the changes set, every other field the same object, the
+    original untouched, an unknown name refused."""
+    import torch
+
+    from epcomm.core.handles import evolve
+    from epcomm.transports.base import KnownCounts
+
+    k = KnownCounts((1, 2), (3, 4), (5,), num_tokens_max=7)
+    t = torch.zeros(1, dtype=torch.int32)
+    e = evolve(k, recv_per_expert_tensor=t, max_pair=2)
+    assert type(e) is KnownCounts and e.recv_per_expert_tensor is t and e.max_pair == 2
+    assert e.num_tokens_per_rank is k.num_tokens_per_rank and e.num_tokens_max == 7
+    assert k.recv_per_expert_tensor is None and k.max_pair is None
+    with pytest.raises(TypeError, match="evolve: KnownCounts has no field 'maxpair'"):
+        evolve(k, maxpair=1)

@@ -587,7 +587,9 @@ def test_known_counts_from_the_exchange():
 _ROWS_IN_PLACE = """
 import random
 import torch
-from epcomm.transports.hierarchical import _canonical_order, _rows_in_place
+from epcomm.kernels.ep import SUMMARY_HEAD
+from epcomm.transports.hierarchical import _Counts, _canonical_order, _rows_in_place
+from epcomm.transports.nvlink import _known_summary
 
 rng = random.Random(3)
 for L, D in ((2, 2), (3, 2), (1, 4), (4, 3), (2, 1), (8, 8), (5, 7)):
@@ -620,6 +622,19 @@ for L, D in ((2, 2), (3, 2), (1, 4), (4, 3), (2, 1), (8, 8), (5, 7)):
         out = torch.empty_like(src_rank)
         out[got] = src_rank * 1000 + token
         assert out.tolist() == sorted(out.tolist()), (L, D, chunks)
+        # the same launch's summary of the domain leg's counts, as the host makes it from the counts it read: the
+        # gathered rows laid out as _exchange_counts gathers them ([rows, rows per rank, rows per expert of the
+        # domain, the most tokens], then the sources' columns), random counts
+        for e_local in (1, 3):
+            V = 2 + L + e_local * L
+            every = torch.randint(0, 40, (L * chunks, V + D * L), dtype=torch.int32)
+            host = every.view(-1).tolist() + [0] * (2 * D * chunks)
+            domain = _Counts(host, chunks, L, D, e_local * L, local).domain
+            for c in range(chunks):
+                summary = torch.full((SUMMARY_HEAD + 3 * L + e_local,), -7, dtype=torch.int32)
+                _rows_in_place(every, torch.empty(0, dtype=torch.int64), V + local, L, D, c, chunks, summary, local,
+                               e_local)
+                assert summary.tolist() == _known_summary(domain[c][0], L, e_local, True), (L, D, chunks, c)
 print("ok")
 """
 
@@ -629,7 +644,9 @@ def test_rows_in_place_is_the_canonical_order():
     (by forwarding rank, then source domain, then token) lands in the intranode path's order (by source rank, then
     token, chunk after chunk) is the permutation the stable sort by source rank finds (``_canonical_order``'s
     ``back``), read from the domain's gathered counts as the device holds them (this rank's column of each source
-    domain in each chunk's row), in 1, 2 and 4 chunks, with empty blocks, empty calls and up to 8 x 8 ranks."""
+    domain in each chunk's row), in 1, 2 and 4 chunks, with empty blocks, empty calls and up to 8 x 8 ranks; and the
+    domain leg's summary the same launch writes is the one the host makes of the counts it read (``_known_summary``
+    of ``_Counts.domain``)."""
     import os
     import subprocess
     import sys
@@ -749,14 +766,17 @@ def test_rows_written_in_place(monkeypatch, chunks):
 @pytest.mark.parametrize("head_chunk", [None, True])
 def test_chunk_count_is_measured_and_agreed(head_chunk):
     """With a fixed cost per chunk, the measured count is 1 chunk, the same on every rank (they agree on the
-    slowest rank's times), and every call while measuring (1, 2 and 4 chunks) matches the reference; also where
-    calls are told to send a head chunk (``head_chunk=True``: measured under the tuner's candidates without one,
+    slowest rank's times), and every call while measuring (each of ``CHUNK_CANDIDATES``) matches the reference; also
+    where calls are told to send a head chunk (``head_chunk=True``: measured under the tuner's candidates without one,
     as the leg cannot send one here)."""
+    from epcomm.transports.hierarchical import HierarchicalTransport as H
+
     results = spawn(_chunk_count, 4, 0.03, head_chunk, device="cpu", timeout_s=600)
     for rank, (failures, chosen, seen, text, described) in enumerate(results):
         assert failures == [], (rank, failures)
         assert chosen == 1, (rank, text)
-        assert seen == 12 and "measured fastest" in text and "normal-mode chunks: 1 chunk, measured" in described, text
+        assert seen == len(H.CHUNK_CANDIDATES) * H.TUNE_CALLS, (rank, seen)
+        assert "measured fastest" in text and "normal-mode chunks: 1 chunk, measured" in described, text
 
 
 def test_chunk_count_candidates_take_turns():
@@ -1355,7 +1375,7 @@ def test_targets_and_the_host_ahead_model():
     assert (targets[0]["speed-up"], targets[0]["share of the raw link"]) == ("2.00x", "90%")
     assert targets[1]["raw link us"] == 1800 and targets[1]["share of the raw link"] == "90%"  # BF16 against BF16
     assert targets[3]["speed-up"] == "1.88x"  # (3000 / 1600)
-    costs = internode.HostCosts(fixed=700.0, dispatch_host=2000.0, combine_host=2400.0, dispatch_lead=150.0,
+    costs = internode.HostCosts(fixed=700.0, dispatch_host=2000.0, combine_host=3000.0, dispatch_lead=150.0,
                                 dispatch_chunk=1400.0, combine_chunk=700.0, cached_host=2300.0, cached_chunk=150.0)
     ahead = costs.host_ahead()
     assert (ahead.combine_host, ahead.combine_chunk, ahead.cached_host, ahead.cached_chunk) == (0.0,) * 4

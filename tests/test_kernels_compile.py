@@ -43,12 +43,16 @@ def _precast_dispatches(ctx, transport) -> None:
 
 
 def _rows_in_place() -> None:
-    """The hierarchical path's row map of a one-chunk exact-mode dispatch (``rows_in_place_kernel``), 2 domains of 2."""
+    """The hierarchical path's row map of a one-chunk exact-mode dispatch (``rows_in_place_kernel``), 2 domains of 2,
+    with and without the domain leg's summary."""
     import torch
 
-    from epcomm.kernels.ep import launch_rows_in_place
+    from epcomm.kernels.ep import SUMMARY_HEAD, launch_rows_in_place
 
-    launch_rows_in_place(torch.ones(2, 9, dtype=torch.int32), torch.empty(4, dtype=torch.int64), 9, 5, 2, 2)
+    counts = torch.ones(2, 9, dtype=torch.int32)
+    launch_rows_in_place(counts, torch.empty(4, dtype=torch.int64), 9, 5, 2, 2)
+    launch_rows_in_place(counts, torch.empty(4, dtype=torch.int64), 9, 5, 2, 2, 0, 1, 9,
+                         torch.empty(SUMMARY_HEAD + 6 + 1, dtype=torch.int32), 1, 1)
 
 
 def _record(ctx):

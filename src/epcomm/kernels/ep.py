@@ -51,6 +51,7 @@ _K_ERR_GATE = tl.constexpr(ERR_GATE_TIMEOUT)
 _K_CMP_AFTER = tl.constexpr(CMP_AFTER)
 
 SUMMARY_HEAD = 8  # summary words before recv_prefix
+_K_SUMMARY_HEAD = tl.constexpr(SUMMARY_HEAD)
 PUSH_WARPS = 8  # warps per push program (dispatch and combine)
 
 
@@ -75,15 +76,19 @@ def layout_kernel(topk_ptr, itr_ptr, per_rank_ptr, per_expert_ptr, n, E, E_LOCAL
         tl.atomic_add(per_rank_ptr + r, tl.sum(tl.where(live, inr, 0), axis=0), sem="relaxed")
 
 
-@triton.jit(do_not_specialize=["m", "stride", "cstride", "col", "chunk", "chunks", "L", "D"])
-def rows_in_place_kernel(counts_ptr, map_ptr, m, stride, cstride, col, chunk, chunks, L, D, LP: tl.constexpr,
-                         DP: tl.constexpr, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["m", "stride", "cstride", "col", "chunk", "chunks", "L", "D", "local", "e_local"])
+def rows_in_place_kernel(counts_ptr, map_ptr, summary_ptr, m, stride, cstride, col, chunk, chunks, L, D, local,
+                         e_local, LP: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr, EP: tl.constexpr,
+                         SUMMARY: tl.constexpr):
     """``map [M]`` int64: the output row of each of the ``M`` rows of chunk ``chunk`` of ``chunks``. A chunk's rows
     come in blocks by ``f``, then ``d`` (``f < L``, ``d < D``); the output holds every chunk's rows by ``d``, then
     ``f``, then chunk (each block of a chunk after the same block of the chunks before it). Block ``(f, d)`` of chunk
     ``c`` has ``counts[f * stride + c * cstride + col + d * L]`` rows (int32). Every program makes the ``[L, D]``
     tables of block starts (prefix sums over all chunks' blocks, and over this chunk's in its own order), then maps
-    its ``BLOCK`` rows."""
+    its ``BLOCK`` rows. With ``SUMMARY`` program 0 also writes ``summary`` int32: the summary ``exchange_kernel`` will
+    find in the domain leg of chunk ``chunk`` on the rank of local index ``local`` (its ``expected``, ``CHECK``), made
+    from the same counts: forwarding rank ``f``'s row of the chunk holds at column 0 its rows, at ``1 + g`` its rows
+    for rank ``g`` of the domain, at ``1 + L + e`` its rows for the domain's expert ``e`` (``e_local`` per rank)."""
     f = tl.arange(0, LP)
     d = tl.arange(0, DP)
     ok = (f < L)[:, None] & (d < D)[None, :]
@@ -109,6 +114,27 @@ def rows_in_place_kernel(counts_ptr, map_ptr, m, stride, cstride, col, chunk, ch
     inside = (r[:, None] >= lo[None, :]) & (r[:, None] < hi[None, :])  # (empty blocks hold no row)
     dst = r + tl.sum(tl.where(inside, shift[None, :], 0), axis=1)
     tl.store(map_ptr + r, dst.to(tl.int64), mask=r < m)
+    if SUMMARY:
+        if tl.program_id(0) == 0:
+            fm = f < L
+            row = counts_ptr + chunk * cstride + f * stride  # forwarding rank f's row of this chunk
+            recv = tl.load(row + 1 + local, mask=fm, other=0)
+            sent = tl.load(counts_ptr + chunk * cstride + local * stride + 1 + f, mask=fm, other=0)
+            pairs = tl.load(row[:, None] + 1 + f[None, :], mask=fm[:, None] & fm[None, :], other=0)
+            e = tl.arange(0, EP)
+            em = e < e_local
+            per_expert = tl.sum(tl.load(row[:, None] + 1 + L + local * e_local + e[None, :],
+                                        mask=fm[:, None] & em[None, :], other=0), axis=0)
+            recv_total = tl.sum(recv, axis=0)
+            max_pair = tl.max(tl.max(pairs, axis=1), axis=0)
+            max_tokens = tl.max(tl.load(row, mask=fm, other=0), axis=0)
+            h = tl.arange(0, _K_SUMMARY_HEAD)  # (the error words, which the check skips, zero)
+            tl.store(summary_ptr + h, tl.where(h == 0, recv_total, tl.where(h == 1, max_pair,
+                                                                       tl.where(h == 2, max_tokens, 0))))
+            tl.store(summary_ptr + _K_SUMMARY_HEAD + f, tl.cumsum(recv, axis=0) - recv, mask=fm)
+            tl.store(summary_ptr + _K_SUMMARY_HEAD + L + f, recv, mask=fm)
+            tl.store(summary_ptr + _K_SUMMARY_HEAD + 2 * L + f, sent, mask=fm)
+            tl.store(summary_ptr + _K_SUMMARY_HEAD + 3 * L + e, per_expert, mask=em)
 
 
 @triton.jit
@@ -877,14 +903,15 @@ def launch_layout(topk_idx, num_experts: int, num_ranks: int, per_rank, per_expe
 
 
 def launch_rows_in_place(counts, row_map, stride: int, col: int, L: int, D: int, chunk: int = 0, chunks: int = 1,
-                         cstride: int = 0) -> None:
+                         cstride: int = 0, summary=None, local: int = 0, e_local: int = 0) -> None:
     """``rows_in_place_kernel`` into ``row_map [M]`` int64 (launched for ``M = 0`` too: every rank compiles the same
-    variant)."""
+    variant), and into ``summary [SUMMARY_HEAD + 3 L + e_local]`` int32 where given."""
     lp, dp = next_pow2(max(L, 2)), next_pow2(max(D, 2))
     block = max(16, min(1024, 16384 // (lp * dp)))
     m = row_map.numel()
-    launch(rows_in_place_kernel, (max(1, cdiv(m, block)),), counts, row_map, m, stride, cstride, col, chunk, chunks, L,
-           D, LP=lp, DP=dp, BLOCK=block)
+    launch(rows_in_place_kernel, (max(1, cdiv(m, block)),), counts, row_map,
+           summary if summary is not None else row_map, m, stride, cstride, col, chunk, chunks, L, D, local, e_local,
+           LP=lp, DP=dp, BLOCK=block, EP=next_pow2(max(e_local, 2)), SUMMARY=summary is not None)
 
 
 def launch_unpack_records(records, out_scales, out_idx, out_w, out_src, num_scales: int, num_topk: int) -> None:

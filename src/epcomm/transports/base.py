@@ -46,6 +46,9 @@ class KnownCounts:
     # num_recv_tokens_per_expert already on the device ([E_local] int32), where the caller has it: no copy to make
     # (the same counts: not compared, not printed)
     recv_per_expert_tensor: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
+    # the one-sided transports' summary of these counts (``kernels.ep``'s layout, what their exchange kernel checks
+    # against), already made on the device by the caller: no copy from the host per call
+    summary_tensor: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         lists = (self.num_tokens_per_rank, self.num_recv_tokens_per_rank, self.num_recv_tokens_per_expert)

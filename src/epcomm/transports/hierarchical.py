@@ -126,7 +126,7 @@ import logging
 import math
 import time
 import weakref
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -134,7 +134,7 @@ import torch.distributed as dist
 
 from .. import env
 from ..core.config import Config
-from ..core.handles import DispatchHandle, LowLatencyHandle
+from ..core.handles import DispatchHandle, LowLatencyHandle, evolve
 from ..core.layout import align_all, chunk_bounds, token_alignment
 from ..core.validate import raise_if_bad_topk
 from ..errors import EpcommError, EpcommTimeoutError
@@ -260,7 +260,7 @@ class HierarchicalTransport(Transport):
     # network while chunk c is forwarded within the domain. num_worst_tokens and low-latency calls use one.
     # None: measured (module docstring); EPCOMM_INTERNODE_CHUNKS takes precedence.
     pipeline_chunks: Optional[int] = None
-    CHUNK_CANDIDATES = (1, 2, 4)
+    CHUNK_CANDIDATES = (1, 2, 3, 4)
     # each chunk's share of a call's tokens over the previous chunk's: None, measured with the count (see
     # _ChunkTuner: the forwarding's time over the rows' time in one-chunk calls, at least CHUNK_RATIO_FLOOR); 1: even
     chunk_ratio: Optional[float] = None
@@ -580,7 +580,8 @@ class HierarchicalTransport(Transport):
             if place:
                 if shared is None:
                     shared = self._outputs(req, sum(sum(d[1]) for d in counts.domain))
-                in_place = self._rows_in_place(fn, sources, gathered, c, len(subs))
+                in_place, summary = self._rows_in_place(fn, sources, gathered, c, len(subs), req.num_experts)
+                known = evolve(known, summary_tensor=summary)
             else:
                 in_place = None
             _mark_into(marks, self.device)
@@ -629,7 +630,7 @@ class HierarchicalTransport(Transport):
         """Tokens ``[a, b)`` of ``req`` as a request of their own (their layout computed on the device)."""
         idx = _tokens(req.topk_idx, a, b)
         per_rank, per_expert, itr = self.get_dispatch_layout(idx, req.num_experts)
-        return replace(req, x=_tokens(req.x, a, b), x_scales=_tokens(req.x_scales, a, b), topk_idx=idx,
+        return evolve(req, x=_tokens(req.x, a, b), x_scales=_tokens(req.x_scales, a, b), topk_idx=idx,
                        topk_weights=_tokens(req.topk_weights, a, b),
                        num_tokens_per_rank=per_rank, is_token_in_rank=itr, num_tokens_per_expert=per_expert,
                        bad_topk=req.bad_topk if first else None)
@@ -697,27 +698,33 @@ class HierarchicalTransport(Transport):
                 ahead = self.rail.send_ahead(legs[0], head)
         with self._leg(fn, PACK_PHASE):  # the inter-domain leg's local work, while the counts travel
             sent = 1 if head else 0  # (the head's leg was sent ahead: nothing to prepare)
-            legs = legs[:sent] + [replace(leg, prepared=self.rail.prepare(leg)) for leg in legs[sent:]]
+            legs = legs[:sent] + [evolve(leg, prepared=self.rail.prepare(leg)) for leg in legs[sent:]]
         with self._leg(fn, COUNTS_PHASE):
             host = read()
         raise_if_bad_topk(fn, host[-1], req.num_experts)
         counts = _Counts(host, C, L, D, e_dom, self.local_index)
         self._head = math.ceil(counts.most_tokens * self.head_share)  # (the same on every rank)
         # (the inter-domain leg's received per-expert counts are this rank's sums, already on the device)
-        counts.rails = [replace(leg, known=rail) for rail, leg in zip(counts.rail_known(mine[:, 1 + L:]), legs)]
+        counts.rails = [evolve(leg, known=rail) for rail, leg in zip(counts.rail_known(mine[:, 1 + L:]), legs)]
         return counts, (recv[:, :, -2] if C > 1 else None), ahead, every
 
-    def _rows_in_place(self, fn: str, sources: tuple, gathered: torch.Tensor, chunk: int, chunks: int
-                       ) -> torch.Tensor:
-        """``[M]`` int64: where each row of chunk ``chunk`` (of ``chunks``) of an exact-mode dispatch's domain leg
-        goes in the call's outputs (``_rows_in_place``), made on the device from the domain's gathered counts
-        (``gathered``, ``_exchange_counts``; ``sources``: the chunk's counts as the host read them, which give
-        ``M``)."""
+    def _rows_in_place(self, fn: str, sources: tuple, gathered: torch.Tensor, chunk: int, chunks: int,
+                       num_experts: int) -> tuple:
+        """``(row_map [M] int64, summary)``: where each row of chunk ``chunk`` (of ``chunks``) of an exact-mode
+        dispatch's domain leg goes in the call's outputs, and the one-sided domain leg's summary of the chunk's counts
+        (``KnownCounts.summary_tensor``), both made on the device from the domain's gathered counts by one launch
+        (``_rows_in_place``; ``gathered``: ``_exchange_counts``'s; ``sources``: the chunk's counts as the host read
+        them, which give ``M``)."""
+        from ..kernels.ep import SUMMARY_HEAD
+
         L, D = self.local_size, self.num_domains
+        e_local = num_experts // D // L
         row_map = torch.empty(sum(sources), dtype=torch.int64, device=self.device)
+        summary = torch.empty(SUMMARY_HEAD + 3 * L + e_local, dtype=torch.int32, device=self.device)
         col = gathered.size(1) - D * L + self.local_index  # (the columns by source domain, then rank of this domain)
-        self.first_call(fn, ("rows in place",), lambda: _rows_in_place(gathered, row_map, col, L, D, chunk, chunks))
-        return row_map
+        self.first_call(fn, ("rows in place",), lambda: _rows_in_place(
+            gathered, row_map, col, L, D, chunk, chunks, summary, self.local_index, e_local))
+        return row_map, summary
 
     def _outputs(self, req: DispatchRequest, rows: int) -> tuple:
         """The outputs every chunk's domain leg writes in place (``DispatchRequest.outs``), as the one-sided domain
@@ -822,11 +829,11 @@ class HierarchicalTransport(Transport):
         if row_map is not None:  # (exact sizes: every row has a source)
             h2 = r2.handle
             own = h2.state.recv_src.index_select(0, row_map)  # its rows' sources in its own order
-            h2 = replace(h2, recv_src_rank=own[:, 1], recv_src_idx=own[:, 0], state=replace(h2.state, recv_src=own))
-            return replace(r2, handle=h2), None, None
+            h2 = evolve(h2, recv_src_rank=own[:, 1], recv_src_idx=own[:, 0], state=evolve(h2.state, recv_src=own))
+            return evolve(r2, handle=h2), None, None
         got = r2.recv_scales[:, ns:].view(torch.int32)
         fwd = r2.handle.recv_src_rank
-        r2 = replace(r2, recv_scales=r2.recv_scales[:, :ns] if ns else None)
+        r2 = evolve(r2, recv_scales=r2.recv_scales[:, :ns] if ns else None)
         if not W:  # exact sizes: every row has a source
             return r2, torch.add(fwd, got[:, 0], alpha=L), got[:, 1]
         real = fwd >= 0
@@ -875,7 +882,7 @@ class HierarchicalTransport(Transport):
         exchanged on their own, as the intranode transports exchange them."""
         r, dev = self.num_ranks, req.x.device
         by_rank = torch.where(req.is_token_in_rank, torch.arange(r, device=dev).unsqueeze(0), -1)
-        res = self.dispatch(replace(req, topk_idx=by_rank, topk_weights=None, num_experts=r, expert_alignment=1,
+        res = self.dispatch(evolve(req, topk_idx=by_rank, topk_weights=None, num_experts=r, expert_alignment=1,
                                     num_tokens_per_expert=req.num_tokens_per_rank, bad_topk=None))
         e_local = req.num_experts // r
         per_expert = torch.zeros(e_local, dtype=torch.int32, device=dev)
@@ -895,7 +902,7 @@ class HierarchicalTransport(Transport):
                 if not req.num_worst_tokens:
                     counts = align_all(faults.host_list(per_expert, "Buffer.dispatch", "the per-expert counts"),
                                        req.expert_alignment)
-        handle = replace(res.handle, num_experts=req.num_experts, num_recv_tokens_per_expert=per_expert)
+        handle = evolve(res.handle, num_experts=req.num_experts, num_recv_tokens_per_expert=per_expert)
         return DispatchResult(res.recv_x, res.recv_scales, None, None, counts, handle)
 
     def _cached_dispatch(self, req: DispatchRequest) -> DispatchResult:
@@ -1001,7 +1008,7 @@ class HierarchicalTransport(Transport):
         # the domain leg reads each row's x bytes and its scales in place (rows of any stride)
         part = _cached(recv[:, :xb], recv[:, xb:].view(scales.dtype) if ns else None, handle, req)
         with self._leg(fn, "forwarding the cached tokens", within=True):
-            got = self.domain.dispatch(replace(part, gate=gate, row_map=row_map))
+            got = self.domain.dispatch(evolve(part, gate=gate, row_map=row_map))
         if gate is not None:
             self._join()
         return got.recv_x.view(x.dtype), got.recv_scales
@@ -1515,18 +1522,22 @@ def _cat(parts: list) -> Optional[torch.Tensor]:
 
 
 def _rows_in_place(counts: torch.Tensor, row_map: torch.Tensor, col: int, L: int, D: int, chunk: int = 0,
-                   chunks: int = 1) -> None:
+                   chunks: int = 1, summary: Optional[torch.Tensor] = None, local: int = 0, e_local: int = 0) -> None:
     """Fill ``row_map [M]`` int64 (``DispatchRequest.row_map``): the output row of each row chunk ``chunk`` of an
     exact-mode dispatch's domain leg receives. That leg's rows come by forwarding rank ``f``, then source domain ``d``
     (its input, the inter-domain leg's rows, is by source then token), then token; the output's, as the intranode
     path's, by source rank ``d * L + f``, then token, so every (``f``, ``d``) block of a chunk moves as a whole, after
     the same block of the chunks before it (their tokens come first). ``counts [L * chunks, W]`` int32: the domain's
     gathered counts of the call on the device (``_exchange_counts``), this rank's rows from source rank ``d * L + f``
-    in chunk ``c`` at ``[f * chunks + c, col + d * L]``. One launch (``rows_in_place_kernel``) and no other host work:
-    it is made after the count read, which the host's time there holds up."""
+    in chunk ``c`` at ``[f * chunks + c, col + d * L]``. With ``summary`` (int32 ``[SUMMARY_HEAD + 3 L + e_local]``),
+    the same launch writes there the one-sided domain leg's summary of the chunk's counts on the rank of local index
+    ``local`` (``e_local`` experts a rank; a forwarder's row of a chunk: its rows, its rows per rank of the domain, per
+    expert of the domain, ``_exchange_counts``). One launch (``rows_in_place_kernel``) and no other host work: it is
+    made after the count read, which the host's time there holds up."""
     from ..kernels.ep import launch_rows_in_place
 
-    launch_rows_in_place(counts, row_map, counts.stride(0) * chunks, col, L, D, chunk, chunks, counts.stride(0))
+    launch_rows_in_place(counts, row_map, counts.stride(0) * chunks, col, L, D, chunk, chunks, counts.stride(0),
+                         summary, local, e_local)
 
 
 def _canonical_order(src_rank: torch.Tensor, num_ranks: int) -> tuple:

@@ -475,7 +475,7 @@ class NVLinkTransport(Transport):
             # counts known beforehand: the host uses them and the exchange kernel checks them against what it finds
             # (a difference is a deferred error, like a sync-free call's bad input)
             host = _known_summary(known, num_ranks, e_local, has_experts)
-            expected = counts_to_device(host, dev)
+            expected = counts_to_device(host, dev) if known.summary_tensor is None else known.summary_tensor
         self.first_call(fn, ("exchange", req.num_experts, k, has_experts, known is not None), lambda: launch(
             exchange_kernel, (1,),
             req.num_tokens_per_rank, req.num_tokens_per_expert if has_experts else summary, itr.view(torch.int8),
