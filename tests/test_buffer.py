@@ -53,7 +53,7 @@ def test_buffer_matches_reference(world_size):
 
 def test_evolve_copies_a_record_with_its_changes():
     """``evolve`` (the per-call copy of frozen records): the changes set, every other field the same object, the
-    original untouched, an unknown name refused."""
+    original untouched, an unknown name refused, a cached value of the original left behind."""
     import torch
 
     from epcomm.core.handles import evolve
@@ -67,3 +67,5 @@ def test_evolve_copies_a_record_with_its_changes():
     assert k.recv_per_expert_tensor is None and k.max_pair is None
     with pytest.raises(TypeError, match="evolve: KnownCounts has no field 'maxpair'"):
         evolve(k, maxpair=1)
+    k.__dict__["cached"] = 1  # (what a cached_property keeps: not a field, not copied)
+    assert "cached" not in evolve(k).__dict__ and evolve(k) == k
