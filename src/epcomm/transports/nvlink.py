@@ -1005,7 +1005,6 @@ def _tokens_per_step(config) -> int:
     return 1 << (v.bit_length() - 1)
 
 
-
 def _columns(t: Optional[torch.Tensor]) -> Optional[tuple]:
     """``(columns, dtype)`` of a 2-D tensor, or None (``alloc_recv``'s ``scales``)."""
     return None if t is None else (t.size(1), t.dtype)
