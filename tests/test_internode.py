@@ -587,7 +587,8 @@ def test_known_counts_from_the_exchange():
 _ROWS_IN_PLACE = """
 import random
 import torch
-from epcomm.kernels.ep import SUMMARY_HEAD
+from epcomm.kernels.ep import SUMMARY_HEAD, launch_rows_merged, summary_words
+from epcomm.transports.base import KnownCounts
 from epcomm.transports.hierarchical import _Counts, _canonical_order, _rows_in_place
 from epcomm.transports.nvlink import _known_summary
 
@@ -619,6 +620,17 @@ for L, D in ((2, 2), (3, 2), (1, 4), (4, 3), (2, 1), (8, 8), (5, 7)):
             got.append(part)
         got = torch.cat(got)
         assert got.tolist() == want.tolist(), (L, D, chunks, sources)
+        # the chunks merged into one call (launch_rows_merged): ``back`` is the chunks' maps one after another, and
+        # the merged call's rows (by forwarder, then chunk, then source domain) land where their chunk's map puts them
+        back, merged = torch.full_like(got, -7), torch.full_like(got, -7)
+        summaries = torch.empty(chunks + 1, summary_words(L, 1), dtype=torch.int32)
+        launch_rows_merged(counts, merged, back, summaries, counts.stride(0) * chunks, col0 + local, L, D, chunks,
+                           counts.stride(0), local, 1)
+        assert back.tolist() == got.tolist(), (L, D, chunks)
+        first = [sum(sum(sources[e]) for e in range(c)) for c in range(chunks)]  # each chunk's first row in ``back``
+        assert merged.tolist() == [
+            got[first[c] + sum(sources[c][:f * D]) + i].item() for f in range(L) for c in range(chunks)
+            for i in range(sum(sources[c][f * D:(f + 1) * D]))], (L, D, chunks)
         out = torch.empty_like(src_rank)
         out[got] = src_rank * 1000 + token
         assert out.tolist() == sorted(out.tolist()), (L, D, chunks)
@@ -635,6 +647,20 @@ for L, D in ((2, 2), (3, 2), (1, 4), (4, 3), (2, 1), (8, 8), (5, 7)):
                 _rows_in_place(every, torch.empty(0, dtype=torch.int64), V + local, L, D, c, chunks, summary, local,
                                e_local)
                 assert summary.tolist() == _known_summary(domain[c][0], L, e_local, True), (L, D, chunks, c)
+            # and the merged launch's: each chunk's, then the merged call's (the chunks' counts summed, as
+            # _gated sums the chunks' KnownCounts)
+            m = sum(sum(d[1]) for d in domain)
+            summaries = torch.full((chunks + 1, summary_words(L, e_local)), -7, dtype=torch.int32)
+            launch_rows_merged(every, torch.empty(m, dtype=torch.int64), torch.empty(m, dtype=torch.int64),
+                               summaries, every.stride(0) * chunks, V + local, L, D, chunks, every.stride(0), local,
+                               e_local)
+            known = [d[0] for d in domain]
+            total = KnownCounts(*(tuple(map(sum, zip(*(getattr(k, f) for k in known)))) for f in (
+                "num_tokens_per_rank", "num_recv_tokens_per_rank", "num_recv_tokens_per_expert")),
+                num_tokens_max=sum(k.num_tokens_max for k in known), max_pair=sum(k.max_pair for k in known))
+            for c, k in enumerate(known + [total]):
+                want = _known_summary(k, L, e_local, True)
+                assert summaries[c, :len(want)].tolist() == want, (L, D, chunks, c)
 print("ok")
 """
 
@@ -646,12 +672,88 @@ def test_rows_in_place_is_the_canonical_order():
     ``back``), read from the domain's gathered counts as the device holds them (this rank's column of each source
     domain in each chunk's row), in 1, 2 and 4 chunks, with empty blocks, empty calls and up to 8 x 8 ranks; and the
     domain leg's summary the same launch writes is the one the host makes of the counts it read (``_known_summary``
-    of ``_Counts.domain``)."""
+    of ``_Counts.domain``). The chunks merged into one gated call (``launch_rows_merged``): the chunks' maps one after
+    another, the merged call's map (its rows by forwarder, then chunk), each chunk's summary and the merged one."""
     import os
     import subprocess
     import sys
 
     out = subprocess.run([sys.executable, "-c", _ROWS_IN_PLACE], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+_FORWARD_LAYOUT = """
+import torch
+from epcomm.kernels.ep import launch_forward_layout, record_words
+
+torch.manual_seed(4)
+L, D, C, e_dom, k, ns = 3, 2, 2, 6, 3, 2
+W = record_words(ns, k, True)
+for m, pad, bad in ((13, 3, False), (0, 0, False), (16, 0, False), (9, 7, True)):
+    r0, rows = 16, m + pad  # chunk 1 of 2: its rows from row 16 of the merged input
+    total = r0 + rows + 4
+    recs = torch.zeros(total, W + 3, dtype=torch.int32)  # (records of any row stride)
+    ids = torch.randint(-1, e_dom, (total, k), dtype=torch.int32)
+    recs[:, 0] = torch.randint(0, 50, (total,))
+    recs[:, 1] = torch.randint(0, D, (total,))
+    recs[:, 2:2 + ns] = torch.randint(-1000, 1000, (total, ns))
+    recs[:, 2 + ns:2 + ns + k] = ids
+    recs[:, 2 + ns + k:2 + ns + 2 * k] = torch.rand(total, k).view(torch.int32)
+    if bad:
+        recs[r0 + 2, 2 + ns] = e_dom  # an id outside the domain's experts
+    starts = torch.randint(0, 100, (C, D), dtype=torch.int32).t()  # [D, C], any strides
+    real = slice(r0, r0 + m)
+    dest = [[any(0 <= int(i) < e_dom and int(i) // (e_dom // L) == g for i in recs[r, 2 + ns:2 + ns + k])
+             for g in range(L)] for r in range(r0, r0 + m)]
+    sends_now = [sum(d[g] for d in dest) for g in range(L)]
+    gathered = torch.randint(0, 30, (C, 8), dtype=torch.int32)
+    gathered[1, 1:1 + L] = torch.tensor(sends_now)
+    if bad:
+        gathered[1, 1] += 1  # a count that differs from the rows' layout
+    carried = torch.full((total, ns + 2), -7, dtype=torch.int32)
+    idx = torch.full((total, k), -7, dtype=torch.int64)
+    w = torch.full((total, k), -7, dtype=torch.int32)
+    itr = torch.full((total, L), 5, dtype=torch.int8)
+    pos = torch.full((total, L), -7, dtype=torch.int32)
+    local = torch.full((m, L), -7, dtype=torch.int32)
+    sends = torch.full((C, 4), -7, dtype=torch.int32)
+    deferred = torch.zeros(1, dtype=torch.int32)
+    flags = torch.zeros(4, dtype=torch.int64)
+    launch_forward_layout(recs[:, :W], r0, m, rows, starts, 1, carried, idx, w, itr, pos, local, sends, gathered,
+                          deferred, flags, 41, e_dom // L, e_dom)
+    got = recs[real]
+    assert carried[real, :ns].tolist() == got[:, 2:2 + ns].tolist()
+    assert carried[real, ns].tolist() == got[:, 1].tolist()
+    assert carried[real, ns + 1].tolist() == (got[:, 0] + starts[got[:, 1].long(), 1]).tolist()
+    assert idx[real].tolist() == got[:, 2 + ns:2 + ns + k].tolist()
+    assert w[real].tolist() == got[:, 2 + ns + k:W].tolist()
+    want_itr = torch.tensor(dest, dtype=torch.int8).view(m, L)
+    assert itr[real].tolist() == want_itr.tolist() and (itr[r0 + m:r0 + rows] == 0).all()
+    excl = (want_itr.int().cumsum(0) - want_itr.int())
+    assert local.tolist() == excl.tolist()
+    assert pos[real].tolist() == (excl + gathered[0, 1:1 + L]).tolist()
+    assert sends[1, :L].tolist() == sends_now and flags[1].item() == 41 and flags[0].item() == 0
+    # untouched outside the chunk's rows
+    assert (carried[:r0] == -7).all() and (idx[:r0] == -7).all() and (pos[:r0] == -7).all() and (itr[:r0] == 5).all()
+    assert deferred.item() == (2 if bad else 0), deferred
+print("ok")
+"""
+
+
+def test_forward_layout_of_a_landed_chunk():
+    """``launch_forward_layout`` (its kernels under the interpreter), which makes one chunk of a gated exact-mode
+    dispatch ready for the domain leg once its rows land: each row's scales, source domain and source token (its
+    record's plus the chunk's first token on that source), top-k ids and weights unpacked from records of any row
+    stride into the merged input at the chunk's rows; every row's layout within the domain (padding rows none); its
+    positions in the merged call (after this rank's earlier chunks' rows) and in the chunk's own; its sends; the
+    chunk's flag released. An id outside the domain and sends that differ from the counts promised are counted as
+    deferred errors; an empty chunk still releases its flag."""
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _FORWARD_LAYOUT], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "TRITON_INTERPRET": "1"})
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
 
@@ -701,16 +803,18 @@ def test_domain_counts_made_after_the_first_rows_collective(monkeypatch):
         assert events[:first].count("all_to_all") >= 2, events  # (the counts', then the first rows')
 
 
-def _in_place_cases(ctx, chunks):
+def _in_place_cases(ctx, chunks, gated):
     """Exact-mode dispatches in ``chunks`` chunks over the one-sided domain leg (its kernels under the interpreter):
     four of the Buffer suite's normal cases and one with -1 slots against the reference (dispatch, combine, cached
-    dispatch), and how many chunks wrote their rows in place."""
+    dispatch), and how many chunks wrote their rows in place (``gated``: how many calls merged their chunks into one
+    gated call of the domain leg)."""
     import torch
 
     from epcomm.transports import hierarchical
     from epcomm.transports.nvlink import NVLinkTransport
 
-    hierarchical.HierarchicalTransport.pipeline_chunks, hierarchical.HierarchicalTransport.head_chunk = chunks, False
+    H = hierarchical.HierarchicalTransport
+    H.pipeline_chunks, H.head_chunk, H.gated_exact = chunks, False, gated
     made, calls = hierarchical._rows_in_place, [0]
 
     def counted(*args, **kwargs):
@@ -718,6 +822,14 @@ def _in_place_cases(ctx, chunks):
         return made(*args, **kwargs)
 
     hierarchical._rows_in_place = counted
+    merged, merges = H._gated, [0]
+
+    def merging(self, *args, **kwargs):
+        got = merged(self, *args, **kwargs)
+        merges[0] += got is not None
+        return got
+
+    H._gated = merging
     # (and the combines' partials written side by side into the rows the inter-domain leg sends as they are)
     from epcomm.testing.checks import NormalCase
     from epcomm.transports import alltoall
@@ -745,22 +857,73 @@ def _in_place_cases(ctx, chunks):
         NormalCase(num_tokens=(6, 0, 11, 3), hidden=72, num_experts=24, topk=3, dtype="bf16", routing="dropped",
                    bias=1, seed=81)]  # (-1 slots)
     return (run_cases(ctx, cases, NVLinkTransport, {"ranks_per_node": 2, "num_nvl_bytes": 1 << 23}), calls[0],
-            sent[0] - packed[0], views[0], packed[0])
+            sent[0] - packed[0], views[0], packed[0], merges[0])
 
 
-@pytest.mark.parametrize("chunks", [1, 2])
-def test_rows_written_in_place(monkeypatch, chunks):
+@pytest.mark.parametrize("chunks,gated", [(1, False), (2, False), (2, True), (3, True)])
+def test_rows_written_in_place(monkeypatch, chunks, gated):
     """An exact-mode dispatch whose domain leg is the one-sided transport writes every row of every chunk where the
     intranode path's order puts it, all chunks into one set of outputs (no sort, no gather after the call); its
     combine and cached dispatches (which read the domain leg's own order) match the reference too: uneven and empty
-    ranks, FP8 with column-major scales,
-    skewed routing, a domain that receives nothing, bias, alignment, a dispatch without top-k ids, -1 slots. The
-    combines' node leg writes each chunk's partials and weights side by side into the rows the inter-domain leg sends
-    as they are, and the node leg reads the dispatches' rows where they landed (a view, beside their records)."""
+    ranks, FP8 with column-major scales, skewed routing, a domain that receives nothing, bias, alignment, a dispatch
+    without top-k ids, -1 slots. The combines' node leg writes each chunk's partials and weights side by side into
+    the rows the inter-domain leg sends as they are, and the node leg reads the dispatches' rows where they landed (a
+    view, beside their records). ``gated``: the chunks of every call with top-k ids go through the domain leg in one
+    gated call (``HierarchicalTransport._gated``; each chunk's layout and positions made as its rows land), and each
+    chunk's own handle serves its combine and the cached dispatches."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    for failed, calls, sent, views, packed in spawn(_in_place_cases, 4, chunks, device="cpu", timeout_s=900):
+    for failed, calls, sent, views, packed, merges in spawn(_in_place_cases, 4, chunks, gated, device="cpu",
+                                                            timeout_s=900):
         assert failed == [], failed
-        assert calls >= 4 * chunks and sent >= 2 and views >= 4 and packed >= 4, (calls, sent, views, packed)
+        assert sent >= 2 and packed >= 4, (sent, packed)
+        if gated:  # (a call without top-k ids goes by ranks: then too)
+            assert merges >= 5 and calls == 0, (merges, calls)
+        else:
+            assert merges == 0 and calls >= 4 * chunks and views >= 4, (merges, calls, views)
+
+
+def _gated_with_a_late_rank(ctx):
+    """Two gated exact-mode dispatches in 2 chunks over the one-sided domain leg (interpreter), one right after the
+    other (no other call of the domain leg between them), rank 1 of each domain starting the second's domain-leg call
+    late (after its rows have crossed): the second's failures against the reference."""
+    import time
+
+    from epcomm.buffer import Buffer
+    from epcomm.testing.checks import NormalCase, check_normal
+    from epcomm.testing.routing import make_inputs
+    from epcomm.transports import hierarchical
+    from epcomm.transports.nvlink import NVLinkTransport
+
+    H = hierarchical.HierarchicalTransport
+    H.pipeline_chunks, H.head_chunk, H.gated_exact = 2, False, True
+    buf = Buffer(ctx.group, transport=NVLinkTransport, ranks_per_node=2, num_nvl_bytes=1 << 23)
+    case = NormalCase(num_tokens=(9, 4, 7, 5), hidden=64, num_experts=8, topk=3, dtype="bf16", seed=93)
+    check_normal(ctx, buf, case)  # (its kernels compiled, the ranks met)
+    mine = make_inputs(94, ctx.world_size, case.num_tokens, 64, 8, 3)[ctx.rank]
+    per_rank, _, per_expert, itr, _ = buf.get_dispatch_layout(mine.topk_idx, 8)
+    buf.dispatch(mine.x, num_tokens_per_rank=per_rank, is_token_in_rank=itr, num_tokens_per_expert=per_expert,
+                 topk_idx=mine.topk_idx, topk_weights=mine.topk_weights)
+    forward = NVLinkTransport.dispatch
+
+    def late(self, req):
+        if req.positions is not None and self.rank == 1:
+            time.sleep(1.5)
+        return forward(self, req)
+
+    NVLinkTransport.dispatch = late
+    failures = check_normal(ctx, buf, NormalCase(num_tokens=(9, 4, 7, 5), hidden=64, num_experts=8, topk=3,
+                                                 dtype="bf16", seed=95)).failures
+    buf.destroy()
+    return failures
+
+
+def test_gated_call_waits_for_a_late_rank(monkeypatch):
+    """A gated domain-leg call (``DispatchRequest.positions``: no count exchange) starts its epoch with a barrier, as
+    every one-sided call does: a rank whose peer starts its call late (right after an earlier call of the same shape)
+    takes no rows of the earlier call for this one's (the earlier epoch's progress words never satisfy its waits)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for failed in spawn(_gated_with_a_late_rank, 4, device="cpu", timeout_s=600):
+        assert failed == [], failed
 
 
 @pytest.mark.parametrize("head_chunk", [None, True])
@@ -1545,6 +1708,46 @@ def test_model_lets_the_host_tail_run_beside_the_last_forwarding():
         opts, 50.0, 322.0, internode.replace(costs, dispatch_tail=0.0, nohead_tail=None))}
     key = (64, "uniform", "dispatch FP8")
     assert shares[key]["NIC share"] > untailed[key]["NIC share"]
+
+
+def test_model_charges_a_gated_dispatch_its_own_host_time_per_chunk():
+    """Where the dispatches without a head chunk were measured in several chunks too (over a one-sided domain leg:
+    ``HierarchicalTransport._gated``), the model charges each further chunk of such a dispatch what those calls added
+    (``nohead_chunk``), not what a dispatch with a head chunk adds per chunk; where not measured, the latter; the
+    one-sided node leg's extra host time (a one-GPU simulated node) is charged to it once per call, not per chunk;
+    ``--host-us`` replaces it too."""
+    from types import SimpleNamespace
+
+    from epcomm.bench import internode
+
+    row = lambda impl, op, us: {"routing": "uniform", "impl": impl, "op": op, "time_us": str(us)}  # noqa: E731
+    c1, cn = internode.PHASED_CHUNKS[0], internode.PHASED_CHUNKS[-1]
+    counts = f"dispatch BF16: {internode.COUNTS_PHASE}"
+    after = f"dispatch BF16: {internode.HOST_AFTER_READ}"
+    rows = [row(internode.phased_impl(c1), counts, 900.0), row(internode.phased_impl(c1), after, 3000.0),
+            row(internode.phased_impl(cn), after, 3000.0 + 900.0 * (cn - c1)),
+            row(internode.phased_impl(c1, head=False), counts, 800.0),
+            row(internode.phased_impl(c1, head=False), after, 2000.0)]
+    ungated = internode.HostCosts.measured(rows)
+    assert ungated.nohead_chunk is None and ungated.dispatch_chunk == 900.0
+    assert ungated.model_args("dispatch FP8", head=False)["host_chunk_us"] == 900.0
+    costs = internode.HostCosts.measured(rows + [row(internode.phased_impl(cn, head=False), after,
+                                                     2000.0 + 300.0 * (cn - c1))])
+    assert costs.nohead_chunk == 300.0 and costs.dispatch_chunk == 900.0
+    assert costs.model_args("dispatch FP8", head=False)["host_chunk_us"] == 300.0
+    assert costs.model_args("dispatch FP8")["host_chunk_us"] == 900.0
+    assert "300 us more per further chunk" in costs.describe()
+    node = [{"routing": "uniform", "impl": internode.NODE_LEG, "op": "known-count dispatch (host)", "time_us": "700"},
+            row(internode.phased_impl(c1), "dispatch BF16: forwarding the tokens (host)", 500.0)]
+    legged = internode.HostCosts.measured(rows + node + [row(internode.phased_impl(cn, head=False), after,
+                                                            2000.0 + 300.0 * (cn - c1))])
+    assert (legged.nohead_host, legged.nohead_chunk, legged.dispatch_chunk) == (2200.0, 300.0, 1100.0)
+    assert internode._override(costs, None, 500.0).nohead_chunk == 500.0
+    opts = SimpleNamespace(tokens=4096, hidden=7168, topk=8, experts=256, max_groups=4)
+    key = (64, "uniform", "dispatch FP8")
+    shares = {(r["EP"], r["routing"], r["op"]): r for r in internode.model_rows(opts, 50.0, 322.0, costs)}
+    before = {(r["EP"], r["routing"], r["op"]): r for r in internode.model_rows(opts, 50.0, 322.0, ungated)}
+    assert shares[key]["NIC share (host ahead)"] >= before[key]["NIC share (host ahead)"]
 
 
 def test_model_charges_the_one_sided_node_leg():

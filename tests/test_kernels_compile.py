@@ -44,15 +44,29 @@ def _precast_dispatches(ctx, transport) -> None:
 
 def _rows_in_place() -> None:
     """The hierarchical path's row map of a one-chunk exact-mode dispatch (``rows_in_place_kernel``), 2 domains of 2,
-    with and without the domain leg's summary."""
+    with and without the domain leg's summary; the row maps of a gated one's chunks merged (``rows_merged_kernel``)
+    and one chunk made ready for it once its rows land (``launch_forward_layout``: FP8 scales, top-k ids and
+    weights)."""
     import torch
 
-    from epcomm.kernels.ep import SUMMARY_HEAD, launch_rows_in_place
+    from epcomm.kernels.ep import (SUMMARY_HEAD, launch_forward_layout, launch_rows_in_place, launch_rows_merged,
+                                   record_words, summary_words)
 
     counts = torch.ones(2, 9, dtype=torch.int32)
     launch_rows_in_place(counts, torch.empty(4, dtype=torch.int64), 9, 5, 2, 2)
     launch_rows_in_place(counts, torch.empty(4, dtype=torch.int64), 9, 5, 2, 2, 0, 1, 9,
                          torch.empty(SUMMARY_HEAD + 6 + 1, dtype=torch.int32), 1, 1)
+    counts = torch.ones(4, 9, dtype=torch.int32)
+    launch_rows_merged(counts, torch.empty(8, dtype=torch.int64), torch.empty(8, dtype=torch.int64),
+                       torch.empty(3, summary_words(2, 1), dtype=torch.int32), 18, 5, 2, 2, 2, 9, 1, 1)
+    w = record_words(2, 2, True)
+    records = torch.zeros(16, w + 4, dtype=torch.int32)[:, 4:]
+    launch_forward_layout(records, 0, 3, 16, torch.zeros(2, 2, dtype=torch.int32), 0,
+                          torch.empty(16, 4, dtype=torch.int32), torch.empty(16, 2, dtype=torch.int64),
+                          torch.empty(16, 2, dtype=torch.int32), torch.empty(16, 2, dtype=torch.int8),
+                          torch.empty(16, 2, dtype=torch.int32), torch.empty(3, 2, dtype=torch.int32),
+                          torch.empty(2, 4, dtype=torch.int32), torch.zeros(2, 8, dtype=torch.int32),
+                          torch.zeros(1, dtype=torch.int32), torch.zeros(2, dtype=torch.int64), 1, 1, 2)
 
 
 def _record(ctx):
@@ -75,6 +89,8 @@ def _record(ctx):
     assert not problems, problems
     assert any(n == "ll_dispatch_kernel" and kw.get("PRECAST") for _, n, _, kw in launches), "no pre-cast launch"
     assert any(n == "rows_in_place_kernel" for _, n, _, _ in launches), "no row map launch"
+    assert {"rows_merged_kernel", "forward_records_kernel", "forward_positions_kernel"} <= {
+        n for _, n, _, _ in launches}, "no gated exact-mode launches"
     return launches
 
 
@@ -92,6 +108,9 @@ def test_kernels_compile_for_sm90(monkeypatch):
     # above 4 ranks the combine push interleaves its peers: compile that variant too, in and out of rounds
     launches += [(m, n, a, dict(kw, INTERLEAVE=True, SINGLE_ROUND=single)) for m, n, a, kw in launches
                  if n == "combine_push_kernel" for single in (True, False)]
+    # and the streaming dispatch gated (a hierarchical dispatch's chunks in one call of the domain leg), top-k too
+    launches += [(m, n, a, dict(kw, GATED=True)) for m, n, a, kw in launches
+                 if n == "dispatch_kernel" and not kw.get("GATED")]
     monkeypatch.delenv("TRITON_INTERPRET")
     failures = [f for rank in spawn(_compile, 2, launches, device="cpu", timeout_s=900) for f in rank]
     assert not failures, "\n".join(failures)

@@ -67,19 +67,21 @@ def test_one_sided_domain_leg_across_simulated_nodes(monkeypatch):
     assert not problems, "\n".join(problems)
 
 
-def _gated(ctx, withheld, nvl_bytes=1 << 20):
+def _gated(ctx, withheld, nvl_bytes=1 << 20, gated_exact=True):
     """Cached dispatches across 2 simulated nodes of 2 ranks in 3 chunks, checked against the reference, while the
     domain leg's calls are counted: ``(failures, [(cached call, domain-leg calls, whether gated and mapped)], the
     domain's storage bytes before and after each cached call, whether merge_cached refused rows too wide for fixed
     storage)``; with
     ``withheld`` rank 1 never releases chunk 1's flag: ``(the error that rank's next check raises, or None)``.
-    ``nvl_bytes``: the Buffer's ``num_nvl_bytes`` (0: storage sized by the first dispatch, grown where needed)."""
+    ``nvl_bytes``: the Buffer's ``num_nvl_bytes`` (0: storage sized by the first dispatch, grown where needed);
+    ``gated_exact``: the exact-mode dispatches' chunks through the domain leg in one gated call too (else one by
+    one)."""
     from epcomm.buffer import Buffer
     from epcomm.errors import EpcommError
     from epcomm.testing.checks import check_normal
     from epcomm.transports.hierarchical import HierarchicalTransport
 
-    HierarchicalTransport.pipeline_chunks = 3
+    HierarchicalTransport.pipeline_chunks, HierarchicalTransport.gated_exact = 3, gated_exact
     NVLinkTransport.min_storage_bytes = 4096  # (grown storage: small, so that the merged call must grow it)
     buf = Buffer(ctx.group, transport=NVLinkTransport, num_nvl_bytes=nvl_bytes, ranks_per_node=2)
     rt = buf.runtime
@@ -137,14 +139,21 @@ def test_gated_cached_dispatch_forwards_once_per_call(monkeypatch):
         assert refused, f"rank {rank}: merge_cached took rows wider than its fixed storage"
 
 
-def test_gated_dispatch_grows_storage_sized_by_the_first_call(monkeypatch):
-    """Storage sized by the first (exact-mode, chunked) dispatch: the merged call of all chunks needs more, so
-    ``merge_cached`` grows it (every rank at the same call) and the gated push still runs, bit-exact."""
+@pytest.mark.parametrize("gated_exact", [False, True])
+def test_gated_dispatch_grows_storage_sized_by_the_first_call(monkeypatch, gated_exact):
+    """Storage sized by the first (exact-mode, chunked) dispatch, its chunks one by one: the merged call of all chunks
+    needs more, so ``merge_cached`` grows it (every rank at the same call) and the gated push still runs, bit-exact.
+    Where the exact-mode dispatch merges its chunks too (``gated_exact``), it grows the storage for its merged call
+    (``holds_merged``) and the cached dispatches, whose rows are narrower, need no more."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    for rank, (failures, calls, sizes, _) in enumerate(spawn(_gated, 4, False, 0, device="cpu", timeout_s=600)):
+    for rank, (failures, calls, sizes, _) in enumerate(spawn(_gated, 4, False, 0, gated_exact, device="cpu",
+                                                             timeout_s=600)):
         assert not failures, f"rank {rank}: {failures}"
         assert [c[1:] for c in calls] == [(1, True)] * 2, f"rank {rank}: {calls}"
-        assert sizes[0] < sizes[1], f"rank {rank}: storage before and after each cached call {sizes}"
+        if gated_exact:
+            assert sizes[0] == sizes[1] > 4096, f"rank {rank}: storage before and after each cached call {sizes}"
+        else:
+            assert sizes[0] < sizes[1], f"rank {rank}: storage before and after each cached call {sizes}"
 
 
 def test_gated_dispatch_without_its_rows_is_an_error(monkeypatch):

@@ -44,7 +44,8 @@ def test_gpu_hierarchical_matches_reference(world_size, local, transport, suite)
         if world_size == 2:  # the uneven token counts of the large cases are written for 4 ranks
             cases = [c for c in cases if not isinstance(c.num_tokens, tuple)]
     # the small suite in 3 pipelined chunks, each half the previous one's tokens (the network stream's path, one
-    # count exchange for all chunks); the others in the counts the transport tries while it measures
+    # count exchange for all chunks), without a head chunk (so that a one-sided domain leg takes the chunks in one
+    # gated call); the others in the counts the transport tries while it measures, with and without a head chunk
     _assert_clean(spawn(_in_chunks, world_size, cases, transport, local, 3 if suite == "small" else None,
                         device="cuda", timeout_s=600))
 
@@ -54,6 +55,7 @@ def _in_chunks(ctx, cases, transport, local, chunks):
 
     HierarchicalTransport.pipeline_chunks = chunks
     HierarchicalTransport.chunk_ratio = 0.5 if chunks else None
+    HierarchicalTransport.head_chunk = False if chunks else None
     return run_cases(ctx, cases, transport, {"ranks_per_node": local})
 
 

@@ -309,7 +309,8 @@ def target_rows(rows: list) -> list:
 
 # chunk counts whose BF16 dispatch is broken down by phase, their calls taking turns: the host's time per call, and
 # per further chunk from the difference (over 3 chunks: a single chunk's share of a drift is a third); each with a
-# head chunk where the inter-domain leg can send one, and the first count also without (the transport measures both)
+# head chunk where the inter-domain leg can send one, and also without (the transport measures both; without a head
+# chunk, over a one-sided domain leg, the chunks go through it in one gated call: less host work per chunk)
 PHASED_CHUNKS = (1, 4)
 
 
@@ -339,7 +340,7 @@ def _by_phase(ctx, hier, x, layout: dict, iters: int) -> dict:
     runtime = hier.runtime
     modes = [(c, True) for c in PHASED_CHUNKS]
     if runtime.rail.can_send_ahead(x) and HierarchicalTransport.head_share > 0:
-        modes.append((PHASED_CHUNKS[0], False))
+        modes += [(c, False) for c in PHASED_CHUNKS]
     handles, host_s = {}, []
     cuda = ctx.device.type == "cuda"
     for chunks, head in modes:
@@ -567,6 +568,9 @@ class HostCosts:
     # with a head chunk and without: it runs beside the device's last forwarding
     dispatch_tail: float = 0.0
     nohead_tail: Optional[float] = None
+    # what each further chunk adds to a dispatch without a head chunk, where measured (over a one-sided domain leg its
+    # chunks go through it in one gated call: ``HierarchicalTransport._gated``); None: ``dispatch_chunk``
+    nohead_chunk: Optional[float] = None
 
     def describe(self) -> str:
         def per_chunk(v):
@@ -581,6 +585,7 @@ class HostCosts:
                   f"rows' collective" + ("" if self.nohead_tail is None else
                                          f" and {self.nohead_tail:.0f} us after its last device work")
                   + ("" if self.nohead_fixed is None else f", after {self.nohead_fixed:.0f} us of count exchange")
+                  + ("" if self.nohead_chunk is None else f", {self.nohead_chunk:.0f} us more per further chunk")
                   + ")")
         ahead = ("" if self.fixed_ahead is None else
                  f" ({self.fixed_ahead:.0f} us with the host ahead" + ("" if self.nohead_fixed_ahead is None else
@@ -618,7 +623,8 @@ class HostCosts:
             if not head and self.nohead_host is not None:
                 fixed = (self.fixed if self.nohead_fixed is None else self.nohead_fixed) if fixed is None else fixed
                 return dict(fixed_us=fixed, host_us=self.nohead_host, lead_us=self.nohead_lead,
-                            host_chunk_us=self.dispatch_chunk, in_place=True,
+                            host_chunk_us=self.dispatch_chunk if self.nohead_chunk is None else self.nohead_chunk,
+                            in_place=True,
                             copies=(0.0, records, 0.0, 0.0),
                             tail_us=self.dispatch_tail if self.nohead_tail is None else self.nohead_tail)
             return dict(fixed_us=self.fixed if fixed is None else fixed, host_us=self.dispatch_host,
@@ -668,12 +674,14 @@ class HostCosts:
                     more(after, host), more(combine, one.get(combine, 0.0)), one.get(cached, 0.0),
                     more(cached, one.get(cached, 0.0)), fixed_ahead=one.get(ahead),
                     dispatch_tail=one.get(f"dispatch BF16: {HOST_TAIL}", 0.0))
-        nohead = _ops_of(rows, phased_impl(c1, head=False))
+        nohead, nohead_n = (_ops_of(rows, phased_impl(c, head=False)) for c in (c1, cn))
         if after in nohead:
             costs = replace(costs, nohead_host=nohead[after],
                             nohead_lead=nohead.get(f"dispatch BF16: {HOST_LEAD}", 0.0), nohead_fixed=nohead.get(counts),
                             nohead_tail=nohead.get(f"dispatch BF16: {HOST_TAIL}"),
-                            nohead_fixed_ahead=nohead.get(ahead))
+                            nohead_fixed_ahead=nohead.get(ahead),
+                            nohead_chunk=(max(0.0, nohead_n[after] - nohead[after]) / (cn - c1)
+                                          if after in nohead_n else None))
         return costs.with_node_leg(rows)
 
     def with_node_leg(self, rows: list) -> "HostCosts":
@@ -681,7 +689,8 @@ class HostCosts:
         (``_node_leg``'s rows, uniform routing or the first) and the path's own domain leg's (the rows by phase in
         one chunk): what an 8-GPU node's leg costs where each simulated node is one GPU. A cached dispatch's is
         charged once per call: over the one-sided transport its node leg is one gated push for all chunks
-        (``HierarchicalTransport._mapped``)."""
+        (``HierarchicalTransport._mapped``); so is an exact-mode dispatch's without a head chunk where its further
+        chunks were measured so (``nohead_chunk``: ``HierarchicalTransport._gated``)."""
         node, own = _ops_of(rows, NODE_LEG), _ops_of(rows, phased_impl(PHASED_CHUNKS[0]))
         fields = {"dispatch": ("dispatch_host", "dispatch_chunk"), "cached": ("cached_host", "cached_chunk"),
                   "combine": ("combine_host", "combine_chunk")}
@@ -785,7 +794,8 @@ def _override(costs: HostCosts, fixed_us: Optional[float], host_us: Optional[flo
         h = host_us
         costs = replace(costs, dispatch_host=h, combine_host=h, dispatch_lead=0.0, dispatch_chunk=h, combine_chunk=h,
                         cached_host=h, cached_chunk=h, nohead_host=None if costs.nohead_host is None else h,
-                        nohead_lead=0.0, dispatch_tail=0.0, nohead_tail=None)
+                        nohead_lead=0.0, dispatch_tail=0.0, nohead_tail=None,
+                        nohead_chunk=None if costs.nohead_chunk is None else h)
     return costs
 
 

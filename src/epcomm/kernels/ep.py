@@ -116,25 +116,190 @@ def rows_in_place_kernel(counts_ptr, map_ptr, summary_ptr, m, stride, cstride, c
     tl.store(map_ptr + r, dst.to(tl.int64), mask=r < m)
     if SUMMARY:
         if tl.program_id(0) == 0:
-            fm = f < L
-            row = counts_ptr + chunk * cstride + f * stride  # forwarding rank f's row of this chunk
-            recv = tl.load(row + 1 + local, mask=fm, other=0)
-            sent = tl.load(counts_ptr + chunk * cstride + local * stride + 1 + f, mask=fm, other=0)
-            pairs = tl.load(row[:, None] + 1 + f[None, :], mask=fm[:, None] & fm[None, :], other=0)
-            e = tl.arange(0, EP)
-            em = e < e_local
-            per_expert = tl.sum(tl.load(row[:, None] + 1 + L + local * e_local + e[None, :],
-                                        mask=fm[:, None] & em[None, :], other=0), axis=0)
-            recv_total = tl.sum(recv, axis=0)
-            max_pair = tl.max(tl.max(pairs, axis=1), axis=0)
-            max_tokens = tl.max(tl.load(row, mask=fm, other=0), axis=0)
-            h = tl.arange(0, _K_SUMMARY_HEAD)  # (the error words, which the check skips, zero)
-            tl.store(summary_ptr + h, tl.where(h == 0, recv_total, tl.where(h == 1, max_pair,
-                                                                       tl.where(h == 2, max_tokens, 0))))
-            tl.store(summary_ptr + _K_SUMMARY_HEAD + f, tl.cumsum(recv, axis=0) - recv, mask=fm)
-            tl.store(summary_ptr + _K_SUMMARY_HEAD + L + f, recv, mask=fm)
-            tl.store(summary_ptr + _K_SUMMARY_HEAD + 2 * L + f, sent, mask=fm)
-            tl.store(summary_ptr + _K_SUMMARY_HEAD + 3 * L + e, per_expert, mask=em)
+            _summary_of(counts_ptr, summary_ptr, chunk, chunk + 1, stride, cstride, L, local, e_local, LP, EP)
+
+
+@triton.jit
+def _summary_of(counts_ptr, summary_ptr, c0, c1, stride, cstride, L, local, e_local, LP: tl.constexpr,
+                EP: tl.constexpr):
+    """Write at ``summary`` int32 the summary ``exchange_kernel`` would find in the domain leg of chunks ``[c0, c1)``
+    together (one chunk: that chunk's call; several: their merged call, whose ``max_pair`` and ``max_tokens`` are the
+    chunks' sums, as ``merge_cached`` makes them) on the rank of local index ``local``, from the domain's gathered
+    counts (``rows_in_place_kernel``): forwarding rank ``f``'s row of chunk ``c`` at ``counts + f * stride + c *
+    cstride`` holds at column 0 its rows, at ``1 + g`` its rows for rank ``g`` of the domain, at ``1 + L + e`` its rows
+    for the domain's expert ``e`` (``e_local`` per rank)."""
+    f = tl.arange(0, LP)
+    fm = f < L
+    e = tl.arange(0, EP)
+    em = e < e_local
+    recv = tl.zeros([LP], tl.int32)
+    sent = tl.zeros([LP], tl.int32)
+    per_expert = tl.zeros([EP], tl.int32)
+    max_pair = tl.zeros([], tl.int32)
+    max_tokens = tl.zeros([], tl.int32)
+    c = c0
+    while c < c1:
+        row = counts_ptr + c * cstride + f * stride  # forwarding rank f's row of chunk c
+        recv += tl.load(row + 1 + local, mask=fm, other=0)
+        sent += tl.load(counts_ptr + c * cstride + local * stride + 1 + f, mask=fm, other=0)
+        pairs = tl.load(row[:, None] + 1 + f[None, :], mask=fm[:, None] & fm[None, :], other=0)
+        per_expert += tl.sum(tl.load(row[:, None] + 1 + L + local * e_local + e[None, :],
+                                     mask=fm[:, None] & em[None, :], other=0), axis=0)
+        max_pair += tl.max(tl.max(pairs, axis=1), axis=0)
+        max_tokens += tl.max(tl.load(row, mask=fm, other=0), axis=0)
+        c += 1
+    recv_total = tl.sum(recv, axis=0)
+    h = tl.arange(0, _K_SUMMARY_HEAD)  # (the error words, which the check skips, zero)
+    tl.store(summary_ptr + h, tl.where(h == 0, recv_total, tl.where(h == 1, max_pair,
+                                                               tl.where(h == 2, max_tokens, 0))))
+    tl.store(summary_ptr + _K_SUMMARY_HEAD + f, tl.cumsum(recv, axis=0) - recv, mask=fm)
+    tl.store(summary_ptr + _K_SUMMARY_HEAD + L + f, recv, mask=fm)
+    tl.store(summary_ptr + _K_SUMMARY_HEAD + 2 * L + f, sent, mask=fm)
+    tl.store(summary_ptr + _K_SUMMARY_HEAD + 3 * L + e, per_expert, mask=em)
+
+
+@triton.jit(do_not_specialize=["m", "stride", "cstride", "col", "chunks", "L", "D", "local", "e_local", "slen"])
+def rows_merged_kernel(counts_ptr, map_ptr, back_ptr, summary_ptr, m, stride, cstride, col, chunks, L, D, local,
+                       e_local, slen, LP: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr, EP: tl.constexpr):
+    """The row maps of an exact-mode dispatch whose domain leg moves all ``chunks`` chunks in one gated call
+    (``rows_in_place_kernel``'s tables, all chunks at once), ``M`` rows each: ``map`` int64, the output row of each row
+    that call receives (by forwarding rank ``f``, then chunk, then source domain ``d``: each forwarder's chunks one
+    after another), and ``back`` int64, the output row of each row of the chunks' own orders one after another (chunk
+    ``c``'s rows by ``f``, then ``d``, after the earlier chunks' rows: what each chunk's own call would have received,
+    the order its combine takes). The output holds every chunk's rows by ``d``, then ``f``, then chunk. Program ``c <
+    chunks`` also writes chunk ``c``'s summary at ``summary + c * slen``, program ``chunks`` the merged call's at
+    ``summary + chunks * slen`` (``_summary_of``); the grid has ``chunks + 1`` programs at least."""
+    f = tl.arange(0, LP)
+    d = tl.arange(0, DP)
+    ok = (f < L)[:, None] & (d < D)[None, :]
+    at = counts_ptr + f[:, None] * stride + col + d[None, :] * L
+    total = tl.zeros([LP, DP], tl.int32)
+    c = 0
+    while c < chunks:
+        total += tl.load(at + c * cstride, mask=ok, other=0)
+        c += 1
+    row_total = tl.sum(total, axis=1)
+    row_base = tl.cumsum(row_total, axis=0) - row_total  # the merged call's rows: by f first
+    col_sum = tl.sum(total, axis=0)
+    dst_base = (tl.cumsum(col_sum, axis=0) - col_sum)[None, :] + tl.cumsum(total, axis=0) - total
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    to_map = tl.zeros([BLOCK], tl.int32)
+    to_back = tl.zeros([BLOCK], tl.int32)
+    before = tl.zeros([LP, DP], tl.int32)  # the earlier chunks' rows of each block
+    own_base = tl.zeros([], tl.int32)  # the earlier chunks' rows
+    c = 0
+    while c < chunks:
+        n = tl.load(at + c * cstride, mask=ok, other=0)
+        row_sum = tl.sum(n, axis=1)
+        in_row = tl.cumsum(n, axis=1) - n
+        dst = dst_base + before
+        own = own_base + (tl.cumsum(row_sum, axis=0) - row_sum)[:, None] + in_row
+        merged = (row_base + tl.sum(before, axis=1))[:, None] + in_row
+        lo = tl.reshape(own, [LP * DP])
+        hi = tl.reshape(own + n, [LP * DP])
+        inside = (r[:, None] >= lo[None, :]) & (r[:, None] < hi[None, :])
+        to_back += tl.sum(tl.where(inside, tl.reshape(dst - own, [LP * DP])[None, :], 0), axis=1)
+        lo = tl.reshape(merged, [LP * DP])
+        hi = tl.reshape(merged + n, [LP * DP])
+        inside = (r[:, None] >= lo[None, :]) & (r[:, None] < hi[None, :])
+        to_map += tl.sum(tl.where(inside, tl.reshape(dst - merged, [LP * DP])[None, :], 0), axis=1)
+        before += n
+        own_base += tl.sum(row_sum, axis=0)
+        c += 1
+    live = r < m
+    tl.store(map_ptr + r, (r + to_map).to(tl.int64), mask=live)
+    tl.store(back_ptr + r, (r + to_back).to(tl.int64), mask=live)
+    pid = tl.program_id(0)
+    if pid < chunks:
+        _summary_of(counts_ptr, summary_ptr + pid * slen, pid, pid + 1, stride, cstride, L, local, e_local, LP, EP)
+    if pid == chunks:
+        _summary_of(counts_ptr, summary_ptr + pid * slen, 0, chunks, stride, cstride, L, local, e_local, LP, EP)
+
+
+@triton.jit(do_not_specialize=["rec_stride", "r0", "m", "rows", "chunk", "sstride", "cstride", "e_local", "e_dom"])
+def forward_records_kernel(rec_ptr, rec_stride, r0, m, rows, starts_ptr, chunk, sstride, cstride, carried_ptr, idx_ptr,
+                           w_ptr, itr_ptr, deferred_ptr, e_local, e_dom, NS: tl.constexpr, K: tl.constexpr,
+                           L: tl.constexpr, HAS_W: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
+                           BLOCK_K: tl.constexpr):
+    """One chunk's landed inter-domain rows made into the domain leg's input, ``BLOCK`` rows a program: rows ``[r0, r0 +
+    rows)`` of the merged input, the first ``m`` of them real (their received records: those rows of ``rec [., W]``
+    int32, ``rec_stride`` words apart, ``record_words`` layout), the rest padding (no destination). Writes each real
+    row's ``carried [., NS + 2]`` int32 words (its scales, then its source domain and its source token within the
+    source's x: the record's token plus the chunk's first token on that source, ``starts[src * sstride + chunk *
+    cstride]``), its top-k ids ``idx [., K]`` int64 (this domain's, ``[0, e_dom)`` or -1) and weights ``w [., K]``
+    (int32 words), and every row's ``itr [., L]`` int8 (whether one of its ids is on rank ``g`` of the domain,
+    ``e_local`` experts a rank); ids outside ``[-1, e_dom)`` are counted into ``deferred [1]`` int32 (a deferred error,
+    as the exchange kernel counts them)."""
+    i = r0 + tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = i < r0 + rows
+    live = i < r0 + m
+    i64 = i.to(tl.int64)
+    rec = rec_ptr + i64 * rec_stride
+    tok = tl.load(rec, mask=live, other=0)
+    src = tl.load(rec + 1, mask=live, other=0)
+    first = tl.load(starts_ptr + src * sstride + chunk * cstride, mask=live, other=0)
+    out = carried_ptr + i64 * (NS + 2)
+    if NS > 0:
+        s = tl.arange(0, BLOCK_S)
+        sm = live[:, None] & (s < NS)[None, :]
+        tl.store(out[:, None] + s[None, :], tl.load(rec[:, None] + 2 + s[None, :], mask=sm), mask=sm)
+    tl.store(out + NS, src, mask=live)
+    tl.store(out + NS + 1, tok + first, mask=live)
+    kc = tl.arange(0, BLOCK_K)
+    km = live[:, None] & (kc < K)[None, :]
+    ids = tl.load(rec[:, None] + 2 + NS + kc[None, :], mask=km, other=-1)
+    tl.store(idx_ptr + i64[:, None] * K + kc[None, :], ids.to(tl.int64), mask=km)
+    if HAS_W:
+        tl.store(w_ptr + i64[:, None] * K + kc[None, :], tl.load(rec[:, None] + 2 + NS + K + kc[None, :], mask=km),
+                 mask=km)
+    bad = tl.sum(tl.sum((km & ((ids < -1) | (ids >= e_dom))).to(tl.int32), axis=1), axis=0)
+    if bad > 0:
+        tl.atomic_add(deferred_ptr, bad)
+    dest = tl.where(km & (ids >= 0) & (ids < e_dom), ids // e_local, L)
+    for g in tl.static_range(L):
+        tl.store(itr_ptr + i64 * L + g, tl.max((dest == g).to(tl.int32), axis=1).to(tl.int8), mask=inside)
+
+
+@triton.jit(do_not_specialize=["r0", "m", "rows", "chunk", "gstride", "value"])
+def forward_positions_kernel(itr_ptr, pos_ptr, local_ptr, sends_ptr, sends_stride, gathered_ptr, gstride, chunk,
+                             deferred_ptr, flag_ptr, value, r0, m, rows, L: tl.constexpr, LP: tl.constexpr,
+                             BLOCK_T: tl.constexpr, USE_PTX: tl.constexpr):
+    """One program, after ``forward_records_kernel`` of the same chunk: each row's positions among this rank's rows for
+    each rank of the domain, ``pos [., L]`` int32 in the merged call (after this rank's rows to that rank in the earlier
+    chunks) and ``local [m, L]`` int32 in the chunk's own (the chunk's rows ``[r0, r0 + rows)`` of the merged input, the
+    first ``m`` real, their ``itr [., L]`` int8); this chunk's rows to each rank into ``sends + chunk * sends_stride``
+    int32, checked against the counts this rank's row of the domain's gathered counts promised (``gathered + chunk *
+    gstride + 1 + g``, every chunk's row ``gstride`` words after the one before: a difference is counted into
+    ``deferred``, as the exchange kernel's ``CHECK``); then releases ``value`` into the chunk's flag ``flag[chunk]``
+    (int64): the gated push (``dispatch_kernel``'s ``GATED``) takes the chunk's rows from here on."""
+    g = tl.arange(0, LP)
+    gm = g < L
+    before = tl.zeros([LP], tl.int32)
+    c = 0
+    while c < chunk:
+        before += tl.load(gathered_ptr + c * gstride + 1 + g, mask=gm, other=0)
+        c += 1
+    carry = tl.zeros([LP], tl.int32)
+    tb = tl.arange(0, BLOCK_T)
+    t0 = 0
+    while t0 < rows:
+        t = t0 + tb
+        mk = (t < rows)[:, None] & gm[None, :]
+        at = (r0 + t).to(tl.int64)[:, None] * L + g[None, :]
+        v = tl.load(itr_ptr + at, mask=mk, other=0).to(tl.int32)
+        excl = tl.cumsum(v, axis=0) + carry[None, :] - v
+        tl.store(pos_ptr + at, excl + before[None, :], mask=mk)
+        tl.store(local_ptr + t.to(tl.int64)[:, None] * L + g[None, :], excl, mask=mk & (t < m)[:, None])
+        carry += tl.sum(v, axis=0)
+        t0 += BLOCK_T
+    tl.store(sends_ptr + chunk * sends_stride + g, carry, mask=gm)
+    want = tl.load(gathered_ptr + chunk * gstride + 1 + g, mask=gm, other=0)
+    wrong = tl.sum(((carry != want) & gm).to(tl.int32), axis=0)
+    if wrong > 0:
+        tl.atomic_add(deferred_ptr, wrong)
+    tl.debug_barrier()
+    fence_sys(USE_PTX)
+    st_release(flag_ptr + chunk, tl.full([], value, tl.int64), USE_PTX)
 
 
 @triton.jit
@@ -359,7 +524,7 @@ def _push_tokens(pid, nprog, slot, nslots, x_ptr, scales_ptr, s_stride_t, s_stri
                  BLOCK_K: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_W: tl.constexpr,
                  SINGLE_ROUND: tl.constexpr, VEC: tl.constexpr, USE_PTX: tl.constexpr, PMAX: tl.constexpr,
                  SIG: tl.constexpr, pidx_ptr=None, HAS_PIDX: tl.constexpr = False, XS: tl.constexpr = 0,
-                 DST_RS: tl.constexpr = 0):
+                 DST_RS: tl.constexpr = 0, t_base=0):
     """Program ``pid`` of ``nprog`` pushes its contiguous range of tokens ``[t_begin, t_end)``, ``TOK`` at a
     time: reads each row once and stores it, with its record, into every destination it goes to, at row
     ``rank * cap + pos[t, r] - first[r]`` of that destination's area. ``SIG > 0`` (streaming dispatch) also
@@ -371,7 +536,8 @@ def _push_tokens(pid, nprog, slot, nslots, x_ptr, scales_ptr, s_stride_t, s_stri
     ``pidx [N, K]`` int32 (each pair's index among this rank's pairs of its expert). ``XS``: the rows of ``x`` are
     that many words apart (0: ``XW``, contiguous). ``DST_RS`` (a pack into one local buffer): each destination row is
     that many words, its row's words then its record's (at ``meta_off``, the row's end) side by side; 0: rows ``XW``
-    and records ``W`` words apart in their own areas."""
+    and records ``W`` words apart in their own areas. A record's source token is ``t - t_base`` (a gated dispatch's:
+    the token's index within its chunk)."""
     per = tl.cdiv(tl.cdiv(t_end - t_begin, nprog), TOK) * TOK
     lo = t_begin + pid * per
     hi = tl.minimum(lo + per, t_end)
@@ -423,7 +589,7 @@ def _push_tokens(pid, nprog, slot, nslots, x_ptr, scales_ptr, s_stride_t, s_stri
         for r in tl.static_range(R):
             go, a = _dest_row(itr_ptr, pos_ptr, first_ptr, t, live, r, rank, cap, R, SINGLE_ROUND)
             rec = (tl.load(bases_ptr + r) + meta_off + a * rec_bytes).to(tl.pointer_type(tl.int32))
-            tl.store(rec, t.to(tl.int32), mask=go)
+            tl.store(rec, (t - t_base).to(tl.int32), mask=go)
             tl.store(rec + 1, tl.zeros([TOK], tl.int32) + rank, mask=go)
             if HAS_SCALES:
                 tl.store(rec[:, None] + 2 + scols[None, :], sv, mask=go[:, None] & (scols < NS)[None, :])
@@ -715,10 +881,11 @@ def dispatch_kernel(x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_ptr, 
     program waits for chunk ``c``'s flag (int64 ``gate[c]``, released by whoever wrote the chunk's rows) to reach
     ``gate_value`` before it pushes its share of that chunk, chunk after chunk, each share reported in its own
     progress slot (``c * num_push + pid``, ``num_chunks * num_push`` slots announced): to the receivers each share is
-    one more sending program, so the receive side is unchanged. A flag that does not come in time is recorded
-    (``ERR_GATE_TIMEOUT``, slot = the chunk) and the program stops: it reports nothing more, so that the receivers of
-    the chunks it did not push time out too (naming this rank) instead of taking rows that never came; nothing
-    waits forever.
+    one more sending program, so the receive side is unchanged; each record's source token is its index within its
+    chunk (the merged push of an exact-mode dispatch's chunks: each chunk's own handle reads it). A flag that does not
+    come in time is recorded (``ERR_GATE_TIMEOUT``, slot = the chunk) and the program stops: it reports nothing more,
+    so that the receivers of the chunks it did not push time out too (naming this rank) instead of taking rows that
+    never came; nothing waits forever.
 
     ``MAPPED``: the received row that would go to output row ``g`` goes to row ``map[g]`` instead (int64 ``[M]``, a
     permutation: the caller's order of the rows, with no gather after the call). ``XS``: rows of ``x`` that many
@@ -749,7 +916,7 @@ def dispatch_kernel(x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_ptr, 
                                  area_off, meta_off, prog_off, tag, tl.load(bounds_ptr + c),
                                  tl.load(bounds_ptr + c + 1), cap, rank, world, XW, W, NS, K, E_LOCAL, R, R_POW2, TOK,
                                  BLOCK, BLOCK_S, BLOCK_K, HAS_SCALES, HAS_TOPK, HAS_W, SINGLE_ROUND, VEC, USE_PTX,
-                                 PMAX, SIG, None, False, XS)
+                                 PMAX, SIG, None, False, XS, 0, tl.load(bounds_ptr + c))
                 c += 1
         else:
             _push_tokens(pid, num_push, pid, num_push, x_ptr, scales_ptr, s_stride_t, s_stride_c, topk_ptr, w_ptr,
@@ -912,6 +1079,46 @@ def launch_rows_in_place(counts, row_map, stride: int, col: int, L: int, D: int,
     launch(rows_in_place_kernel, (max(1, cdiv(m, block)),), counts, row_map,
            summary if summary is not None else row_map, m, stride, cstride, col, chunk, chunks, L, D, local, e_local,
            LP=lp, DP=dp, BLOCK=block, EP=next_pow2(max(e_local, 2)), SUMMARY=summary is not None)
+
+
+def summary_words(L: int, e_local: int) -> int:
+    """Words of a domain-leg summary of ``L`` ranks with ``e_local`` experts each (``_summary_of``), rounded up to 4:
+    several side by side each start 16-byte aligned (as a tensor of their own would)."""
+    return -(-(SUMMARY_HEAD + 3 * L + max(e_local, 1)) // 4) * 4
+
+
+def launch_rows_merged(counts, row_map, back, summaries, stride: int, col: int, L: int, D: int, chunks: int,
+                       cstride: int, local: int, e_local: int) -> None:
+    """``rows_merged_kernel`` into ``row_map`` and ``back`` (``[M]`` int64 each) and ``summaries [chunks + 1,
+    summary_words(L, e_local)]`` int32."""
+    lp, dp = next_pow2(max(L, 2)), next_pow2(max(D, 2))
+    block = max(16, min(1024, 16384 // (lp * dp)))
+    m = row_map.numel()
+    launch(rows_merged_kernel, (max(chunks + 1, cdiv(m, block)),), counts, row_map, back, summaries, m, stride,
+           cstride, col, chunks, L, D, local, e_local, summaries.stride(0), LP=lp, DP=dp, BLOCK=block,
+           EP=next_pow2(max(e_local, 2)))
+
+
+def launch_forward_layout(records, r0: int, m: int, rows: int, starts, chunk: int, carried, idx, w, itr, pos, local,
+                          sends, gathered, deferred, flags, value: int, e_local: int, e_dom: int) -> None:
+    """One chunk of a gated exact-mode dispatch's domain leg made ready on the current stream, once its rows have
+    landed: ``forward_records_kernel`` over its ``rows`` rows of the merged input from ``r0`` (``m`` of them real;
+    ``records [., W]`` int32, every chunk's, any row stride; ``starts [D, C]`` int32, any strides; the merged
+    ``carried`` int32 view, ``idx`` int64, ``w`` int32 view or None, ``itr`` int8 view), then
+    ``forward_positions_kernel`` (``pos`` merged, ``local [m, L]`` the chunk's own, ``sends [C, >= L]`` int32,
+    ``gathered``: this rank's rows of the domain's gathered counts from chunk 0, ``[C, W]`` int32, its rows
+    contiguous), which ends by releasing ``value`` into ``flags[chunk]``."""
+    k, ns = idx.size(1), carried.size(1) - 2
+    L = itr.size(1)
+    dummy = deferred
+    if rows:
+        launch(forward_records_kernel, (cdiv(rows, 64),), records, records.stride(0), r0, m, rows, starts, chunk,
+               starts.stride(0), starts.stride(1), carried, idx, w if w is not None else dummy, itr, deferred,
+               e_local, e_dom, NS=ns, K=k, L=L, HAS_W=w is not None, BLOCK=64, BLOCK_S=pow2_block(ns),
+               BLOCK_K=pow2_block(k))
+    launch(forward_positions_kernel, (1,), itr, pos, local, sends, sends.stride(0), gathered, gathered.stride(0),
+           chunk, deferred, flags, value, r0, m, rows, L=L, LP=next_pow2(max(L, 2)), BLOCK_T=256,
+           USE_PTX=itr.is_cuda, num_warps=4)
 
 
 def launch_unpack_records(records, out_scales, out_idx, out_w, out_src, num_scales: int, num_topk: int) -> None:

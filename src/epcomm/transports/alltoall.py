@@ -491,6 +491,26 @@ class AllToAllTransport(Transport):
         plan = self._plan_gpu(req, None)
         return plan, self._pack_plan(req, plan)
 
+    def dispatch_into(self, req: DispatchRequest, out: torch.Tensor, recv_src: tuple) -> DispatchHandle:
+        """An exact-mode GPU-path dispatch with its counts known (``req.known``) whose one collective lands its rows
+        beside their records, as ``fuse_rows`` sends them (``[rows, fused_width]`` uint8: the row's bytes, then its
+        record, ``record_words`` layout, then padding), into ``out`` (contiguous rows, e.g. one chunk's of a caller's
+        buffer), where the caller reads them: nothing is unpacked. Returns the dispatch's handle, whose
+        ``recv_src_rank`` / ``recv_src_idx`` are the caller's ``recv_src`` (what it will unpack of the records)."""
+        known = req.known
+        if known is None or not self._gpu_path(req.x):
+            raise ValueError("AllToAllTransport.dispatch_into: an exact-mode GPU-path dispatch with known counts")
+        plan, (rows, recs) = req.prepared or self.prepare(req)
+        sends, recvs = list(known.num_tokens_per_rank), list(known.num_recv_tokens_per_rank)
+        n = sum(sends)
+        self._a2a(out, _fused_send([rows[:n], recs[:n]], [_as_bytes(rows[:n]), _as_bytes(recs[:n])]), recvs, sends)
+        return DispatchHandle(
+            buffer_id=self.buffer_id, transport=self.name, num_ranks=self.num_ranks, num_experts=req.num_experts,
+            num_tokens=req.x.size(0), hidden=req.x.size(1), is_token_in_rank=req.is_token_in_rank,
+            num_tokens_per_rank=tuple(sends), num_recv_tokens=sum(recvs), num_recv_tokens_per_rank=tuple(recvs),
+            num_recv_tokens_per_expert=self._known_expert_counts(known)()[1], recv_src_rank=recv_src[0],
+            recv_src_idx=recv_src[1], state=self._gpu_state(plan, sends))
+
     def can_send_ahead(self, x: torch.Tensor) -> bool:
         """Whether ``send_ahead`` takes dispatches of ``x`` (the GPU path's kernels run on its device)."""
         return self._gpu_path(x)

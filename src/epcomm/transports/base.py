@@ -103,6 +103,11 @@ class DispatchRequest:
     # transport would allocate them, with at least the rows row_map names; a hierarchical dispatch's chunks all write
     # into the same ones), or None (the transport allocates them)
     outs: Any = None
+    # exact mode with ``known`` (its ``summary_tensor`` given): ``[N, R]`` int32 on the device, each token's index among
+    # this rank's tokens for each destination, made by the caller, who has checked its layout against the known counts
+    # (a transport with ``gates_exact_dispatch`` then makes no count exchange: a hierarchical dispatch's chunks merged
+    # into one gated call, their rows still landing), or None
+    positions: Any = None
 
 
 @dataclass(frozen=True)
@@ -184,6 +189,9 @@ class Transport(abc.ABC):
     gates_cached_dispatch: ClassVar[bool] = False
     # a rank-major combine writes into the views of CombineRequest.out where given
     combines_into: ClassVar[bool] = False
+    # an exact-mode dispatch given DispatchRequest.positions (with known counts and their summary, gated or not), and
+    # ``known_handle``: the handle of each chunk of such a merged dispatch
+    gates_exact_dispatch: ClassVar[bool] = False
 
     def __init__(self, group: Any, device: torch.device, buffer_id: int) -> None:
         import torch.distributed as dist

@@ -272,6 +272,9 @@ class HierarchicalTransport(Transport):
     # whether exact-mode calls send a head chunk: None, measured with the chunk count (a fixed count: sent where the
     # leg can); True: sent wherever the leg can; False: never
     head_chunk: Optional[bool] = None
+    # whether an exact-mode dispatch of several chunks (without a head chunk) moves them through the domain leg in one
+    # gated call where the domain transport can (``_gated``); False: one call per chunk
+    gated_exact: bool = True
 
     def __init__(self, group, device: torch.device, buffer_id: int, domains: Domains,
                  domain_transport: Any = "auto", leg: str = "nccl", num_nvl_bytes: int = 0,
@@ -316,6 +319,7 @@ class HierarchicalTransport(Transport):
         self._report_scope = f"epcomm/fault/{getattr(group, 'group_name', '')}/{buffer_id}"
         self._phase: Optional[tuple] = None  # (phase, within) of the part running now (_leg), for fault reports
         self._warm_chunks: Optional[int] = None  # the chunk count of Buffer.warmup's calls (warm_normal)
+        self._warm_nohead = False  # and whether they send no head chunk
         self._unmerged = False  # cached dispatches through the chunks one by one (warm_normal's last round)
 
     @classmethod
@@ -537,7 +541,7 @@ class HierarchicalTransport(Transport):
             if W:
                 chunks, with_head = 1, False
             elif forced:
-                chunks, with_head = forced, True
+                chunks, with_head = forced, not self._warm_nohead
             else:
                 self._tuner.offer_head(can_head and self.head_chunk is None)
                 candidate = self._tuner.next(lambda times: self._slowest(fn, times), fn)
@@ -570,6 +574,10 @@ class HierarchicalTransport(Transport):
         # streaming dispatch); each chunk's map is made once its rows cross (nothing crosses while the host works
         # between the count read and them)
         place = (counts is not None and self.domain.gates_cached_dispatch and self.domain.can_gate(subs[0]))
+        if place and len(subs) > 1 and ahead is None and self.gated_exact and self.domain.gates_exact_dispatch:
+            got = self._gated(fn, req, counts, starts, gathered, bounds, timing)
+            if got is not None:
+                return got
         shared = None  # (made once the first rows' collective is issued, as the domain leg's counts are)
         parts = []
         marks = timing[2] if timing is not None and chunks == 1 else None  # a one-chunk call's legs, timed
@@ -591,39 +599,150 @@ class HierarchicalTransport(Transport):
             parts.append((r2, src_rank, src_idx, h1, in_place))
         self._join()
         r2s = [p[0] for p in parts]
-        handles = [r.handle for r in r2s]
-        fields = ("recv_x", "recv_scales", "recv_topk_idx", "recv_topk_weights")
         if place:  # (there already: the rows' sources and the scales split from the carried columns once)
             order, back = None, _cat([p[4] for p in parts])
-            out_x, carried, out_idx, out_w, out_src = shared
-            ns = carried.size(1) - 2
-            got = carried[:, ns:].view(torch.int32)  # (source domain, source token) of every row
-            src_rank, src_idx = torch.add(out_src[:, 1], got[:, 0], alpha=self.local_size), got[:, 1].contiguous()
-            outs = (out_x, carried[:, :ns].contiguous() if ns else None, out_idx, out_w)
+            outs, src_rank, src_idx = self._split_carried(shared)
         else:  # the rows in the order of the intranode path: by source rank, then source token (padding rows last)
+            fields = ("recv_x", "recv_scales", "recv_topk_idx", "recv_topk_weights")
             src_rank, src_idx = _cat([p[1] for p in parts]), _cat([p[2] for p in parts])
             order, back = _canonical_order(src_rank, self.num_ranks)
             outs = tuple(_take([getattr(r, f) for r in r2s], order) for f in fields)
             src_rank, src_idx = src_rank[order], src_idx[order]
-        per_expert = handles[0].num_recv_tokens_per_expert
-        for h in handles[1:]:
+        return self._finish(req, outs, src_rank, src_idx, [p[3] for p in parts], [r.handle for r in r2s], bounds,
+                            back, order, ahead is not None, [r.num_recv_tokens_per_expert_list for r in r2s], timing)
+
+    def _gated(self, fn: str, req: DispatchRequest, counts: "_Counts", starts: torch.Tensor, gathered: torch.Tensor,
+               bounds: list, timing) -> Optional[DispatchResult]:
+        """An exact-mode dispatch of several chunks (without a head chunk) whose domain leg is one gated push for all
+        of them, as the cached dispatch's (``_mapped``), or None where the domain's storage cannot hold the merged
+        call and may not grow (then the chunks go one by one; every rank of the domain decides the same).
+
+        Every chunk's inter-domain rows land beside their records in one buffer, each chunk's at a multiple of 16
+        rows (``AllToAllTransport.dispatch_into``, on the network stream), each chunk's collective followed there by
+        ``launch_forward_layout``: its records unpacked into the merged input of the domain leg (scales and sources,
+        top-k ids, weights), its layout within the domain, its positions in the merged call and in its own, its sends
+        checked against the counts its rank promised in the count exchange (a deferred error), then its flag. The
+        domain leg's one call (``DispatchRequest.positions``: no count exchange), issued on the caller's stream once
+        every collective is, waits on the device for each chunk's flag and forwards its rows while the later chunks
+        still cross, every row written where the intranode path's order puts it (``launch_rows_merged``'s map, made
+        from the domain's gathered counts with each chunk's summary). Each chunk keeps a handle of its own
+        (``known_handle``: its own positions and rows, as its own call would have left them), which the combine's
+        pipelining and the cached dispatches take as before. Host work per further chunk: its collective, two
+        launches and its handles."""
+        from ..kernels.ep import Gate, launch_forward_layout, launch_rows_merged, record_words, summary_words
+
+        D, L, C, dev, x = self.num_domains, self.local_size, len(bounds), self.device, req.x
+        ns = 0 if req.x_scales is None else req.x_scales.size(1)
+        k, has_w = req.topk_idx.size(1), req.topk_weights is not None
+        e_dom = req.num_experts // D
+        xb = x.size(1) * x.element_size()
+        m1 = [r.known.num_recv_tokens for r in counts.rails]  # the rows each chunk lands here
+        at = [0]
+        for m in m1:  # (each chunk's rows from a multiple of 16: its slices start 16-byte aligned, one kernel variant)
+            at.append(at[-1] + -(-m // 16) * 16)
+        rows = max(at[-1], 1)
+        landed = torch.empty(rows, fused_width((xb, 4 * record_words(ns, k, has_w))), dtype=torch.uint8, device=dev)
+        carried = torch.empty(rows, ns + 2, dtype=torch.float32, device=dev)
+        w = torch.empty(rows, k, dtype=torch.float32, device=dev) if has_w else None
+        itr = torch.empty(rows, L, dtype=torch.bool, device=dev)
+        merged = DispatchRequest(columns_of_rows(landed, x.dtype, x.size(1)), carried,
+                                 torch.empty(rows, k, dtype=torch.int64, device=dev), w, None, itr, None, e_dom, 1, 0,
+                                 None, req.config, None, req.overlapped,
+                                 positions=torch.empty(rows, L, dtype=torch.int32, device=dev))
+        if not self.domain.holds_merged(*counts.merged_bounds(), req=merged):
+            return None
+        flags, value = self._next_gate(C)
+        own_pos = [torch.empty(m, L, dtype=torch.int32, device=dev) for m in m1]
+        sends = torch.empty(C, -(-L // 4) * 4, dtype=torch.int32, device=dev)  # (rows 16 bytes apart)
+        records = landed.view(torch.int32)[:, xb // 4:]
+        words = carried.view(torch.int32)
+        mine = gathered[self.local_index * C:(self.local_index + 1) * C]  # this rank's rows of the domain's counts
+        rails = []
+
+        def legs() -> None:
+            for c in range(C):
+                a, b = at[c], at[c] + m1[c]
+                with self._leg(fn, ROWS_PHASE):
+                    rails.append(self.rail.dispatch_into(counts.rails[c], landed[a:b],
+                                                         (words[a:b, ns], words[a:b, ns + 1])))
+                launch_forward_layout(records, a, m1[c], at[c + 1] - a, starts, c, words, merged.topk_idx,
+                                      None if w is None else w.view(torch.int32), itr.view(torch.int8),
+                                      merged.positions, own_pos[c], sends, mine, self.domain.deferred, flags, value,
+                                      e_dom // L, e_dom)
+
+        self._network(legs)
+        domain = counts.domain  # (made after the first rows' collective)
+        per_chunk = [sum(d[1]) for d in domain]
+        row_map = torch.empty(sum(per_chunk), dtype=torch.int64, device=dev)
+        back = torch.empty_like(row_map)
+        summaries = torch.empty(C + 1, summary_words(L, e_dom // L), dtype=torch.int32, device=dev)
+        launch_rows_merged(gathered, row_map, back, summaries, gathered.stride(0) * C,
+                           gathered.size(1) - D * L + self.local_index, L, D, C, gathered.stride(0), self.local_index,
+                           e_dom // L)
+        shared = self._outputs(req, row_map.numel())
+        known = [d[0] for d in domain]
+        total = KnownCounts(*(tuple(map(sum, zip(*(getattr(kc, f) for kc in known)))) for f in (
+            "num_tokens_per_rank", "num_recv_tokens_per_rank", "num_recv_tokens_per_expert")),
+            num_tokens_max=sum(kc.num_tokens_max for kc in known), max_pair=sum(kc.max_pair for kc in known),
+            summary_tensor=summaries[C])
+        gate = Gate(counts_to_device(at, dev), flags, value, C)
+        with self._leg(fn, "forwarding the tokens", within=True):
+            self.domain.dispatch(evolve(merged, known=total, gate=gate, row_map=row_map, outs=shared))
+        self._join()
+        outs, src_rank, src_idx = self._split_carried(shared)
+        handles, start = [], 0
+        for c in range(C):  # each chunk's own handle: its rows' sources in its own order, its positions and sends
+            a, b = at[c], at[c] + m1[c]
+            own = shared[4].index_select(0, back[start:start + per_chunk[c]])
+            start += per_chunk[c]
+            handles.append(self.domain.known_handle(
+                DispatchRequest(merged.x[a:b], None, None, None, None, itr[a:b], None, e_dom, 1, 0, None, req.config,
+                                None, known=evolve(known[c], summary_tensor=summaries[c])),
+                own_pos[c], sends[c, :L], own))
+        return self._finish(req, outs, src_rank, src_idx, rails, handles, bounds, back, None, False,
+                            [kc.num_recv_tokens_per_expert for kc in known], timing)
+
+    def _next_gate(self, chunks: int) -> tuple:
+        """``(flags, value)`` of a gated call of ``chunks`` chunks: int64 flags on the device (at least ``chunks``,
+        kept from call to call) and the value this call releases into them (one more than the last call's)."""
+        if self._gate_flags is None or self._gate_flags.numel() < chunks:
+            self._gate_flags = torch.zeros(max(chunks, 8), dtype=torch.int64, device=self.device)
+        self._gate_value += 1
+        return self._gate_flags, self._gate_value
+
+    def _split_carried(self, shared: tuple) -> tuple:
+        """``(outs, src_rank, src_idx)`` of a dispatch whose domain leg wrote its rows in place (``_outputs``): the
+        scales split from the carried columns, each row's source rank and token from them and from its forwarder."""
+        out_x, carried, out_idx, out_w, out_src = shared
+        ns = carried.size(1) - 2
+        got = carried[:, ns:].view(torch.int32)  # (source domain, source token) of every row
+        src_rank, src_idx = torch.add(out_src[:, 1], got[:, 0], alpha=self.local_size), got[:, 1].contiguous()
+        return (out_x, carried[:, :ns].contiguous() if ns else None, out_idx, out_w), src_rank, src_idx
+
+    def _finish(self, req: DispatchRequest, outs: tuple, src_rank: torch.Tensor, src_idx: torch.Tensor, rails: list,
+                domains: list, bounds: list, back, order, head: bool, lists: list, timing) -> DispatchResult:
+        """An exact-mode (or ``num_worst_tokens``) dispatch's result from its legs: ``outs`` (x, scales, top-k ids,
+        weights) in the intranode path's order, each row's source rank and token, per chunk the inter-domain leg's
+        and the domain leg's handles and the domain leg's per-expert counts (``lists``, host lists), ``bounds`` its
+        token bounds, ``back``/``order`` as ``_HandleState`` keeps them."""
+        W, n, x = req.num_worst_tokens, req.x.size(0), req.x
+        per_expert = domains[0].num_recv_tokens_per_expert
+        for h in domains[1:]:
             per_expert = per_expert + h.num_recv_tokens_per_expert
         self._milestone(ISSUED_MILESTONE)
         counts = []
         if not W and req.num_tokens_per_expert is not None:  # the domain leg counted without alignment
-            totals = [sum(cs) for cs in zip(*(r.num_recv_tokens_per_expert_list for r in r2s))]
-            counts = align_all(totals, req.expert_alignment)
+            counts = align_all([sum(cs) for cs in zip(*lists)], req.expert_alignment)
         if timing is not None:
             self._tuner.stop(timing)
         handle = DispatchHandle(
             buffer_id=self.buffer_id, transport=self.name, num_ranks=self.num_ranks, num_experts=req.num_experts,
             num_tokens=n, hidden=x.size(1), is_token_in_rank=req.is_token_in_rank, num_tokens_per_rank=None,
-            num_recv_tokens=sum(h.num_recv_tokens for h in handles), num_recv_tokens_per_rank=None,
+            num_recv_tokens=sum(h.num_recv_tokens for h in domains), num_recv_tokens_per_rank=None,
             num_recv_tokens_per_expert=per_expert,
             recv_src_rank=src_rank, recv_src_idx=src_idx,
-            num_worst_tokens=W, state=_HandleState(tuple(p[3] for p in parts), tuple(handles), tuple(bounds),
-                                                   tuple(h.num_recv_tokens for h in handles), back, order,
-                                                   ahead is not None))
+            num_worst_tokens=W, state=_HandleState(tuple(rails), tuple(domains), tuple(bounds),
+                                                   tuple(h.num_recv_tokens for h in domains), back, order, head))
         return DispatchResult(*outs, counts, handle)
 
     def _chunk(self, req: DispatchRequest, a: int, b: int, first: bool) -> DispatchRequest:
@@ -865,6 +984,17 @@ class HierarchicalTransport(Transport):
             done.record(net)
         return out, done
 
+    def _network(self, work: Callable[[], None]) -> None:
+        """``work()`` issued on the network stream once the caller's stream has reached this point (its work so far
+        is what ``work`` reads); on CPUs run now (every collective has ended when it returns)."""
+        if self.device.type != "cuda":
+            work()
+            return
+        main, net = self._streams()
+        net.wait_stream(main)
+        with torch.cuda.stream(net):
+            work()
+
     def _streams(self) -> tuple:
         """``(the caller's stream, the network stream)`` of a pipelined call."""
         if self._net is None:
@@ -981,10 +1111,7 @@ class HierarchicalTransport(Transport):
             with self._leg(fn, "cached tokens to their domains"):
                 recv = _as_bytes(self.rail.dispatch(_cached(rows, None, st.rail[0], req)).recv_x)
         else:
-            if self._gate_flags is None or self._gate_flags.numel() < chunks:
-                self._gate_flags = torch.zeros(max(chunks, 8), dtype=torch.int64, device=self.device)
-            self._gate_value += 1
-            flags, value = self._gate_flags, self._gate_value
+            flags, value = self._next_gate(chunks)
             recv = torch.empty(starts[-1], width, dtype=torch.uint8, device=self.device)
 
             def legs() -> None:
@@ -997,13 +1124,7 @@ class HierarchicalTransport(Transport):
                         else:  # (on CPUs every leg has ended here: the flag is a store)
                             flags[c] = value
 
-            if self.device.type == "cuda":
-                main, net = self._streams()
-                net.wait_stream(main)
-                with torch.cuda.stream(net):
-                    legs()
-            else:
-                legs()
+            self._network(legs)
             gate = Gate(bounds, flags, value, chunks)
         # the domain leg reads each row's x bytes and its scales in place (rows of any stride)
         part = _cached(recv[:, :xb], recv[:, xb:].view(scales.dtype) if ns else None, handle, req)
@@ -1150,19 +1271,21 @@ class HierarchicalTransport(Transport):
         """``Transport.warm_normal``: the round once per chunk count the calls may use (``CHUNK_CANDIDATES``, or the
         fixed count), the first count again with a head chunk (the later rounds have one, sized by the earlier) and
         its cached dispatch through the chunks one by one (the path ``_mapped`` leaves to storage that cannot hold
-        the merged rows, and to calls captured in a CUDA graph), so that the tuner's first calls, the gated cached
-        dispatch, the unmerged one and the head's path load no kernel in the middle of a later call (module
+        the merged rows, and to calls captured in a CUDA graph), then the last count without a head chunk (the gated
+        path, ``_gated``, where the domain leg takes it), so that the tuner's first calls, the gated cached and exact
+        dispatches, the unmerged one and the head's path load no kernel in the middle of a later call (module
         docstring, "Faults"). The warm calls are not timed (the tuner's state is left as it was) and the next call's
         head is sized as before them."""
         fixed = self._fixed_chunks()[0]
         counts = (fixed,) if fixed else self.CHUNK_CANDIDATES
         head = self._head
         try:
-            for i, chunks in enumerate(counts + counts[:1]):
+            for i, chunks in enumerate(counts + counts[:1] + counts[-1:]):
                 self._warm_chunks, self._unmerged = chunks, i == len(counts)
+                self._warm_nohead = i == len(counts) + 1
                 run()
         finally:
-            self._warm_chunks, self._head, self._unmerged = None, head, False
+            self._warm_chunks, self._head, self._unmerged, self._warm_nohead = None, head, False, False
 
     def warmup_low_latency(self, shape: tuple) -> None:
         t_max, hidden, topk, num_experts, fp8, round_scale, ue8m0, dtype = shape
@@ -1489,6 +1612,13 @@ class _Counts:
         self._shape = (C, L, D, e_dom, l, V)
         self.most_tokens = max(self._every[f][0][V - 1] for f in range(L))
         self.rails: list = []
+
+    def merged_bounds(self) -> tuple:
+        """``(max_pair, num_tokens_max)`` of the domain leg's chunks merged into one call: the sums of the chunks'
+        (``domain``'s, without making it)."""
+        C, L, D, e_dom, l, V = self._shape
+        rows = [[self._every[f][c] for f in range(L)] for c in range(C)]
+        return (sum(max(max(r[1:1 + L]) for r in rc) for rc in rows), sum(max(r[0] for r in rc) for rc in rows))
 
     def rail_known(self, per_expert: Optional[torch.Tensor] = None) -> list:
         """The inter-domain leg's ``KnownCounts`` of each chunk (``per_expert``: ``[C, e_dom]`` the same received

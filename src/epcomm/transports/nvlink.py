@@ -133,6 +133,7 @@ class NVLinkTransport(Transport):
     validates_topk = True  # the exchange kernel checks expert ids; the Buffer need not
     accepts_known_counts = True  # the exchange stays on the device, checked against them
     gates_cached_dispatch = True  # merge_cached, and cached dispatches of rows still being written (a Gate)
+    gates_exact_dispatch = True  # exact-mode dispatches given their positions (gated too), and known_handle
     combines_into = True  # CombineRequest.out
 
     def __init__(self, group, device: torch.device, buffer_id: int, num_nvl_bytes: int = 0,
@@ -376,7 +377,8 @@ class NVLinkTransport(Transport):
     def dispatch(self, req: DispatchRequest) -> DispatchResult:
         if req.handle is not None:
             return self._cached_dispatch(req)
-        itr, pos, summary, num_recv, per_expert_list, n_max, max_pair, host, worst = self._exchange(req)
+        itr, pos, summary, num_recv, per_expert_list, n_max, max_pair, host, worst = (
+            self._exchange(req) if req.positions is None else self._given(req))
         num_ranks, x, e_local = self.num_ranks, req.x, req.num_experts // self.num_ranks
         outs = req.outs if req.outs is not None and req.row_map is not None else self.alloc_recv(
             num_recv, x, _columns(req.x_scales), None if req.topk_idx is None else req.topk_idx.size(1),
@@ -508,6 +510,56 @@ class NVLinkTransport(Transport):
             per_expert_list = (align_all(host[first:first + e_local], req.expert_alignment)
                                if req.num_tokens_per_expert is not None else [])
         return itr, pos, summary, num_recv, per_expert_list, n_max, max_pair, host, worst
+
+    def _given(self, req: DispatchRequest):
+        """``_exchange``'s results for a dispatch whose caller made its positions (``DispatchRequest.positions``) and
+        knows its counts and their summary (``req.known`` with ``summary_tensor``): no count exchange, only the
+        barrier that starts the call's epoch (as a cached dispatch's: the progress words of earlier calls never
+        satisfy this one's waits, and no rank overwrites an area a peer has not consumed)."""
+        known = req.known
+        if known is None or known.summary_tensor is None or req.num_worst_tokens or known.max_pair is None:
+            raise ValueError("Buffer.dispatch: a dispatch given its positions needs its known counts with their "
+                             "summary (KnownCounts.summary_tensor and max_pair), in exact mode")
+        if self.heap is None:
+            self._size_storage(req, "Buffer.dispatch")
+        self.first_call("Buffer.dispatch", ("barrier",), self._barrier)
+        has_experts = req.num_tokens_per_expert is not None
+        host = _known_summary(known, self.num_ranks, req.num_experts // self.num_ranks, has_experts)
+        per_expert_list = align_all(known.num_recv_tokens_per_expert, req.expert_alignment) if has_experts else []
+        return (req.is_token_in_rank, req.positions, known.summary_tensor, host[0], per_expert_list, host[2], host[1],
+                host, 0)
+
+    def known_handle(self, req: DispatchRequest, pos: torch.Tensor, sends: torch.Tensor,
+                     recv_src: torch.Tensor) -> DispatchHandle:
+        """The handle an exact-mode dispatch of ``req`` (``x``, ``is_token_in_rank``, ``num_experts`` and ``known``
+        with its ``summary_tensor``) would have left, for a call whose rows moved in a merged one (a chunk of a
+        hierarchical dispatch's gated domain leg), from what that call made: ``pos [N, R]`` int32 (the chunk's own
+        positions), ``sends [R]`` int32 its rows to each rank, ``recv_src [M, 2]`` int32 the (source token, source
+        rank) of every row it received, in its own order (by source, then the source's positions). Its combine and
+        cached dispatches (``merge_cached``) take it as any other."""
+        known = req.known
+        e_local = req.num_experts // self.num_ranks
+        summary = known.summary_tensor
+        state = _NVLinkState(summary=summary, recv_src=recv_src, pos=pos, num_tokens_per_rank=sends,
+                             num_tokens_max=known.num_tokens_max, max_pair=known.max_pair)
+        host = _known_summary(known, self.num_ranks, e_local, True)
+        return self._handle(req, req.is_token_in_rank, state, host, host[0], 0,
+                            _recv_per_expert(summary, self.num_ranks, e_local))
+
+    def holds_merged(self, max_pair: int, num_tokens_max: int, row_bytes: int = 0,
+                     req: Optional[DispatchRequest] = None) -> bool:
+        """Whether a merged call (``merge_cached``, or an exact-mode dispatch's chunks in one gated call) of up to
+        ``max_pair`` rows of ``row_bytes`` per source (0: the rows of ``req``'s dispatch or its BF16 combine,
+        whichever is wider) moves in one round: the storage holds them, or grows here to (collective: every rank of
+        the group asks at the same call, with the same numbers) where it may grow (``num_nvl_bytes`` not given);
+        False where it may not."""
+        row_bytes = row_bytes or self._storage_row(req)
+        if max_pair <= self.area_bytes // (self.num_ranks * row_bytes):
+            return True
+        if not self._may_grow():
+            return False
+        self._grow(num_tokens_max, row_bytes, "Buffer.dispatch")  # (num_tokens_max >= max_pair: every pair fits)
+        return True
 
     def alloc_recv(self, num_recv: int, x: torch.Tensor, scales: Optional[tuple], k: Optional[int], has_w: bool,
                    padded: bool) -> tuple:
@@ -684,10 +736,8 @@ class NVLinkTransport(Transport):
         r, dev = self.num_ranks, self.device
         row_bytes = x_row_bytes + 4 * record_words(num_scales, 0, False)
         max_pair, n_max = sum(st.max_pair for st in states), sum(st.num_tokens_max for st in states)
-        if max_pair > self.area_bytes // (r * row_bytes):
-            if not self._may_grow():
-                return None
-            self._grow(n_max, row_bytes, "Buffer.dispatch")  # (n_max >= max_pair: every pair's rows fit)
+        if not self.holds_merged(max_pair, n_max, row_bytes):
+            return None
         sent = torch.stack([st.num_tokens_per_rank for st in states])  # [C, R] rows to each destination
         got = torch.stack([st.summary[SUMMARY_HEAD + r:SUMMARY_HEAD + 2 * r] for st in states])  # [C, R] by source
         sent_before, got_before = sent.cumsum(0) - sent, got.cumsum(0) - got
