@@ -1748,6 +1748,25 @@ def test_model_charges_a_gated_dispatch_its_own_host_time_per_chunk():
     shares = {(r["EP"], r["routing"], r["op"]): r for r in internode.model_rows(opts, 50.0, 322.0, costs)}
     before = {(r["EP"], r["routing"], r["op"]): r for r in internode.model_rows(opts, 50.0, 322.0, ungated)}
     assert shares[key]["NIC share (host ahead)"] >= before[key]["NIC share (host ahead)"]
+    # the gated call's own lead and tail (measured in several chunks) for several chunks, the one-chunk call's for one
+    lead, tail = f"dispatch BF16: {internode.HOST_LEAD}", f"dispatch BF16: {internode.HOST_TAIL}"
+    several = internode.phased_impl(cn, head=False)
+    timed = internode.HostCosts.measured(rows + [row(several, after, 2000.0 + 300.0 * (cn - c1)),
+                                                 row(internode.phased_impl(c1, head=False), lead, 90.0),
+                                                 row(internode.phased_impl(c1, head=False), tail, 200.0),
+                                                 row(several, lead, 400.0), row(several, tail, 350.0)])
+    args = timed.model_args("dispatch FP8", head=False)
+    assert (args["lead_us"], args["tail_us"], args["one_chunk"]) == (400.0, 350.0, {"lead_us": 90.0, "tail_us": 200.0})
+    assert "in several chunks 400 us before its first rows' collective and 350 us after" in timed.describe()
+    one = internode.internode_estimate(64, 8, 4096, 7168, 8, 256, "fp8", 50.0, 322.0, 0, 1, **dict(
+        {k: v for k, v in args.items() if k != "one_chunk"}, **args["one_chunk"]))
+    old_candidates = internode.HierarchicalTransport.CHUNK_CANDIDATES
+    internode.HierarchicalTransport.CHUNK_CANDIDATES = (1,)
+    try:
+        assert internode.best_estimate(opts, 64, 8, "fp8", 50.0, 322.0, 0, args).pipelined_us == one.pipelined_us
+    finally:
+        internode.HierarchicalTransport.CHUNK_CANDIDATES = old_candidates
+    assert internode._override(timed, None, 500.0).model_args("dispatch FP8", head=False)["lead_us"] == 0.0
 
 
 def test_model_charges_the_one_sided_node_leg():

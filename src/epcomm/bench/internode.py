@@ -569,8 +569,12 @@ class HostCosts:
     dispatch_tail: float = 0.0
     nohead_tail: Optional[float] = None
     # what each further chunk adds to a dispatch without a head chunk, where measured (over a one-sided domain leg its
-    # chunks go through it in one gated call: ``HierarchicalTransport._gated``); None: ``dispatch_chunk``
+    # chunks go through it in one gated call: ``HierarchicalTransport._gated``); None: ``dispatch_chunk``. Such a call
+    # in several chunks has a lead and a tail of its own (``nohead_chunks_lead``, ``nohead_chunks_tail``: the gated
+    # call's, from the same rows; None: the one-chunk call's)
     nohead_chunk: Optional[float] = None
+    nohead_chunks_lead: Optional[float] = None
+    nohead_chunks_tail: Optional[float] = None
 
     def describe(self) -> str:
         def per_chunk(v):
@@ -586,6 +590,10 @@ class HostCosts:
                                          f" and {self.nohead_tail:.0f} us after its last device work")
                   + ("" if self.nohead_fixed is None else f", after {self.nohead_fixed:.0f} us of count exchange")
                   + ("" if self.nohead_chunk is None else f", {self.nohead_chunk:.0f} us more per further chunk")
+                  + ("" if self.nohead_chunks_lead is None else
+                     f"; in several chunks {self.nohead_chunks_lead:.0f} us before its first rows' collective")
+                  + ("" if self.nohead_chunks_tail is None else
+                     f" and {self.nohead_chunks_tail:.0f} us after its last device work")
                   + ")")
         ahead = ("" if self.fixed_ahead is None else
                  f" ({self.fixed_ahead:.0f} us with the host ahead" + ("" if self.nohead_fixed_ahead is None else
@@ -622,11 +630,17 @@ class HostCosts:
         if "dispatch" in op:
             if not head and self.nohead_host is not None:
                 fixed = (self.fixed if self.nohead_fixed is None else self.nohead_fixed) if fixed is None else fixed
-                return dict(fixed_us=fixed, host_us=self.nohead_host, lead_us=self.nohead_lead,
+                tail = self.dispatch_tail if self.nohead_tail is None else self.nohead_tail
+                args = dict(fixed_us=fixed, host_us=self.nohead_host, lead_us=self.nohead_lead,
                             host_chunk_us=self.dispatch_chunk if self.nohead_chunk is None else self.nohead_chunk,
-                            in_place=True,
-                            copies=(0.0, records, 0.0, 0.0),
-                            tail_us=self.dispatch_tail if self.nohead_tail is None else self.nohead_tail)
+                            in_place=True, copies=(0.0, records, 0.0, 0.0), tail_us=tail)
+                if self.nohead_chunks_lead is not None or self.nohead_chunks_tail is not None:
+                    # (several chunks: the gated call's own lead and tail; one chunk: the one-chunk call's)
+                    args.update(lead_us=self.nohead_lead if self.nohead_chunks_lead is None else
+                                self.nohead_chunks_lead,
+                                tail_us=tail if self.nohead_chunks_tail is None else self.nohead_chunks_tail,
+                                one_chunk=dict(lead_us=self.nohead_lead, tail_us=tail))
+                return args
             return dict(fixed_us=self.fixed if fixed is None else fixed, host_us=self.dispatch_host,
                         lead_us=self.dispatch_lead, host_chunk_us=self.dispatch_chunk,
                         head_share=HierarchicalTransport.head_share, copies=(0.0, records, 0.0, 0.0),
@@ -681,7 +695,11 @@ class HostCosts:
                             nohead_tail=nohead.get(f"dispatch BF16: {HOST_TAIL}"),
                             nohead_fixed_ahead=nohead.get(ahead),
                             nohead_chunk=(max(0.0, nohead_n[after] - nohead[after]) / (cn - c1)
-                                          if after in nohead_n else None))
+                                          if after in nohead_n else None),
+                            nohead_chunks_lead=nohead_n.get(f"dispatch BF16: {HOST_LEAD}") if after in nohead_n
+                            else None,
+                            nohead_chunks_tail=nohead_n.get(f"dispatch BF16: {HOST_TAIL}") if after in nohead_n
+                            else None)
         return costs.with_node_leg(rows)
 
     def with_node_leg(self, rows: list) -> "HostCosts":
@@ -712,9 +730,12 @@ class HostCosts:
 def best_estimate(opts, ranks: int, gpus_per_node: int, kind: str, nic_gbps: float, nvlink_gbps: float, groups: int,
                   cost_args: dict):
     """The model's estimate (``internode_estimate`` with ``cost_args``) in the chunk count the transport would
-    measure as fastest: the fastest of ``HierarchicalTransport.CHUNK_CANDIDATES``."""
+    measure as fastest: the fastest of ``HierarchicalTransport.CHUNK_CANDIDATES``. ``cost_args``' ``one_chunk`` (where
+    given) replaces some of them for one chunk (a call whose several chunks take another path, ``HostCosts``)."""
+    args = dict(cost_args)
+    one = args.pop("one_chunk", {})
     return min((internode_estimate(ranks, gpus_per_node, opts.tokens, opts.hidden, opts.topk, opts.experts, kind,
-                                   nic_gbps, nvlink_gbps, groups, c, **cost_args)
+                                   nic_gbps, nvlink_gbps, groups, c, **(dict(args, **one) if c == 1 else args))
                 for c in HierarchicalTransport.CHUNK_CANDIDATES), key=lambda e: e.pipelined_us)
 
 
@@ -795,7 +816,8 @@ def _override(costs: HostCosts, fixed_us: Optional[float], host_us: Optional[flo
         costs = replace(costs, dispatch_host=h, combine_host=h, dispatch_lead=0.0, dispatch_chunk=h, combine_chunk=h,
                         cached_host=h, cached_chunk=h, nohead_host=None if costs.nohead_host is None else h,
                         nohead_lead=0.0, dispatch_tail=0.0, nohead_tail=None,
-                        nohead_chunk=None if costs.nohead_chunk is None else h)
+                        nohead_chunk=None if costs.nohead_chunk is None else h, nohead_chunks_lead=None,
+                        nohead_chunks_tail=None)
     return costs
 
 
