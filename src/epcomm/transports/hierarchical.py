@@ -52,10 +52,12 @@ fits behind the next one's rows and only the small last chunk's is left exposed.
 before the first is forwarded (cached dispatches too, whose FP8 scales ride at the end of each row across the
 network; where the domain leg is one-sided, a cached call's domain leg is one gated push for all chunks that waits on
 the device for each chunk's flag and writes every row and its scales at their place in the output's order:
-``_mapped``; else the rows are gathered and split once at the end), so the link never waits for the host between
-chunks; a combine takes the chunks the other way round, smallest first (a head chunk before a single chunk after
-it), each chunk's partials crossing while the next chunk is summed within the domain; each chunk adds a few launches
-and collectives, so the best count depends on the link. Chunk bounds fall at multiples of ``token_alignment``
+``_mapped``; else the rows are gathered and split once at the end; an exact-mode call of several chunks without a
+head chunk likewise issues one gated push for all chunks, each chunk's layout and positions made on the network stream
+as its rows land: ``_gated``), so the link never waits for the host between chunks; a combine takes the chunks the
+other way round, smallest first (a head chunk before a single chunk after it), each chunk's partials crossing while
+the next chunk is summed within the domain; each chunk adds a few launches and collectives, so the best count depends
+on the link. Chunk bounds fall at multiples of ``token_alignment``
 tokens (1 at DeepSeek's shapes), so that every per-token tensor's chunks start aligned as the tensor does: no chunk
 launches a kernel variant of its own (one first loaded in the middle of a call waits for the device, so for any
 collective that hangs there: "Faults" below).
