@@ -411,7 +411,7 @@ class AllToAllTransport(Transport):
         """An exact-mode dispatch's result from its received rows (``recv_x``: contiguous rows of any dtype of the right
         row bytes, or with ``rows_as_views`` a view of wider rows) and records (``recv_meta`` int32), in source order
         (``_exchange_rows``)."""
-        x, num_ranks = req.x, self.num_ranks
+        x = req.x
         num_recv = sum(recv_counts)
         recv_x = recv_x.view(x.dtype)
         if tuple(recv_x.shape) != (num_recv, x.size(1)):  # (a view of one row would lose its stated row stride)
@@ -422,12 +422,8 @@ class AllToAllTransport(Transport):
         else:
             recv_src_idx, recv_src_rank, recv_scales, recv_idx, recv_w = self._unpack_metadata(
                 recv_meta, req.x_scales, req.topk_idx, req.topk_weights)
-        handle = DispatchHandle(
-            buffer_id=self.buffer_id, transport=self.name, num_ranks=num_ranks, num_experts=req.num_experts,
-            num_tokens=x.size(0), hidden=x.size(1), is_token_in_rank=req.is_token_in_rank,
-            num_tokens_per_rank=tuple(send_counts), num_recv_tokens=num_recv,
-            num_recv_tokens_per_rank=tuple(recv_counts), num_recv_tokens_per_expert=recv_per_expert,
-            recv_src_rank=recv_src_rank, recv_src_idx=recv_src_idx, state=state)
+        handle = self._exact_handle(req, send_counts, recv_counts, recv_per_expert, recv_src_rank, recv_src_idx,
+                                    state)
         per_expert_list = (align_all(per_expert, req.expert_alignment)
                            if req.num_tokens_per_expert is not None else [])
         return DispatchResult(recv_x, recv_scales, recv_idx, recv_w, per_expert_list, handle)
@@ -504,12 +500,18 @@ class AllToAllTransport(Transport):
         sends, recvs = list(known.num_tokens_per_rank), list(known.num_recv_tokens_per_rank)
         n = sum(sends)
         self._a2a(out, _fused_send([rows[:n], recs[:n]], [_as_bytes(rows[:n]), _as_bytes(recs[:n])]), recvs, sends)
+        return self._exact_handle(req, sends, recvs, self._known_expert_counts(known)()[1], *recv_src,
+                                  self._gpu_state(plan, sends))
+
+    def _exact_handle(self, req: DispatchRequest, sends: list, recvs: list, recv_per_expert: torch.Tensor,
+                      recv_src_rank: torch.Tensor, recv_src_idx: torch.Tensor, state: "_NormalState") -> DispatchHandle:
+        """The handle of an exact-mode dispatch of ``req`` that sent ``sends`` and received ``recvs`` rows per rank."""
         return DispatchHandle(
             buffer_id=self.buffer_id, transport=self.name, num_ranks=self.num_ranks, num_experts=req.num_experts,
             num_tokens=req.x.size(0), hidden=req.x.size(1), is_token_in_rank=req.is_token_in_rank,
             num_tokens_per_rank=tuple(sends), num_recv_tokens=sum(recvs), num_recv_tokens_per_rank=tuple(recvs),
-            num_recv_tokens_per_expert=self._known_expert_counts(known)()[1], recv_src_rank=recv_src[0],
-            recv_src_idx=recv_src[1], state=self._gpu_state(plan, sends))
+            num_recv_tokens_per_expert=recv_per_expert, recv_src_rank=recv_src_rank, recv_src_idx=recv_src_idx,
+            state=state)
 
     def can_send_ahead(self, x: torch.Tensor) -> bool:
         """Whether ``send_ahead`` takes dispatches of ``x`` (the GPU path's kernels run on its device)."""

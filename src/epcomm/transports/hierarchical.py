@@ -1618,9 +1618,15 @@ class _Counts:
     def merged_bounds(self) -> tuple:
         """``(max_pair, num_tokens_max)`` of the domain leg's chunks merged into one call: the sums of the chunks'
         (``domain``'s, without making it)."""
-        C, L, D, e_dom, l, V = self._shape
-        rows = [[self._every[f][c] for f in range(L)] for c in range(C)]
-        return (sum(max(max(r[1:1 + L]) for r in rc) for rc in rows), sum(max(r[0] for r in rc) for rc in rows))
+        bounds = [self._bounds(c) for c in range(self._shape[0])]
+        return sum(b[0] for b in bounds), sum(b[1] for b in bounds)
+
+    def _bounds(self, c: int) -> tuple:
+        """``(max_pair, num_tokens_max)`` of chunk ``c``'s domain leg: the most rows any forwarder sends any rank of
+        the domain, and the most rows any forwarder forwards."""
+        L = self._shape[1]
+        rows = [self._every[f][c] for f in range(L)]
+        return max(max(r[1:1 + L]) for r in rows), max(r[0] for r in rows)
 
     def rail_known(self, per_expert: Optional[torch.Tensor] = None) -> list:
         """The inter-domain leg's ``KnownCounts`` of each chunk (``per_expert``: ``[C, e_dom]`` the same received
@@ -1638,10 +1644,10 @@ class _Counts:
         out = []
         for c in range(C):  # (slices and zips)
             rows = [self._every[f][c] for f in range(L)]
+            max_pair, most = self._bounds(c)
             known = KnownCounts(
                 tuple(rows[l][1:1 + L]), tuple(r[1 + l] for r in rows),
-                tuple(map(sum, zip(*(r[mine] for r in rows)))),
-                num_tokens_max=max(r[0] for r in rows), max_pair=max(max(r[1:1 + L]) for r in rows))
+                tuple(map(sum, zip(*(r[mine] for r in rows)))), num_tokens_max=most, max_pair=max_pair)
             out.append((known, tuple(r[V + d * L + l] for r in rows for d in range(D))))
         return out
 
