@@ -917,6 +917,40 @@ def _gated_with_a_late_rank(ctx):
     return failures
 
 
+def _gated_refused(ctx):
+    """Exact-mode dispatches in 3 chunks over the one-sided domain leg (interpreter) whose fixed storage holds each
+    chunk's rows (in rounds) but not the chunks merged: the failures against the reference and how many calls the
+    gated path refused (``_gated`` returned None)."""
+    from epcomm.testing.checks import NormalCase
+    from epcomm.transports import hierarchical
+    from epcomm.transports.nvlink import NVLinkTransport
+
+    H = hierarchical.HierarchicalTransport
+    H.pipeline_chunks, H.head_chunk, H.gated_exact = 3, False, True
+    merged, refused = H._gated, [0]
+
+    def counted(self, *args, **kwargs):
+        got = merged(self, *args, **kwargs)
+        refused[0] += got is None
+        return got
+
+    H._gated = counted
+    cases = [NormalCase(num_tokens=(40, 33, 0, 38), hidden=64, num_experts=8, topk=3, dtype="bf16", seed=97),
+             NormalCase(num_tokens=(29, 41, 36, 17), hidden=128, num_experts=8, topk=2, dtype="fp8",
+                        routing="dropped", seed=98)]
+    return run_cases(ctx, cases, NVLinkTransport, {"ranks_per_node": 2, "num_nvl_bytes": 8192}), refused[0]
+
+
+def test_gated_call_refused_by_fixed_storage_goes_chunk_by_chunk(monkeypatch):
+    """Where the domain's storage is fixed (``num_nvl_bytes``) and cannot hold the merged call's rows in one round,
+    every rank of the domain refuses the gated path at the same call and the chunks go through the domain leg one by
+    one (in rounds), matching the reference (an empty rank, FP8 with -1 slots)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for failed, refused in spawn(_gated_refused, 4, device="cpu", timeout_s=600):
+        assert failed == [], failed
+        assert refused >= 2, refused
+
+
 def test_gated_call_waits_for_a_late_rank(monkeypatch):
     """A gated domain-leg call (``DispatchRequest.positions``: no count exchange) starts its epoch with a barrier, as
     every one-sided call does: a rank whose peer starts its call late (right after an earlier call of the same shape)
