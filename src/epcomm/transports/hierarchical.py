@@ -643,36 +643,44 @@ class HierarchicalTransport(Transport):
         for m in m1:  # (each chunk's rows from a multiple of 16: its slices start 16-byte aligned, one kernel variant)
             at.append(at[-1] + -(-m // 16) * 16)
         rows = max(at[-1], 1)
+        if not self.domain.holds_merged(*counts.merged_bounds(), req=req, extra_scales=2):  # (+ the carried sources)
+            return None
+        # before the first rows' collective only what it needs (the landing buffer, and the carried columns whose
+        # views its handle keeps); the merged input's other parts after it, while its rows cross
         landed = torch.empty(rows, fused_width((xb, 4 * record_words(ns, k, has_w))), dtype=torch.uint8, device=dev)
         carried = torch.empty(rows, ns + 2, dtype=torch.float32, device=dev)
+        words = carried.view(torch.int32)
+        flags, value = self._next_gate(C)  # (before the network stream's wait: a first call zeroes them on this stream)
+        rails = []
+
+        def rail(c: int) -> None:
+            a, b = at[c], at[c] + m1[c]
+            with self._leg(fn, ROWS_PHASE):
+                rails.append(self.rail.dispatch_into(counts.rails[c], landed[a:b],
+                                                     (words[a:b, ns], words[a:b, ns + 1])))
+
+        self._network(lambda: rail(0))
         w = torch.empty(rows, k, dtype=torch.float32, device=dev) if has_w else None
         itr = torch.empty(rows, L, dtype=torch.bool, device=dev)
         merged = DispatchRequest(columns_of_rows(landed, x.dtype, x.size(1)), carried,
                                  torch.empty(rows, k, dtype=torch.int64, device=dev), w, None, itr, None, e_dom, 1, 0,
                                  None, req.config, None, req.overlapped,
                                  positions=torch.empty(rows, L, dtype=torch.int32, device=dev))
-        if not self.domain.holds_merged(*counts.merged_bounds(), req=merged):
-            return None
-        flags, value = self._next_gate(C)
         own_pos = [torch.empty(m, L, dtype=torch.int32, device=dev) for m in m1]
         sends = torch.empty(C, -(-L // 4) * 4, dtype=torch.int32, device=dev)  # (rows 16 bytes apart)
         records = landed.view(torch.int32)[:, xb // 4:]
-        words = carried.view(torch.int32)
         mine = gathered[self.local_index * C:(self.local_index + 1) * C]  # this rank's rows of the domain's counts
-        rails = []
 
-        def legs() -> None:
+        def legs() -> None:  # (the network stream already waits for the caller's work so far: nothing since)
             for c in range(C):
-                a, b = at[c], at[c] + m1[c]
-                with self._leg(fn, ROWS_PHASE):
-                    rails.append(self.rail.dispatch_into(counts.rails[c], landed[a:b],
-                                                         (words[a:b, ns], words[a:b, ns + 1])))
-                launch_forward_layout(records, a, m1[c], at[c + 1] - a, starts, c, words, merged.topk_idx,
+                if c:
+                    rail(c)
+                launch_forward_layout(records, at[c], m1[c], at[c + 1] - at[c], starts, c, words, merged.topk_idx,
                                       None if w is None else w.view(torch.int32), itr.view(torch.int8),
                                       merged.positions, own_pos[c], sends, mine, self.domain.deferred, flags, value,
                                       e_dom // L, e_dom)
 
-        self._network(legs)
+        self._network(legs, wait=False)
         domain = counts.domain  # (made after the first rows' collective)
         per_chunk = [sum(d[1]) for d in domain]
         row_map = torch.empty(sum(per_chunk), dtype=torch.int64, device=dev)
@@ -986,14 +994,17 @@ class HierarchicalTransport(Transport):
             done.record(net)
         return out, done
 
-    def _network(self, work: Callable[[], None]) -> None:
+    def _network(self, work: Callable[[], None], wait: bool = True) -> None:
         """``work()`` issued on the network stream once the caller's stream has reached this point (its work so far
-        is what ``work`` reads); on CPUs run now (every collective has ended when it returns)."""
+        is what ``work`` reads; ``wait`` False: where the network stream already waits for all of it, nothing having
+        been enqueued on the caller's stream since); on CPUs run now (every collective has ended when it returns).
+        Tensors are allocated outside ``work``, on the caller's stream."""
         if self.device.type != "cuda":
             work()
             return
         main, net = self._streams()
-        net.wait_stream(main)
+        if wait:
+            net.wait_stream(main)
         with torch.cuda.stream(net):
             work()
 

@@ -271,13 +271,13 @@ class NVLinkTransport(Transport):
         self._grow(worst, row, "Buffer.dispatch")
 
     @staticmethod
-    def _storage_row(req: DispatchRequest, expert_major: bool = False) -> int:
-        """Bytes of storage per row for the calls of ``req``'s shape: its dispatch rows with their records, or a
-        BF16 combine of them, whichever is wider."""
+    def _storage_row(req: DispatchRequest, expert_major: bool = False, extra_scales: int = 0) -> int:
+        """Bytes of storage per row for the calls of ``req``'s shape (with ``extra_scales`` more 4-byte scales a row):
+        its dispatch rows with their records, or a BF16 combine of them, whichever is wider."""
         from ..kernels.ep import record_words
 
         k = req.topk_idx.size(1) if req.topk_idx is not None else 0
-        ns = req.x_scales.size(1) if req.x_scales is not None else 0
+        ns = (req.x_scales.size(1) if req.x_scales is not None else 0) + extra_scales
         return max(4 * (_words(req.x) + record_words(ns, k, req.topk_weights is not None, expert_major)),
                    2 * req.x.size(1) + 4 * k)
 
@@ -547,13 +547,13 @@ class NVLinkTransport(Transport):
                             _recv_per_expert(summary, self.num_ranks, e_local))
 
     def holds_merged(self, max_pair: int, num_tokens_max: int, row_bytes: int = 0,
-                     req: Optional[DispatchRequest] = None) -> bool:
+                     req: Optional[DispatchRequest] = None, extra_scales: int = 0) -> bool:
         """Whether a merged call (``merge_cached``, or an exact-mode dispatch's chunks in one gated call) of up to
-        ``max_pair`` rows of ``row_bytes`` per source (0: the rows of ``req``'s dispatch or its BF16 combine,
-        whichever is wider) moves in one round: the storage holds them, or grows here to (collective: every rank of
-        the group asks at the same call, with the same numbers) where it may grow (``num_nvl_bytes`` not given);
-        False where it may not."""
-        row_bytes = row_bytes or self._storage_row(req)
+        ``max_pair`` rows of ``row_bytes`` per source (0: the rows of ``req``'s dispatch, with ``extra_scales`` more
+        4-byte scales a row, or its BF16 combine, whichever is wider) moves in one round: the storage holds them, or
+        grows here to (collective: every rank of the group asks at the same call, with the same numbers) where it may
+        grow (``num_nvl_bytes`` not given); False where it may not."""
+        row_bytes = row_bytes or self._storage_row(req, extra_scales=extra_scales)
         if max_pair <= self.area_bytes // (self.num_ranks * row_bytes):
             return True
         if not self._may_grow():
