@@ -720,8 +720,10 @@ for m, pad, bad in ((13, 3, False), (0, 0, False), (16, 0, False), (9, 7, True))
     sends = torch.full((C, 4), -7, dtype=torch.int32)
     deferred = torch.zeros(1, dtype=torch.int32)
     flags = torch.zeros(4, dtype=torch.int64)
+    bounds = torch.full((C + 1,), -7, dtype=torch.int32)
     launch_forward_layout(recs[:, :W], r0, m, rows, starts, 1, carried, idx, w, itr, pos, local, sends, gathered,
-                          deferred, flags, 41, e_dom // L, e_dom)
+                          deferred, flags, bounds, 41, e_dom // L, e_dom)
+    assert bounds.tolist() == [-7, r0, r0 + rows]  # (its first row and the next chunk's; chunk 0 writes bounds[0])
     got = recs[real]
     assert carried[real, :ns].tolist() == got[:, 2:2 + ns].tolist()
     assert carried[real, ns].tolist() == got[:, 1].tolist()
@@ -746,9 +748,9 @@ def test_forward_layout_of_a_landed_chunk():
     dispatch ready for the domain leg once its rows land: each row's scales, source domain and source token (its
     record's plus the chunk's first token on that source), top-k ids and weights unpacked from records of any row
     stride into the merged input at the chunk's rows; every row's layout within the domain (padding rows none); its
-    positions in the merged call (after this rank's earlier chunks' rows) and in the chunk's own; its sends; the
-    chunk's flag released. An id outside the domain and sends that differ from the counts promised are counted as
-    deferred errors; an empty chunk still releases its flag."""
+    positions in the merged call (after this rank's earlier chunks' rows) and in the chunk's own; its sends; its
+    bounds in the merged input (the gated push's); the chunk's flag released. An id outside the domain and sends that
+    differ from the counts promised are counted as deferred errors; an empty chunk still releases its flag."""
     import os
     import subprocess
     import sys

@@ -66,7 +66,8 @@ def _rows_in_place() -> None:
                           torch.empty(16, 2, dtype=torch.int32), torch.empty(16, 2, dtype=torch.int8),
                           torch.empty(16, 2, dtype=torch.int32), torch.empty(3, 2, dtype=torch.int32),
                           torch.empty(2, 4, dtype=torch.int32), torch.zeros(2, 8, dtype=torch.int32),
-                          torch.zeros(1, dtype=torch.int32), torch.zeros(2, dtype=torch.int64), 1, 1, 2)
+                          torch.zeros(1, dtype=torch.int32), torch.zeros(2, dtype=torch.int64),
+                          torch.empty(3, dtype=torch.int32), 1, 1, 2)
 
 
 def _record(ctx):

@@ -262,7 +262,7 @@ def forward_records_kernel(rec_ptr, rec_stride, r0, m, rows, starts_ptr, chunk, 
 
 @triton.jit(do_not_specialize=["r0", "m", "rows", "chunk", "gstride", "value"])
 def forward_positions_kernel(itr_ptr, pos_ptr, local_ptr, sends_ptr, sends_stride, gathered_ptr, gstride, chunk,
-                             deferred_ptr, flag_ptr, value, r0, m, rows, L: tl.constexpr, LP: tl.constexpr,
+                             deferred_ptr, flag_ptr, bounds_ptr, value, r0, m, rows, L: tl.constexpr, LP: tl.constexpr,
                              BLOCK_T: tl.constexpr, USE_PTX: tl.constexpr):
     """One program, after ``forward_records_kernel`` of the same chunk: each row's positions among this rank's rows for
     each rank of the domain, ``pos [., L]`` int32 in the merged call (after this rank's rows to that rank in the earlier
@@ -270,8 +270,10 @@ def forward_positions_kernel(itr_ptr, pos_ptr, local_ptr, sends_ptr, sends_strid
     first ``m`` real, their ``itr [., L]`` int8); this chunk's rows to each rank into ``sends + chunk * sends_stride``
     int32, checked against the counts this rank's row of the domain's gathered counts promised (``gathered + chunk *
     gstride + 1 + g``, every chunk's row ``gstride`` words after the one before: a difference is counted into
-    ``deferred``, as the exchange kernel's ``CHECK``); then releases ``value`` into the chunk's flag ``flag[chunk]``
-    (int64): the gated push (``dispatch_kernel``'s ``GATED``) takes the chunk's rows from here on."""
+    ``deferred``, as the exchange kernel's ``CHECK``); writes the chunk's rows' bounds in the merged input into
+    ``bounds[chunk]`` and ``bounds[chunk + 1]`` (int32, the gated push's: the next chunk writes the same value at
+    ``chunk + 1``); then releases ``value`` into the chunk's flag ``flag[chunk]`` (int64): the gated push
+    (``dispatch_kernel``'s ``GATED``) takes the chunk's rows from here on."""
     g = tl.arange(0, LP)
     gm = g < L
     before = tl.zeros([LP], tl.int32)
@@ -297,6 +299,8 @@ def forward_positions_kernel(itr_ptr, pos_ptr, local_ptr, sends_ptr, sends_strid
     wrong = tl.sum(((carry != want) & gm).to(tl.int32), axis=0)
     if wrong > 0:
         tl.atomic_add(deferred_ptr, wrong)
+    tl.store(bounds_ptr + chunk, r0)
+    tl.store(bounds_ptr + chunk + 1, r0 + rows)
     tl.debug_barrier()
     fence_sys(USE_PTX)
     st_release(flag_ptr + chunk, tl.full([], value, tl.int64), USE_PTX)
@@ -1100,14 +1104,15 @@ def launch_rows_merged(counts, row_map, back, summaries, stride: int, col: int, 
 
 
 def launch_forward_layout(records, r0: int, m: int, rows: int, starts, chunk: int, carried, idx, w, itr, pos, local,
-                          sends, gathered, deferred, flags, value: int, e_local: int, e_dom: int) -> None:
+                          sends, gathered, deferred, flags, bounds, value: int, e_local: int, e_dom: int) -> None:
     """One chunk of a gated exact-mode dispatch's domain leg made ready on the current stream, once its rows have
     landed: ``forward_records_kernel`` over its ``rows`` rows of the merged input from ``r0`` (``m`` of them real;
     ``records [., W]`` int32, every chunk's, any row stride; ``starts [D, C]`` int32, any strides; the merged
     ``carried`` int32 view, ``idx`` int64, ``w`` int32 view or None, ``itr`` int8 view), then
     ``forward_positions_kernel`` (``pos`` merged, ``local [m, L]`` the chunk's own, ``sends [C, >= L]`` int32,
     ``gathered``: this rank's rows of the domain's gathered counts from chunk 0, ``[C, W]`` int32, its rows
-    contiguous), which ends by releasing ``value`` into ``flags[chunk]``."""
+    contiguous), which writes the chunk's bounds into ``bounds [C + 1]`` int32 (the gated push's ``Gate.bounds``: no
+    copy from the host) and ends by releasing ``value`` into ``flags[chunk]``."""
     k, ns = idx.size(1), carried.size(1) - 2
     L = itr.size(1)
     dummy = deferred
@@ -1117,7 +1122,7 @@ def launch_forward_layout(records, r0: int, m: int, rows: int, starts, chunk: in
                e_local, e_dom, NS=ns, K=k, L=L, HAS_W=w is not None, BLOCK=64, BLOCK_S=pow2_block(ns),
                BLOCK_K=pow2_block(k))
     launch(forward_positions_kernel, (1,), itr, pos, local, sends, sends.stride(0), gathered, gathered.stride(0),
-           chunk, deferred, flags, value, r0, m, rows, L=L, LP=next_pow2(max(L, 2)), BLOCK_T=256,
+           chunk, deferred, flags, bounds, value, r0, m, rows, L=L, LP=next_pow2(max(L, 2)), BLOCK_T=256,
            USE_PTX=itr.is_cuda, num_warps=4)
 
 

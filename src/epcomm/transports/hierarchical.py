@@ -651,6 +651,7 @@ class HierarchicalTransport(Transport):
         carried = torch.empty(rows, ns + 2, dtype=torch.float32, device=dev)
         words = carried.view(torch.int32)
         flags, value = self._next_gate(C)  # (before the network stream's wait: a first call zeroes them on this stream)
+        rows_at = torch.empty(C + 1, dtype=torch.int32, device=dev)  # (the chunks' rows, written with their flags)
         rails = []
 
         def rail(c: int) -> None:
@@ -677,8 +678,8 @@ class HierarchicalTransport(Transport):
                     rail(c)
                 launch_forward_layout(records, at[c], m1[c], at[c + 1] - at[c], starts, c, words, merged.topk_idx,
                                       None if w is None else w.view(torch.int32), itr.view(torch.int8),
-                                      merged.positions, own_pos[c], sends, mine, self.domain.deferred, flags, value,
-                                      e_dom // L, e_dom)
+                                      merged.positions, own_pos[c], sends, mine, self.domain.deferred, flags,
+                                      rows_at, value, e_dom // L, e_dom)
 
         self._network(legs, wait=False)
         domain = counts.domain  # (made after the first rows' collective)
@@ -695,7 +696,7 @@ class HierarchicalTransport(Transport):
             "num_tokens_per_rank", "num_recv_tokens_per_rank", "num_recv_tokens_per_expert")),
             num_tokens_max=sum(kc.num_tokens_max for kc in known), max_pair=sum(kc.max_pair for kc in known),
             summary_tensor=summaries[C])
-        gate = Gate(counts_to_device(at, dev), flags, value, C)
+        gate = Gate(rows_at, flags, value, C)
         with self._leg(fn, "forwarding the tokens", within=True):
             self.domain.dispatch(evolve(merged, known=total, gate=gate, row_map=row_map, outs=shared))
         self._join()
