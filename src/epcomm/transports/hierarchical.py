@@ -638,7 +638,7 @@ class HierarchicalTransport(Transport):
         k, has_w = req.topk_idx.size(1), req.topk_weights is not None
         e_dom = req.num_experts // D
         xb = x.size(1) * x.element_size()
-        m1 = [r.known.num_recv_tokens for r in counts.rails]  # the rows each chunk lands here
+        m1 = [counts.rail_rows(c) for c in range(C)]  # the rows each chunk lands here
         at = [0]
         for m in m1:  # (each chunk's rows from a multiple of 16: its slices start 16-byte aligned, one kernel variant)
             at.append(at[-1] + -(-m // 16) * 16)
@@ -657,7 +657,7 @@ class HierarchicalTransport(Transport):
         def rail(c: int) -> None:
             a, b = at[c], at[c] + m1[c]
             with self._leg(fn, ROWS_PHASE):
-                rails.append(self.rail.dispatch_into(counts.rails[c], landed[a:b],
+                rails.append(self.rail.dispatch_into(counts.rail(c), landed[a:b],
                                                      (words[a:b, ns], words[a:b, ns + 1])))
 
         self._network(lambda: rail(0))
@@ -835,7 +835,7 @@ class HierarchicalTransport(Transport):
         counts = _Counts(host, C, L, D, e_dom, self.local_index)
         self._head = math.ceil(counts.most_tokens * self.head_share)  # (the same on every rank)
         # (the inter-domain leg's received per-expert counts are this rank's sums, already on the device)
-        counts.rails = [evolve(leg, known=rail) for rail, leg in zip(counts.rail_known(mine[:, 1 + L:]), legs)]
+        counts.with_legs(legs, mine[:, 1 + L:])  # (each chunk's request made when first asked)
         return counts, (recv[:, :, -2] if C > 1 else None), ahead, every
 
     def _rows_in_place(self, fn: str, sources: tuple, gathered: torch.Tensor, chunk: int, chunks: int,
@@ -882,11 +882,11 @@ class HierarchicalTransport(Transport):
         D, L = self.num_domains, self.local_size
 
         def head() -> DispatchResult:  # its slots as the exact result (on the stream its rows were sent on)
-            return self.rail.receive_ahead(ahead, counts.rails[0].known)
+            return self.rail.receive_ahead(ahead, counts.rail(0).known)
 
         def request(c: int, req: DispatchRequest) -> DispatchRequest:
             if counts is not None:
-                return counts.rails[c]
+                return counts.rail(c)
             in_domain = req.is_token_in_rank.view(req.x.size(0), D, L).any(2)
             return self._rail_request(req, in_domain.sum(0, dtype=torch.int32), in_domain, cap)
 
@@ -1615,7 +1615,8 @@ class _Counts:
     (``rail_known``) are what its first rows' collective waits for; the domain leg's (``domain``: per chunk, its
     ``KnownCounts`` and this rank's rows from each source, ``[L * D]``, from source rank ``d * L + f`` at
     ``f * D + d``, the domain leg's order: by forwarding rank, then source domain) are made when first asked, after
-    that collective is issued. ``rails``: the inter-domain leg's requests, set by the caller."""
+    that collective is issued. ``rail(c)``: chunk ``c``'s inter-domain leg request with its counts, made when first
+    asked from the requests the caller sets (``with_legs``)."""
 
     def __init__(self, host: list, C: int, L: int, D: int, e_dom: int, l: int) -> None:
         V = 2 + L + e_dom
@@ -1625,7 +1626,28 @@ class _Counts:
         self._sends, self._recvs = host[base:base + D * C], host[base + D * C:base + 2 * D * C]
         self._shape = (C, L, D, e_dom, l, V)
         self.most_tokens = max(self._every[f][0][V - 1] for f in range(L))
-        self.rails: list = []
+        self._legs: list = []  # the inter-domain leg's requests without their counts, and [C, e_dom] received
+        self._per_expert: Optional[torch.Tensor] = None  # per-expert counts on the device (``with_legs``)
+        self._rails: dict = {}
+
+    def with_legs(self, legs: list, per_expert: Optional[torch.Tensor]) -> "_Counts":
+        """Set the inter-domain leg's requests of the chunks (their counts not yet known) and the received per-expert
+        counts on the device (``[C, e_dom]`` int32, or None), from which ``rail`` makes each chunk's; returns self."""
+        self._legs, self._per_expert = legs, per_expert
+        return self
+
+    def rail(self, c: int) -> DispatchRequest:
+        """Chunk ``c``'s inter-domain leg request with its counts known, made when first asked (a gated call's later
+        chunks' after its first rows' collective is issued)."""
+        got = self._rails.get(c)
+        if got is None:
+            known = self.rail_known(self._per_expert, (c,))[0]
+            got = self._rails[c] = evolve(self._legs[c], known=known)
+        return got
+
+    def rail_rows(self, c: int) -> int:
+        """The rows chunk ``c``'s inter-domain leg lands on this rank (its ``num_recv_tokens``, from the host lists)."""
+        return sum(self._recvs[c::self._shape[0]])
 
     def merged_bounds(self) -> tuple:
         """``(max_pair, num_tokens_max)`` of the domain leg's chunks merged into one call: the sums of the chunks'
@@ -1640,12 +1662,13 @@ class _Counts:
         rows = [self._every[f][c] for f in range(L)]
         return max(max(r[1:1 + L]) for r in rows), max(r[0] for r in rows)
 
-    def rail_known(self, per_expert: Optional[torch.Tensor] = None) -> list:
-        """The inter-domain leg's ``KnownCounts`` of each chunk (``per_expert``: ``[C, e_dom]`` the same received
-        per-expert counts on the device, or None)."""
+    def rail_known(self, per_expert: Optional[torch.Tensor] = None, chunks: Optional[tuple] = None) -> list:
+        """The inter-domain leg's ``KnownCounts`` of each chunk (of ``chunks``, default all; ``per_expert``: ``[C,
+        e_dom]`` the same received per-expert counts on the device, or None)."""
         C, L, D, e_dom, l, V = self._shape
         return [KnownCounts(tuple(self._sends[c::C]), tuple(self._recvs[c::C]), tuple(self._every[l][c][1 + L:V - 1]),
-                            recv_per_expert_tensor=None if per_expert is None else per_expert[c]) for c in range(C)]
+                            recv_per_expert_tensor=None if per_expert is None else per_expert[c])
+                for c in (range(C) if chunks is None else chunks)]
 
     @functools.cached_property
     def domain(self) -> list:
