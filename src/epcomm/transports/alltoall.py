@@ -251,7 +251,7 @@ class AllToAllTransport(Transport):
         return outs
 
     @property
-    def expert_major_errors(self) -> torch.Tensor:
+    def deferred_errors(self) -> torch.Tensor:
         return self._errors[:1]
 
     def _describe_errors(self, words: list) -> list:
@@ -946,4 +946,3 @@ def _scatter_rows(src: torch.Tensor, dst: torch.Tensor, num_rows: int, fill) -> 
         out[:] = fill
     out.index_copy_(0, dst, src)
     return out[:num_rows]
-

@@ -264,7 +264,7 @@ class Transport(abc.ABC):
         key = ("expert_major", res.recv_x.dtype, res.recv_x.size(1), req.topk_idx.size(1), res.recv_scales is None,
                req.topk_weights is None)
         return self._local_pass("Buffer.dispatch", key, res.recv_x,
-                                lambda: to_expert_major(res, req, self.expert_major_errors))
+                                lambda: to_expert_major(res, req, self.deferred_errors))
 
     def combine_expert_major(self, req: CombineRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The combine of an expert-major handle: ``req.x [rows, H]``, ``req.topk_weights [rows]`` float32 values
@@ -291,9 +291,11 @@ class Transport(abc.ABC):
         return out[-1]
 
     @property
-    def expert_major_errors(self) -> torch.Tensor:
-        """An int32 ``[1]`` device word counted as a normal-mode error (pairs an expert-major dispatch could not
-        place); transports with error words return one of theirs."""
+    def deferred_errors(self) -> torch.Tensor:
+        """An int32 ``[1]`` device word that the next error check raises as a normal-mode error when nonzero: what a
+        call without a host synchronisation found wrong (pairs an expert-major dispatch could not place, a gated
+        chunk's sends that differ from the counts its rank promised); transports with error words return one of
+        theirs."""
         word = getattr(self, "_expert_major_err", None)
         if word is None:
             word = self._expert_major_err = torch.zeros(1, dtype=torch.int32, device=self.device)

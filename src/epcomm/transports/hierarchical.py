@@ -515,8 +515,8 @@ class HierarchicalTransport(Transport):
         return False
 
     @property
-    def expert_major_errors(self) -> torch.Tensor:
-        return self.rail.expert_major_errors  # one of the words its DeviceErrors watch
+    def deferred_errors(self) -> torch.Tensor:
+        return self.rail.deferred_errors  # one of the words its DeviceErrors watch
 
     # ------------------------------------------------------------------ normal mode
     @_guarded("Buffer.dispatch")
@@ -678,7 +678,7 @@ class HierarchicalTransport(Transport):
                     rail(c)
                 launch_forward_layout(records, at[c], m1[c], at[c + 1] - at[c], starts, c, words, merged.topk_idx,
                                       None if w is None else w.view(torch.int32), itr.view(torch.int8),
-                                      merged.positions, own_pos[c], sends, mine, self.domain.deferred, flags,
+                                      merged.positions, own_pos[c], sends, mine, self.domain.deferred_errors, flags,
                                       rows_at, value, e_dom // L, e_dom)
 
         self._network(legs, wait=False)
@@ -845,12 +845,12 @@ class HierarchicalTransport(Transport):
         (``KnownCounts.summary_tensor``), both made on the device from the domain's gathered counts by one launch
         (``_rows_in_place``; ``gathered``: ``_exchange_counts``'s; ``sources``: the chunk's counts as the host read
         them, which give ``M``)."""
-        from ..kernels.ep import SUMMARY_HEAD
+        from ..kernels.ep import summary_words
 
         L, D = self.local_size, self.num_domains
         e_local = num_experts // D // L
         row_map = torch.empty(sum(sources), dtype=torch.int64, device=self.device)
-        summary = torch.empty(SUMMARY_HEAD + 3 * L + e_local, dtype=torch.int32, device=self.device)
+        summary = torch.empty(summary_words(L, e_local), dtype=torch.int32, device=self.device)
         col = gathered.size(1) - D * L + self.local_index  # (the columns by source domain, then rank of this domain)
         self.first_call(fn, ("rows in place",), lambda: _rows_in_place(
             gathered, row_map, col, L, D, chunk, chunks, summary, self.local_index, e_local))

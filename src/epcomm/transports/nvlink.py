@@ -326,7 +326,7 @@ class NVLinkTransport(Transport):
                 f"{seen}) after {env.timeout_s():g} s: a peer is stuck, died, or did not make the same call")
 
     @property
-    def expert_major_errors(self) -> torch.Tensor:
+    def deferred_errors(self) -> torch.Tensor:
         return self.deferred
 
     def _describe_errors(self, words: list) -> list:
