@@ -532,7 +532,7 @@ def test_known_counts_from_the_exchange():
     """How a rank reads both legs' counts from the one exchange's host list (``_Counts``: the inter-domain leg's at
     once, the domain leg's when first asked): 2 domains of 2 ranks, 1 chunk, 4 experts per domain; and
     ``KnownCounts`` refuses counts that cannot be."""
-    from epcomm.transports.base import KnownCounts
+    from epcomm.transports.base import DispatchRequest, KnownCounts
     from epcomm.transports.hierarchical import _Counts
 
     def read(host, C, L, D, e_dom, l):  # ([(rail, domain, sources)] per chunk, most tokens)
@@ -578,6 +578,17 @@ def test_known_counts_from_the_exchange():
                 tuple(sum(at(f, c, 1 + L + l * (e_dom // L) + e) for f in range(L)) for e in range(e_dom // L)),
                 num_tokens_max=max(at(f, c, 0) for f in range(L)),
                 max_pair=max(at(f, c, 1 + j) for f in range(L) for j in range(L)))
+        # a gated call's: the merged domain call's bounds from the host lists alone (before ``domain`` is made), and
+        # each chunk's inter-domain request and landing rows made when first asked
+        counts = _Counts(host, C, L, D, e_dom, l)
+        assert counts.merged_bounds() == (sum(d.max_pair for _, d, _ in known),
+                                          sum(d.num_tokens_max for _, d, _ in known))
+        assert "domain" not in vars(counts)
+        counts.with_legs([DispatchRequest(*([None] * 13)) for _ in range(C)], None)
+        for c, (rail, _, _) in enumerate(known):
+            assert counts.rail_rows(c) == rail.num_recv_tokens
+        assert [counts.rail(c).known for c in (2, 0, 1)] == [known[c][0] for c in (2, 0, 1)]
+        assert counts.rail(1) is counts.rail(1)  # (made once)
     with pytest.raises(ValueError, match=r"^KnownCounts: one non-negative count per rank"):
         KnownCounts((1, 2), (3,), ())
     with pytest.raises(ValueError, match=r"^KnownCounts: "):

@@ -643,7 +643,8 @@ class HierarchicalTransport(Transport):
         for m in m1:  # (each chunk's rows from a multiple of 16: its slices start 16-byte aligned, one kernel variant)
             at.append(at[-1] + -(-m // 16) * 16)
         rows = max(at[-1], 1)
-        if not self.domain.holds_merged(*counts.merged_bounds(), req=req, extra_scales=2):  # (+ the carried sources)
+        max_pair, most = counts.merged_bounds()  # (the merged call's, from the host lists: no domain counts yet)
+        if not self.domain.holds_merged(max_pair, most, req=req, extra_scales=2):  # (+ the carried sources)
             return None
         # before the first rows' collective only what it needs (the landing buffer, and the carried columns whose
         # views its handle keeps); the merged input's other parts after it, while its rows cross
@@ -694,8 +695,7 @@ class HierarchicalTransport(Transport):
         known = [d[0] for d in domain]
         total = KnownCounts(*(tuple(map(sum, zip(*(getattr(kc, f) for kc in known)))) for f in (
             "num_tokens_per_rank", "num_recv_tokens_per_rank", "num_recv_tokens_per_expert")),
-            num_tokens_max=sum(kc.num_tokens_max for kc in known), max_pair=sum(kc.max_pair for kc in known),
-            summary_tensor=summaries[C])
+            num_tokens_max=most, max_pair=max_pair, summary_tensor=summaries[C])
         gate = Gate(rows_at, flags, value, C)
         with self._leg(fn, "forwarding the tokens", within=True):
             self.domain.dispatch(evolve(merged, known=total, gate=gate, row_map=row_map, outs=shared))
@@ -1626,15 +1626,14 @@ class _Counts:
         self._sends, self._recvs = host[base:base + D * C], host[base + D * C:base + 2 * D * C]
         self._shape = (C, L, D, e_dom, l, V)
         self.most_tokens = max(self._every[f][0][V - 1] for f in range(L))
-        self._legs: list = []  # the inter-domain leg's requests without their counts, and [C, e_dom] received
-        self._per_expert: Optional[torch.Tensor] = None  # per-expert counts on the device (``with_legs``)
+        self._legs: list = []  # the inter-domain leg's requests without their counts (``with_legs``)
+        self._per_expert: Optional[torch.Tensor] = None  # [C, e_dom] received per-expert counts on the device
         self._rails: dict = {}
 
-    def with_legs(self, legs: list, per_expert: Optional[torch.Tensor]) -> "_Counts":
+    def with_legs(self, legs: list, per_expert: Optional[torch.Tensor]) -> None:
         """Set the inter-domain leg's requests of the chunks (their counts not yet known) and the received per-expert
-        counts on the device (``[C, e_dom]`` int32, or None), from which ``rail`` makes each chunk's; returns self."""
+        counts on the device (``[C, e_dom]`` int32, or None), from which ``rail`` makes each chunk's."""
         self._legs, self._per_expert = legs, per_expert
-        return self
 
     def rail(self, c: int) -> DispatchRequest:
         """Chunk ``c``'s inter-domain leg request with its counts known, made when first asked (a gated call's later
