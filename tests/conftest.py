@@ -51,6 +51,17 @@ def skip_gloo_graph(transport: str, world_size: int) -> None:
         pytest.skip("alltoall over gloo (ranks sharing a GPU) cannot be captured in a CUDA graph")
 
 
+def skip_unless_runnable(transport: str, world_size: int, graph: bool = False) -> None:
+    """Skip a GPU case of ``world_size`` ranks (one group of them all) that this machine cannot run: too few GPU rank
+    slots, a one-sided group split across shared GPUs (``skip_split_shared_group``), or, for a CUDA-graph case, the
+    portable transport over gloo (``skip_gloo_graph``)."""
+    if gpu_ranks() < world_size:
+        pytest.skip(f"needs {world_size} GPU rank slots")
+    skip_split_shared_group(transport, world_size, world_size)
+    if graph:
+        skip_gloo_graph(transport, world_size)
+
+
 def sm90_compiler():
     """``epcomm.testing.compile_check.offline_compiler()`` (compiles kernels for sm_90 without a GPU), or a skip
     where this process interprets the kernels or this Triton's internals cannot be driven offline."""

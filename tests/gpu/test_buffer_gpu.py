@@ -3,7 +3,7 @@ for every transport that can run on the machine."""
 
 import pytest
 
-from conftest import gpu_ranks, skip_gloo_graph, skip_split_shared_group
+from conftest import gpu_ranks, skip_unless_runnable
 from epcomm.testing import spawn
 from epcomm.testing.checks import GraphCase, LowLatencyCase, NormalCase, run_cases
 from test_buffer import _assert_clean, low_latency_cases, normal_cases
@@ -36,11 +36,7 @@ SUITES = {"small": lambda ws: normal_cases(ws) + low_latency_cases(ws), "large":
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("world_size", [2, 4, 8])
 def test_gpu_buffer_matches_reference(world_size, transport, suite):
-    if gpu_ranks() < world_size:
-        pytest.skip(f"needs {world_size} GPUs")
-    skip_split_shared_group(transport, world_size, world_size)
-    if suite == "graph":
-        skip_gloo_graph(transport, world_size)
+    skip_unless_runnable(transport, world_size, graph=suite == "graph")
     cases = SUITES[suite](world_size)
     if suite == "large" and world_size == 2:
         cases = [c for c in cases if not isinstance(c.num_tokens, tuple)]

@@ -6,7 +6,7 @@ captured in a CUDA graph and replayed with new data. Every output bit-exact agai
 
 import pytest
 
-from conftest import gpu_ranks, skip_gloo_graph, skip_split_shared_group
+from conftest import skip_unless_runnable
 from epcomm.testing import spawn
 from epcomm.testing.deep_ep import REPLAYS, run_replays
 
@@ -21,10 +21,6 @@ def _assert_clean(results) -> None:
 @pytest.mark.parametrize("transport", ["nvlink", "p2p", "alltoall"])
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_gpu_deep_ep(world_size, transport, part):
-    if gpu_ranks() < world_size:
-        pytest.skip(f"needs {world_size} GPU rank slots")
-    skip_split_shared_group(transport, world_size, world_size)
-    if part == "graph":
-        skip_gloo_graph(transport, world_size)
+    skip_unless_runnable(transport, world_size, graph=part == "graph")
     names = ["graph"] if part == "graph" else [n for n in REPLAYS if n != "graph"]
     _assert_clean(spawn(run_replays, world_size, transport, names, device="cuda", timeout_s=600))

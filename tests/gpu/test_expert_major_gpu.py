@@ -4,7 +4,7 @@ expert-major step with ``num_worst_tokens``, every transport, bit-exact against 
 
 import pytest
 
-from conftest import gpu_ranks, skip_gloo_graph, skip_split_shared_group
+from conftest import skip_unless_runnable
 from epcomm.testing import spawn
 from epcomm.testing.checks import ExpertMajorCase, GraphCase, run_cases
 from test_buffer import _assert_clean
@@ -34,11 +34,7 @@ SUITES = {"small": small_cases, "large": large_cases,
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_gpu_expert_major_matches_reference(world_size, transport, suite):
-    if gpu_ranks() < world_size:
-        pytest.skip(f"needs {world_size} GPUs")
-    skip_split_shared_group(transport, world_size, world_size)
-    if suite == "graph":
-        skip_gloo_graph(transport, world_size)
+    skip_unless_runnable(transport, world_size, graph=suite == "graph")
     cases = SUITES[suite](world_size)
     if suite == "large" and world_size < 4:
         cases = [c for c in cases if not isinstance(c.num_tokens, tuple)]
