@@ -231,3 +231,67 @@ def test_pack_passes_addresses_that_select_one_variant(monkeypatch, num_rows):
     rows, recs = AllToAllTransport._pack(fake, x, None, None, None, itr, None, None, 4, num_rows)
     assert rows.shape == (num_rows, 4) and recs.size(0) == num_rows
     assert L.arg_key(seen["area_off"]) == L.arg_key(seen["meta_off"]) == L.arg_key(1 << 40), seen
+
+
+_INTERPRETED_HELPERS = """
+import torch
+import triton
+import triton.language as tl
+from triton.runtime import interpreter
+
+from epcomm.kernels import launch  # (installs the patch)
+
+walks = [0]
+walk = interpreter._patch_builtin
+
+
+def counted(*args, **kwargs):
+    walks[0] += 1
+    return walk(*args, **kwargs)
+
+
+interpreter._patch_builtin = counted
+
+
+@triton.jit
+def _twice(v):
+    return v * 2
+
+
+@triton.jit
+def _kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(x_ptr + i, mask=i < n)
+    for _ in tl.static_range(3):
+        v = _twice(v)
+    tl.store(y_ptr + i, v, mask=i < n)
+
+
+load = tl.load
+out = []
+for patch in (interpreter._patch_lang, interpreter._patch_lang.__wrapped__):
+    interpreter._patch_lang = patch
+    x, y = torch.arange(37, dtype=torch.float32), torch.full((37,), -1.0)
+    walks[0] = 0
+    _kernel[(5,)](x, y, 37, BLOCK=8)
+    out.append((torch.equal(y, x * 8), walks[0], tl.load is load))
+print(out)
+"""
+
+
+def test_interpreter_patches_the_language_once_per_launch():
+    """Under the Triton interpreter a device function's call does not walk the language's members again (the launch
+    that runs it patched them): the same results, the language restored after the launch, one walk per launch instead
+    of one more per helper call (5 programs x 3 calls here)."""
+    import ast
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-c", _INTERPRETED_HELPERS], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    (once_ok, once, once_restored), (every_ok, every, every_restored) = ast.literal_eval(run.stdout.strip())
+    assert once_ok and every_ok and once_restored and every_restored
+    assert once > 0 and every == once * (1 + 5 * 3), (once, every)

@@ -449,3 +449,51 @@ def next_pow2(v: int) -> int:
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` for host integers (``triton.cdiv`` costs microseconds of host time per call)."""
     return -(-a // b)
+
+
+def _interpreter_patches_once() -> None:
+    """Under the Triton interpreter (``TRITON_INTERPRET=1``: the CPU tests), a device function's call no longer patches
+    ``triton.language`` again when the launch that runs it already has. The interpreter patches the language's
+    builtins at each launch (and undoes it at its end), and again at every call of a ``@triton.jit`` helper inside it
+    (``_patch_lang``: a walk over every member of the language's modules, ~1 ms a call). That second walk changes
+    nothing: the members are already the launch's (not builtins any more, so it leaves them), as long as the helper
+    sees no language module the launch's function did not (then it patches as before). Device functions are called
+    thousands of times per test; their results are the same. Does nothing outside the interpreter, or where Triton's
+    interpreter has no such function."""
+    from triton import knobs
+
+    if not knobs.runtime.interpret:
+        return
+    from triton.runtime import interpreter
+
+    patch = getattr(interpreter, "_patch_lang", None)
+    if patch is None or getattr(patch, "epcomm_once", False):
+        return
+    patched: list = []  # per launch in progress: the language modules its patch covered
+
+    def languages(fn) -> set:
+        return {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v.__name__.startswith("triton.lang")}
+
+    class _Scope:
+        def __init__(self, scope) -> None:
+            self.scope = scope
+
+        def restore(self) -> None:
+            patched.pop()
+            self.scope.restore()
+
+    def once(fn):
+        if patched and languages(fn) <= patched[-1]:
+            return _Scope.__new__(_Scope)  # (a helper's scope: Triton never restores it)
+        scope = patch(fn)
+        if patched:  # (a helper that sees another module: patched as Triton would, covered from here on)
+            patched[-1] |= languages(fn)
+            return scope
+        patched.append(languages(fn))
+        return _Scope(scope)
+
+    once.epcomm_once, once.__wrapped__ = True, patch
+    interpreter._patch_lang = once
+
+
+_interpreter_patches_once()
