@@ -69,11 +69,20 @@ def layout_kernel(topk_ptr, itr_ptr, per_rank_ptr, per_expert_ptr, n, E, E_LOCAL
     valid = m & (idx >= 0) & (idx < E)
     tl.atomic_add(per_expert_ptr + tl.where(valid, idx, 0), tl.full(idx.shape, 1, tl.int32), mask=valid,
                   sem="relaxed")
-    dest = tl.where(valid, idx // E_LOCAL, R)
+    _in_rank(itr_ptr, t.to(tl.int64), live, idx, valid, E_LOCAL, R, per_rank_ptr)
+
+
+@triton.jit
+def _in_rank(itr_ptr, rows, live, ids, valid, e_local, R: tl.constexpr, per_rank_ptr=None):
+    """Whether each of the rows ``rows`` (int64, ``live`` the mask of those to store) has one of its ``ids [., K]``
+    (those ``valid``) on rank ``r`` (``e_local`` experts a rank): ``itr [., R]`` int8; with ``per_rank [R]`` int32 the
+    rows to each rank added to it."""
+    dest = tl.where(valid, ids // e_local, R)
     for r in tl.static_range(R):
         inr = tl.max((dest == r).to(tl.int32), axis=1)
-        tl.store(itr_ptr + t.to(tl.int64) * R + r, inr.to(tl.int8), mask=live)
-        tl.atomic_add(per_rank_ptr + r, tl.sum(tl.where(live, inr, 0), axis=0), sem="relaxed")
+        tl.store(itr_ptr + rows * R + r, inr.to(tl.int8), mask=live)
+        if per_rank_ptr is not None:
+            tl.atomic_add(per_rank_ptr + r, tl.sum(tl.where(live, inr, 0), axis=0), sem="relaxed")
 
 
 @triton.jit(do_not_specialize=["m", "stride", "cstride", "col", "chunk", "chunks", "L", "D", "local", "e_local"])
@@ -255,9 +264,33 @@ def forward_records_kernel(rec_ptr, rec_stride, r0, m, rows, starts_ptr, chunk, 
     bad = tl.sum(tl.sum((km & ((ids < -1) | (ids >= e_dom))).to(tl.int32), axis=1), axis=0)
     if bad > 0:
         tl.atomic_add(deferred_ptr, bad)
-    dest = tl.where(km & (ids >= 0) & (ids < e_dom), ids // e_local, L)
-    for g in tl.static_range(L):
-        tl.store(itr_ptr + i64 * L + g, tl.max((dest == g).to(tl.int32), axis=1).to(tl.int8), mask=inside)
+    _in_rank(itr_ptr, i64, inside, ids, km & (ids >= 0) & (ids < e_dom), e_local, L)
+
+
+@triton.jit
+def _running_positions(itr_ptr, pos_ptr, t_first, n, base, R, RP: tl.constexpr, BLOCK_T: tl.constexpr, local_ptr=None,
+                       m=0):
+    """Positions by a running count per destination over blocks of ``BLOCK_T`` tokens: for tokens ``[t_first, t_first
+    + n)`` of ``itr [., R]`` int8, ``pos [., R]`` int32 = ``base [RP]`` plus how many of the tokens before it (from
+    ``t_first``) go to that destination; ``local [m, R]`` int32 (where given), the same without ``base`` for the
+    first ``m`` of them, indexed from 0. Returns the tokens to each destination ``[RP]`` int32."""
+    rc = tl.arange(0, RP)
+    rm = rc < R
+    carry = tl.zeros([RP], tl.int32)
+    tb = tl.arange(0, BLOCK_T)
+    t0 = 0
+    while t0 < n:
+        t = t0 + tb
+        mk = (t < n)[:, None] & rm[None, :]
+        at = (t_first + t).to(tl.int64)[:, None] * R + rc[None, :]
+        v = tl.load(itr_ptr + at, mask=mk, other=0).to(tl.int32)
+        excl = tl.cumsum(v, axis=0) + carry[None, :] - v
+        tl.store(pos_ptr + at, excl + base[None, :], mask=mk)
+        if local_ptr is not None:
+            tl.store(local_ptr + t.to(tl.int64)[:, None] * R + rc[None, :], excl, mask=mk & (t < m)[:, None])
+        carry += tl.sum(v, axis=0)
+        t0 += BLOCK_T
+    return carry
 
 
 @triton.jit(do_not_specialize=["r0", "m", "rows", "chunk", "gstride", "value"])
@@ -281,19 +314,7 @@ def forward_positions_kernel(itr_ptr, pos_ptr, local_ptr, sends_ptr, sends_strid
     while c < chunk:
         before += tl.load(gathered_ptr + c * gstride + 1 + g, mask=gm, other=0)
         c += 1
-    carry = tl.zeros([LP], tl.int32)
-    tb = tl.arange(0, BLOCK_T)
-    t0 = 0
-    while t0 < rows:
-        t = t0 + tb
-        mk = (t < rows)[:, None] & gm[None, :]
-        at = (r0 + t).to(tl.int64)[:, None] * L + g[None, :]
-        v = tl.load(itr_ptr + at, mask=mk, other=0).to(tl.int32)
-        excl = tl.cumsum(v, axis=0) + carry[None, :] - v
-        tl.store(pos_ptr + at, excl + before[None, :], mask=mk)
-        tl.store(local_ptr + t.to(tl.int64)[:, None] * L + g[None, :], excl, mask=mk & (t < m)[:, None])
-        carry += tl.sum(v, axis=0)
-        t0 += BLOCK_T
+    carry = _running_positions(itr_ptr, pos_ptr, r0, rows, before, L, LP, BLOCK_T, local_ptr, m)
     tl.store(sends_ptr + chunk * sends_stride + g, carry, mask=gm)
     want = tl.load(gathered_ptr + chunk * gstride + 1 + g, mask=gm, other=0)
     wrong = tl.sum(((carry != want) & gm).to(tl.int32), axis=0)
@@ -315,23 +336,13 @@ def _positions_and_checks(per_rank_ptr, itr_ptr, topk_ptr, pos_ptr, n, num_exper
     the number of expert ids outside ``[-1, num_experts)``. Returns ``(num_tokens_per_rank [R_POW2],
     bad_layout, bad_topk)``."""
     rcols = tl.arange(0, R_POW2)
-    # positions: running count per destination over blocks of tokens
-    tb = tl.arange(0, BLOCK_T)
-    carry = tl.zeros([R_POW2], tl.int32)
-    t0 = 0
-    while t0 < n:
-        t = t0 + tb
-        m = (t < n)[:, None] & (rcols < R)[None, :]
-        v = tl.load(itr_ptr + t.to(tl.int64)[:, None] * R + rcols[None, :], mask=m, other=0).to(tl.int32)
-        incl = tl.cumsum(v, axis=0) + carry[None, :]
-        tl.store(pos_ptr + t.to(tl.int64)[:, None] * R + rcols[None, :], incl - v, mask=m)
-        carry += tl.sum(v, axis=0)
-        t0 += BLOCK_T
+    carry = _running_positions(itr_ptr, pos_ptr, 0, n, tl.zeros([R_POW2], tl.int32), R, R_POW2, BLOCK_T)
     per_rank = tl.load(per_rank_ptr + rcols, mask=rcols < R, other=0)
     bad_layout = tl.sum(((carry != per_rank) & (rcols < R)).to(tl.int32), axis=0)
     bad_topk = tl.zeros([], tl.int32)
     if HAS_TOPK:
         kc = tl.arange(0, BLOCK_K)
+        tb = tl.arange(0, BLOCK_T)
         t0 = 0
         while t0 < n:
             t = t0 + tb
@@ -1299,4 +1310,3 @@ class _StreamingGrid:
                              f"({self.world}) do not fit the GPU at once (it holds {resident} programs of the "
                              f"dispatch kernel); pass a smaller Config.num_sms, or Config(strict_sms=True)")
         return (self.push + self.world * recv,)
-
