@@ -460,9 +460,7 @@ def _interpreter_patches_once() -> None:
     sees no language module the launch's function did not (then it patches as before). Device functions are called
     thousands of times per test; their results are the same. Does nothing outside the interpreter, or where Triton's
     interpreter has no such function."""
-    from triton import knobs
-
-    if not knobs.runtime.interpret:
+    if _knobs is None or not getattr(getattr(_knobs, "runtime", None), "interpret", False):
         return
     from triton.runtime import interpreter
 
