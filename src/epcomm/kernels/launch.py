@@ -464,8 +464,8 @@ def _interpreter_patches_once() -> None:
         return
     from triton.runtime import interpreter
 
-    patch = getattr(interpreter, "_patch_lang", None)
-    if patch is None or getattr(patch, "epcomm_once", False):
+    patch, empty = getattr(interpreter, "_patch_lang", None), getattr(interpreter, "_LangPatchScope", None)
+    if patch is None or empty is None or getattr(patch, "epcomm_once", False):
         return
     patched: list = []  # per launch in progress: the language modules its patch covered
 
@@ -482,7 +482,7 @@ def _interpreter_patches_once() -> None:
 
     def once(fn):
         if patched and languages(fn) <= patched[-1]:
-            return _Scope.__new__(_Scope)  # (a helper's scope: Triton never restores it)
+            return empty()  # (what a walk that patched nothing returns; Triton never restores a helper's scope)
         scope = patch(fn)
         if patched:  # (a helper that sees another module: patched as Triton would, covered from here on)
             patched[-1] |= languages(fn)
