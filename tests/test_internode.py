@@ -537,7 +537,7 @@ def test_known_counts_from_the_exchange():
 
     def read(host, C, L, D, e_dom, l):  # ([(rail, domain, sources)] per chunk, most tokens)
         counts = _Counts(host, C, L, D, e_dom, l)
-        return ([(r, d, s) for r, (d, s) in zip(counts.rail_known(), counts.domain)],
+        return ([(counts.rail_known(c), d, s) for c, (d, s) in enumerate(counts.domain)],
                 counts.most_tokens)
 
     # the domain's gathered rows per forwarding rank f: [tokens it forwards, rows to rank 0, rows to rank 1,

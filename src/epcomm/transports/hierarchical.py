@@ -1640,8 +1640,7 @@ class _Counts:
         chunks' after its first rows' collective is issued)."""
         got = self._rails.get(c)
         if got is None:
-            known = self.rail_known(self._per_expert, (c,))[0]
-            got = self._rails[c] = evolve(self._legs[c], known=known)
+            got = self._rails[c] = evolve(self._legs[c], known=self.rail_known(c, self._per_expert))
         return got
 
     def rail_rows(self, c: int) -> int:
@@ -1661,13 +1660,12 @@ class _Counts:
         rows = [self._every[f][c] for f in range(L)]
         return max(max(r[1:1 + L]) for r in rows), max(r[0] for r in rows)
 
-    def rail_known(self, per_expert: Optional[torch.Tensor] = None, chunks: Optional[tuple] = None) -> list:
-        """The inter-domain leg's ``KnownCounts`` of each chunk (of ``chunks``, default all; ``per_expert``: ``[C,
-        e_dom]`` the same received per-expert counts on the device, or None)."""
+    def rail_known(self, c: int, per_expert: Optional[torch.Tensor] = None) -> KnownCounts:
+        """The inter-domain leg's ``KnownCounts`` of chunk ``c`` (``per_expert``: ``[C, e_dom]`` the same received
+        per-expert counts on the device, or None)."""
         C, L, D, e_dom, l, V = self._shape
-        return [KnownCounts(tuple(self._sends[c::C]), tuple(self._recvs[c::C]), tuple(self._every[l][c][1 + L:V - 1]),
-                            recv_per_expert_tensor=None if per_expert is None else per_expert[c])
-                for c in (range(C) if chunks is None else chunks)]
+        return KnownCounts(tuple(self._sends[c::C]), tuple(self._recvs[c::C]), tuple(self._every[l][c][1 + L:V - 1]),
+                           recv_per_expert_tensor=None if per_expert is None else per_expert[c])
 
     @functools.cached_property
     def domain(self) -> list:
