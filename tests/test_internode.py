@@ -492,7 +492,7 @@ def _rail_per_expert(ctx):
     local, num_experts, n = 2, 16, 9
     buf = Buffer(ctx.group, transport="alltoall", ranks_per_node=local)
     rt = buf.runtime
-    D, e_dom = rt.num_domains, num_experts // rt.num_domains
+    e_dom = num_experts // rt.num_domains
     problems = []
     for routing in ("skewed", "dropped"):  # (dropped: -1 slots)
         inputs = make_inputs(31, ctx.world_size, n, 64, num_experts, 3, routing)
