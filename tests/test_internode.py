@@ -662,9 +662,20 @@ for L, D in ((2, 2), (3, 2), (1, 4), (4, 3), (2, 1), (8, 8), (5, 7)):
             # _gated sums the chunks' KnownCounts)
             m = sum(sum(d[1]) for d in domain)
             summaries = torch.full((chunks + 1, summary_words(L, e_local)), -7, dtype=torch.int32)
-            launch_rows_merged(every, torch.empty(m, dtype=torch.int64), torch.empty(m, dtype=torch.int64),
-                               summaries, every.stride(0) * chunks, V + local, L, D, chunks, every.stride(0), local,
-                               e_local)
+            maps = (torch.empty(m, dtype=torch.int64), torch.empty(m, dtype=torch.int64))
+            launch_rows_merged(every, *maps, summaries, every.stride(0) * chunks, V + local, L, D, chunks,
+                               every.stride(0), local, e_local)
+            # into maps longer than the rows (a call issued before its count read, sized by bounds): the same maps
+            longer = (torch.full((m + 37,), -7, dtype=torch.int64), torch.full((m + 37,), -7, dtype=torch.int64))
+            launch_rows_merged(every, *longer, summaries, every.stride(0) * chunks, V + local, L, D, chunks,
+                               every.stride(0), local, e_local)
+            assert [t[:m].tolist() for t in longer] == [t.tolist() for t in maps], (L, D, chunks)
+            # what that call's domain leg needs (_Counts.needs): the same numbers from every rank's reading of the
+            # counts, each the largest over the domain's ranks
+            views = [_Counts(host, chunks, L, D, e_local * L, g) for g in range(L)]
+            land = max(sum(-(-every[f * chunks + c, 0].item() // 16) * 16 for c in range(chunks)) for f in range(L))
+            recv = max(sum(sum(d[0].num_recv_tokens_per_rank) for d in v.domain) for v in views)
+            assert {v.needs() for v in views} == {(land, recv) + views[0].merged_bounds()}, (L, D, chunks)
             known = [d[0] for d in domain]
             total = KnownCounts(*(tuple(map(sum, zip(*(getattr(k, f) for k in known)))) for f in (
                 "num_tokens_per_rank", "num_recv_tokens_per_rank", "num_recv_tokens_per_expert")),
@@ -674,6 +685,19 @@ for L, D in ((2, 2), (3, 2), (1, 4), (4, 3), (2, 1), (8, 8), (5, 7)):
                 assert summaries[c, :len(want)].tolist() == want, (L, D, chunks, c)
 print("ok")
 """
+
+
+def test_early_bounds_cover_the_needs_seen():
+    """``early_bounds``: each of a call's four needs (landing rows, received rows, max_pair, tokens) bounded by the
+    largest of the earlier calls' with the margin, rounded up to 16 rows and 16 more, so that every need seen fits."""
+    from epcomm.transports.hierarchical import early_bounds
+
+    seen = [(100, 50, 7, 30), (120, 40, 9, 10), (0, 0, 0, 0)]
+    assert early_bounds(seen, 0.125) == (160, 80, 32, 64)
+    assert early_bounds([(0, 0, 0, 0)], 0.125) == (16, 16, 16, 16)
+    for margin in (0.0, 0.125, 0.5):
+        got = early_bounds(seen, margin)
+        assert all(b % 16 == 0 and b >= max(s[i] for s in seen) * (1 + margin) for i, b in enumerate(got)), got
 
 
 def test_rows_in_place_is_the_canonical_order():

@@ -94,6 +94,40 @@ def test_gpu_low_latency_handle_names_the_true_sources(world_size, local, transp
         assert problems == [], (rank, problems)
 
 
+def _early_calls(ctx, local):
+    """Exact-mode dispatches in 3 chunks without a head chunk over a one-sided domain leg, each checked against the
+    reference (its combine and cached dispatch too): the first of each size learns the needs; a later one of the same
+    size issues its domain leg before its count read and uses it; a larger one outgrows those bounds and lets it go
+    (the call then goes the present way); the same larger size again fits. Returns ``(failures, early_stats)``."""
+    from epcomm.buffer import Buffer
+    from epcomm.testing.checks import NormalCase, check_normal
+    from epcomm.transports.hierarchical import HierarchicalTransport
+
+    HierarchicalTransport.pipeline_chunks, HierarchicalTransport.head_chunk = 3, False
+    buf = Buffer(ctx.group, transport="nvlink", ranks_per_node=local)
+    failures = []
+    for tokens, seed in ((96, 51), (96, 52), (400, 53), (400, 54), (40, 55)):
+        case = NormalCase(num_tokens=tokens, hidden=256, num_experts=8 * ctx.world_size, topk=4, dtype="fp8",
+                          bias=1, seed=seed)
+        failures += [f"{tokens} tokens: {f}" for f in check_normal(ctx, buf, case).failures]
+    stats = dict(buf.runtime.early_stats)
+    buf.destroy()
+    return failures, stats
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world_size,local", [(4, 2), (8, 4)])
+def test_gpu_domain_leg_issued_before_the_count_read(world_size, local):
+    """``HierarchicalTransport.early_issue``: the gated domain leg issued before the count read, sized by the earlier
+    calls' needs, used where the counts fit and let go where they outgrow it, bit-exact against the reference."""
+    if gpu_ranks() < world_size:
+        pytest.skip(f"needs {world_size} GPU rank slots")
+    skip_split_shared_group("nvlink", world_size, local)
+    for rank, (failures, stats) in enumerate(spawn(_early_calls, world_size, local, device="cuda", timeout_s=600)):
+        assert failures == [], (rank, failures)
+        assert stats.get("issued", 0) >= 3 and stats.get("let go", 0) >= 1, (rank, stats)
+
+
 def _leg_errors(ctx, local, transport):
     """A word of each leg's device errors set as a kernel records a failure (before a call): the call's refresh
     mirrors both legs' words in one launch, and the next call raises, naming the failure."""

@@ -75,6 +75,17 @@ In exact mode over a one-sided domain leg every chunk's rows are written there d
 outputs (``_rows_in_place``: the domain's gather also carries what each forwarder got from each source domain for
 every rank in every chunk, so each (forwarder, source domain, chunk) block's place in that order is known before the
 rows move; a kernel makes each chunk's map from the gathered counts): no sort and no gather after the call.
+Early issue (``early_issue``): an exact-mode call of several chunks without a head chunk, of a kind (chunk count, row
+shape) whose gated call has run before, issues that gated domain leg before its count read, sized by bounds: the
+largest needs of the last ``EARLY_HISTORY`` such calls (``_Counts.needs``: landing rows, received rows, max_pair,
+tokens; the same numbers on every rank of the domain, from its gathered counts) with ``EARLY_MARGIN`` more. Its row
+maps and summaries are made on the device from the gathered counts, its outputs are the first rows of bound-sized
+ones, and its push waits on the device for each chunk's flag; after the read the host issues only the rows'
+collectives with their forward layouts, then makes the handles, while rows cross. Where the counts outgrow a bound,
+every rank of the domain sees it in the same counts, lets the issued push go with empty chunks, and the call goes the
+way above. GPUs only (the interpreter runs a launch to its end before the next); and only kinds whose gated call has
+run, so that every kernel launched after the push is loaded by then (loading one waits for the device, where the push
+waits for that kernel).
 ``num_worst_tokens`` (no host synchronisation): each rank sends at most ``num_worst_tokens // num_ranks`` tokens to
 each domain (the inter-domain leg has fixed slots of that many rows per peer); more tokens raise at once.
 
@@ -277,6 +288,12 @@ class HierarchicalTransport(Transport):
     # whether an exact-mode dispatch of several chunks (without a head chunk) moves them through the domain leg in one
     # gated call where the domain transport can (``_gated``); False: one call per chunk
     gated_exact: bool = True
+    # whether such a call (several chunks, no head chunk) issues that gated domain leg before its count read, sized by
+    # the needs of the last EARLY_HISTORY calls of as many chunks with EARLY_MARGIN more (``_early_issue``): the host's
+    # work after the read is then the rows' collectives and the handles, while rows cross
+    early_issue: bool = True
+    EARLY_MARGIN = 0.125
+    EARLY_HISTORY = 4
 
     def __init__(self, group, device: torch.device, buffer_id: int, domains: Domains,
                  domain_transport: Any = "auto", leg: str = "nccl", num_nvl_bytes: int = 0,
@@ -312,6 +329,8 @@ class HierarchicalTransport(Transport):
         self._net: Optional[torch.cuda.Stream] = None  # the inter-domain leg's stream while a dispatch pipelines
         self._gate_flags: Optional[torch.Tensor] = None  # int64 per chunk of a gated cached dispatch (_mapped)
         self._gate_value = 0  # the last value released into them: one more per call
+        self._early_seen: dict = {}  # a gated call's kind -> the needs of its last calls (_early_plan)
+        self.early_stats: collections.Counter = collections.Counter()  # calls issued early, and let go
         self._pinned: dict = {}  # pinned host blocks for the count read (faults.read_later)
         self._tuner = _ChunkTuner(self.CHUNK_CANDIDATES, self.TUNE_CALLS, device)
         self._head = 0  # the next exact-mode dispatch's head chunk: slots per domain (the same on every rank; 0: none)
@@ -565,12 +584,21 @@ class HierarchicalTransport(Transport):
                                                           align)]
         if head:
             bounds.insert(0, (0, h))
-        ahead = None
+        ahead = early = None
         if W:  # fixed slots, no counts to learn
             subs, counts, starts, gathered = [req], None, None, None
         else:  # every chunk's layout computed here (the counts below are made from it), both legs' counts learnt
             subs = [self._chunk(req, a, b, c == 0) for c, (a, b) in enumerate(bounds)]
-            counts, starts, ahead, gathered = self._exchange_counts(fn, req, subs, bounds, head)
+            plan = None if head or len(subs) < 2 else self._early_plan(req, subs[0], len(subs))
+            issued = []
+            counts, starts, ahead, gathered = self._exchange_counts(
+                fn, req, subs, bounds, head, None if plan is None else (
+                    lambda every: issued.append(self._early_issue(fn, req, len(subs), plan, every))))
+            early = issued[0] if issued else None
+        if early is not None:  # its domain leg already issued: done, unless the counts outgrew its bounds
+            got = self._early_result(fn, req, early, counts, starts, gathered, bounds, timing)
+            if got is not None:
+                return got
         # with its counts known, every chunk's domain leg writes each row where the intranode path's order puts it,
         # into one set of outputs (no sort, no gather after the call), where it can (the one-sided transports'
         # streaming dispatch); each chunk's map is made once its rows cross (nothing crosses while the host works
@@ -630,88 +658,208 @@ class HierarchicalTransport(Transport):
         from the domain's gathered counts with each chunk's summary). Each chunk keeps a handle of its own
         (``known_handle``: its own positions and rows, as its own call would have left them), which the combine's
         pipelining and the cached dispatches take as before. Host work per further chunk: its collective, two
-        launches and its handles."""
-        from ..kernels.ep import Gate, launch_forward_layout, launch_rows_merged, record_words, summary_words
-
-        D, L, C, dev, x = self.num_domains, self.local_size, len(bounds), self.device, req.x
-        ns = 0 if req.x_scales is None else req.x_scales.size(1)
-        k, has_w = req.topk_idx.size(1), req.topk_weights is not None
-        e_dom = req.num_experts // D
-        xb = x.size(1) * x.element_size()
-        m1 = [counts.rail_rows(c) for c in range(C)]  # the rows each chunk lands here
-        at = [0]
-        for m in m1:  # (each chunk's rows from a multiple of 16: its slices start 16-byte aligned, one kernel variant)
-            at.append(at[-1] + -(-m // 16) * 16)
-        rows = max(at[-1], 1)
-        max_pair, most = counts.merged_bounds()  # (the merged call's, from the host lists: no domain counts yet)
-        if not self.domain.holds_merged(max_pair, most, req=req, extra_scales=2):  # (+ the carried sources)
+        launches and its handles. ``_early_issue`` issues the same domain leg before the count read instead."""
+        C = len(bounds)
+        need = counts.needs()
+        if not self.domain.holds_merged(need[2], need[3], req=req, extra_scales=2):  # (+ the carried sources)
             return None
+        self._early_seen_add(req, C, need)
+        m1 = [counts.rail_rows(c) for c in range(C)]  # the rows each chunk lands here
         # before the first rows' collective only what it needs (the landing buffer, and the carried columns whose
         # views its handle keeps); the merged input's other parts after it, while its rows cross
-        landed = torch.empty(rows, fused_width((xb, 4 * record_words(ns, k, has_w))), dtype=torch.uint8, device=dev)
-        carried = torch.empty(rows, ns + 2, dtype=torch.float32, device=dev)
-        words = carried.view(torch.int32)
-        flags, value = self._next_gate(C)  # (before the network stream's wait: a first call zeroes them on this stream)
-        rows_at = torch.empty(C + 1, dtype=torch.int32, device=dev)  # (the chunks' rows, written with their flags)
+        call = self._gated_landing(req, C, sum(-(-m // 16) * 16 for m in m1), starts)
         rails = []
+        self._network(lambda: self._gated_rail(fn, call, counts, m1, 0, rails))
+        self._gated_merged(req, call)
+        call.own_pos = [torch.empty(m, self.local_size, dtype=torch.int32, device=self.device) for m in m1]
+        self._network(lambda: self._gated_legs(fn, call, counts, m1, gathered, rails), wait=False)
+        rows = sum(sum(d[1]) for d in counts.domain)  # (made after the first rows' collective)
+        self._gated_domain(fn, req, call, gathered, rows, need[2], need[3], counts.domain)
+        return self._gated_result(req, call, counts, rows, rails, bounds, timing)
 
-        def rail(c: int) -> None:
-            a, b = at[c], at[c] + m1[c]
-            with self._leg(fn, ROWS_PHASE):
-                rails.append(self.rail.dispatch_into(counts.rail(c), landed[a:b],
-                                                     (words[a:b, ns], words[a:b, ns + 1])))
+    def _gated_landing(self, req: DispatchRequest, C: int, rows: int, starts: Optional[torch.Tensor]) -> "_GatedCall":
+        """A gated call of ``C`` chunks: the buffer its ``rows`` inter-domain rows land in beside their records, the
+        carried columns (scales, then each row's source domain and token), the gate's flags and chunk bounds;
+        ``starts``: the rail peers' chunk starts (``_exchange_counts``), None until the counts are read."""
+        from ..kernels.ep import record_words
 
-        self._network(lambda: rail(0))
-        w = torch.empty(rows, k, dtype=torch.float32, device=dev) if has_w else None
-        itr = torch.empty(rows, L, dtype=torch.bool, device=dev)
-        merged = DispatchRequest(columns_of_rows(landed, x.dtype, x.size(1)), carried,
-                                 torch.empty(rows, k, dtype=torch.int64, device=dev), w, None, itr, None, e_dom, 1, 0,
-                                 None, req.config, None, req.overlapped,
-                                 positions=torch.empty(rows, L, dtype=torch.int32, device=dev))
-        own_pos = [torch.empty(m, L, dtype=torch.int32, device=dev) for m in m1]
-        sends = torch.empty(C, -(-L // 4) * 4, dtype=torch.int32, device=dev)  # (rows 16 bytes apart)
-        records = landed.view(torch.int32)[:, xb // 4:]
+        x, dev = req.x, self.device
+        ns = 0 if req.x_scales is None else req.x_scales.size(1)
+        rows = max(rows, 1)
+        landed = torch.empty(rows, fused_width((x.size(1) * x.element_size(), 4 * record_words(
+            ns, req.topk_idx.size(1), req.topk_weights is not None))), dtype=torch.uint8, device=dev)
+        carried = torch.empty(rows, ns + 2, dtype=torch.float32, device=dev)
+        flags, value = self._next_gate(C)  # (before the network stream's wait: a first call zeroes them on this stream)
+        # (zeroed: the kernel that empties them in a call let go, _early_result, is loaded by then)
+        return _GatedCall(C, landed, carried, flags, value, torch.zeros(C + 1, dtype=torch.int32, device=dev), starts)
+
+    def _gated_merged(self, req: DispatchRequest, call: "_GatedCall") -> None:
+        """The merged input's other parts (the domain leg's request over the landed rows) and the chunks' sends."""
+        x, L, dev, rows = req.x, self.local_size, self.device, call.landed.size(0)
+        k, e_dom = req.topk_idx.size(1), req.num_experts // self.num_domains
+        w = torch.empty(rows, k, dtype=torch.float32, device=dev) if req.topk_weights is not None else None
+        call.merged = DispatchRequest(columns_of_rows(call.landed, x.dtype, x.size(1)), call.carried,
+                                      torch.empty(rows, k, dtype=torch.int64, device=dev), w, None,
+                                      torch.empty(rows, L, dtype=torch.bool, device=dev), None, e_dom, 1, 0, None,
+                                      req.config, None, req.overlapped,
+                                      positions=torch.empty(rows, L, dtype=torch.int32, device=dev))
+        call.sends = torch.empty(call.chunks, -(-L // 4) * 4, dtype=torch.int32, device=dev)  # (rows 16 bytes apart)
+
+    def _gated_rail(self, fn: str, call: "_GatedCall", counts: "_Counts", m1: list, c: int, rails: list) -> None:
+        """Chunk ``c``'s inter-domain rows into their place in the landing buffer (on the network stream)."""
+        a = sum(-(-m // 16) * 16 for m in m1[:c])
+        ns = call.carried.size(1) - 2
+        words = call.carried.view(torch.int32)
+        with self._leg(fn, ROWS_PHASE):
+            rails.append(self.rail.dispatch_into(counts.rail(c), call.landed[a:a + m1[c]],
+                                                 (words[a:a + m1[c], ns], words[a:a + m1[c], ns + 1])))
+
+    def _gated_legs(self, fn: str, call: "_GatedCall", counts: "_Counts", m1: list, gathered: torch.Tensor,
+                    rails: list) -> None:
+        """On the network stream (which already waits for the caller's work the chunks read): every chunk's rows (the
+        first's, where ``rails`` has it, already issued), each followed by ``launch_forward_layout``, its flag last."""
+        from ..kernels.ep import launch_forward_layout
+
+        L, C, merged = self.local_size, call.chunks, call.merged
+        e_dom = merged.num_experts
+        xb = merged.x.size(1) * merged.x.element_size()
+        records = call.landed.view(torch.int32)[:, xb // 4:]
         mine = gathered[self.local_index * C:(self.local_index + 1) * C]  # this rank's rows of the domain's counts
+        w = merged.topk_weights
+        at = 0
+        for c in range(C):
+            if c >= len(rails):
+                self._gated_rail(fn, call, counts, m1, c, rails)
+            span = -(-m1[c] // 16) * 16
+            launch_forward_layout(records, at, m1[c], span, call.starts, c, call.carried.view(torch.int32),
+                                  merged.topk_idx, None if w is None else w.view(torch.int32),
+                                  merged.is_token_in_rank.view(torch.int8), merged.positions, call.own_pos[c],
+                                  call.sends, mine, self.domain.deferred_errors, call.flags, call.rows_at, call.value,
+                                  e_dom // L, e_dom)
+            at += span
 
-        def legs() -> None:  # (the network stream already waits for the caller's work so far: nothing since)
-            for c in range(C):
-                if c:
-                    rail(c)
-                launch_forward_layout(records, at[c], m1[c], at[c + 1] - at[c], starts, c, words, merged.topk_idx,
-                                      None if w is None else w.view(torch.int32), itr.view(torch.int8),
-                                      merged.positions, own_pos[c], sends, mine, self.domain.deferred_errors, flags,
-                                      rows_at, value, e_dom // L, e_dom)
+    def _gated_domain(self, fn: str, req: DispatchRequest, call: "_GatedCall", gathered: torch.Tensor, rows: int,
+                      max_pair: int, most: int, domain: Optional[list]) -> None:
+        """The domain leg's one gated call over the merged input, on the caller's stream: its row maps and summaries
+        made from the domain's gathered counts, its outputs (``rows`` rows), the push. ``domain``: the chunks' domain
+        counts (``_Counts.domain``), or None where they are not read yet (``_early_issue``: ``rows``, ``max_pair`` and
+        ``most`` are then bounds, and the host knows nothing else of the call)."""
+        from ..kernels.ep import Gate, launch_rows_merged, summary_words
 
-        self._network(legs, wait=False)
-        domain = counts.domain  # (made after the first rows' collective)
-        per_chunk = [sum(d[1]) for d in domain]
-        row_map = torch.empty(sum(per_chunk), dtype=torch.int64, device=dev)
-        back = torch.empty_like(row_map)
-        summaries = torch.empty(C + 1, summary_words(L, e_dom // L), dtype=torch.int32, device=dev)
-        launch_rows_merged(gathered, row_map, back, summaries, gathered.stride(0) * C,
+        D, L, C, dev = self.num_domains, self.local_size, call.chunks, self.device
+        e_dom = req.num_experts // D
+        call.row_map = torch.empty(rows, dtype=torch.int64, device=dev)
+        call.back = torch.empty_like(call.row_map)
+        call.summaries = torch.empty(C + 1, summary_words(L, e_dom // L), dtype=torch.int32, device=dev)
+        launch_rows_merged(gathered, call.row_map, call.back, call.summaries, gathered.stride(0) * C,
                            gathered.size(1) - D * L + self.local_index, L, D, C, gathered.stride(0), self.local_index,
                            e_dom // L)
-        shared = self._outputs(req, row_map.numel())
-        known = [d[0] for d in domain]
-        total = KnownCounts(*(tuple(map(sum, zip(*(getattr(kc, f) for kc in known)))) for f in (
-            "num_tokens_per_rank", "num_recv_tokens_per_rank", "num_recv_tokens_per_expert")),
-            num_tokens_max=most, max_pair=max_pair, summary_tensor=summaries[C])
-        gate = Gate(rows_at, flags, value, C)
+        call.shared = self._outputs(req, rows)
+        if domain is None:  # (the push takes the host's counts only as bounds: out rows, rows per source, tokens)
+            total = KnownCounts((0,) * L, (rows,) + (0,) * (L - 1), (0,) * (e_dom // L), num_tokens_max=most,
+                                max_pair=max_pair, summary_tensor=call.summaries[C])
+        else:
+            known = [d[0] for d in domain]
+            total = KnownCounts(*(tuple(map(sum, zip(*(getattr(kc, f) for kc in known)))) for f in (
+                "num_tokens_per_rank", "num_recv_tokens_per_rank", "num_recv_tokens_per_expert")),
+                num_tokens_max=most, max_pair=max_pair, summary_tensor=call.summaries[C])
+        gate = Gate(call.rows_at, call.flags, call.value, C)
         with self._leg(fn, "forwarding the tokens", within=True):
-            self.domain.dispatch(evolve(merged, known=total, gate=gate, row_map=row_map, outs=shared))
+            self.domain.dispatch(evolve(call.merged, known=total, gate=gate, row_map=call.row_map, outs=call.shared))
+
+    def _gated_result(self, req: DispatchRequest, call: "_GatedCall", counts: "_Counts", rows: int, rails: list,
+                      bounds: list, timing) -> DispatchResult:
+        """A gated call's result once every launch is issued: its first ``rows`` output rows, each chunk's own handle
+        (its rows' sources in its own order, its positions and sends), as ``_finish`` takes them."""
         self._join()
+        e_dom = req.num_experts // self.num_domains
+        shared = tuple(None if t is None else t[:rows] for t in call.shared)
         outs, src_rank, src_idx = self._split_carried(shared)
-        handles, start = [], 0
-        for c in range(C):  # each chunk's own handle: its rows' sources in its own order, its positions and sends
-            a, b = at[c], at[c] + m1[c]
-            own = shared[4].index_select(0, back[start:start + per_chunk[c]])
+        known = [d[0] for d in counts.domain]
+        per_chunk = [sum(d[1]) for d in counts.domain]
+        merged, at, start, handles = call.merged, 0, 0, []
+        for c in range(call.chunks):
+            m = counts.rail_rows(c)
+            own = shared[4].index_select(0, call.back[start:start + per_chunk[c]])
             start += per_chunk[c]
             handles.append(self.domain.known_handle(
-                DispatchRequest(merged.x[a:b], None, None, None, None, itr[a:b], None, e_dom, 1, 0, None, req.config,
-                                None, known=evolve(known[c], summary_tensor=summaries[c])),
-                own_pos[c], sends[c, :L], own))
-        return self._finish(req, outs, src_rank, src_idx, rails, handles, bounds, back, None, False,
+                DispatchRequest(merged.x[at:at + m], None, None, None, None, merged.is_token_in_rank[at:at + m], None,
+                                e_dom, 1, 0, None, req.config, None,
+                                known=evolve(known[c], summary_tensor=call.summaries[c])),
+                call.own_pos[c], call.sends[c, :self.local_size], own))
+            at += -(-m // 16) * 16
+        return self._finish(req, outs, src_rank, src_idx, rails, handles, bounds, call.back[:rows], None, False,
                             [kc.num_recv_tokens_per_expert for kc in known], timing)
+
+    def _early_plan(self, req: DispatchRequest, sub: DispatchRequest, chunks: int) -> Optional[tuple]:
+        """The bounds ``(landing rows, received rows, max_pair, num_tokens_max)`` an exact-mode call of ``req`` in
+        ``chunks`` chunks (``sub`` its first) issues its domain leg with before its count read (``_early_issue``), or
+        None where it does not: no earlier gated call of that kind (``_early_key``), or a domain leg that cannot take
+        the chunks in one gated call. Each is the largest of the last ``EARLY_HISTORY`` such calls' needs
+        (``_Counts.needs``) with ``EARLY_MARGIN`` more: the same numbers on every rank of the domain (they come from
+        its gathered counts). An earlier gated call of the same kind is required, not only for its needs: every
+        kernel the call launches after its push (the rows' collectives, the forward layouts, the handles' torch
+        operations) must be loaded by then, since loading one waits for the device, where the push waits for them."""
+        seen = self._early_seen.get(self._early_key(req, chunks))
+        if not seen or not self.early_issue or self.device.type != "cuda" or not self.gated_exact:
+            return None
+        if not (self.domain.gates_exact_dispatch and self.domain.gates_cached_dispatch and self.domain.can_gate(sub)):
+            return None
+        return early_bounds(seen, self.EARLY_MARGIN)
+
+    @staticmethod
+    def _early_key(req: DispatchRequest, chunks: int) -> tuple:
+        """The kind of a gated call (which kernel variants it launches): its chunks and the shape of its rows."""
+        x, s = req.x, req.x_scales
+        return (chunks, x.dtype, x.size(1), None if s is None else (s.dtype, s.size(1)), req.topk_idx.size(1),
+                req.topk_weights is not None, req.num_experts)
+
+    def _early_seen_add(self, req: DispatchRequest, chunks: int, need: tuple) -> None:
+        """Keep a gated call's needs (``_Counts.needs``) for the next calls' bounds of its kind (``_early_plan``)."""
+        seen = self._early_seen.setdefault(self._early_key(req, chunks), collections.deque(maxlen=self.EARLY_HISTORY))
+        seen.append(need)
+
+    def _early_issue(self, fn: str, req: DispatchRequest, C: int, plan: tuple, gathered: torch.Tensor):
+        """Before the count read (``_exchange_counts``' ``before_read``): the domain leg of a gated call (``_gated``)
+        sized by ``plan`` (``_early_plan``) and issued on the caller's stream, where it waits on the device for the
+        chunks' flags; the host's work after the read is then the rows' collectives with their forward layouts and
+        the handles, all while rows cross. Returns the call, or None where the domain's storage cannot hold the
+        bounds and may not grow (every rank of the domain decides the same)."""
+        land, rows, max_pair, most = plan
+        if not self.domain.holds_merged(max_pair, most, req=req, extra_scales=2):
+            return None
+        call = self._gated_landing(req, C, land, None)
+        self.early_stats["issued"] += 1
+        self._gated_merged(req, call)
+        main, net = self._streams()
+        net.wait_stream(main)  # (the rows' packing; not the push below, which waits for the network stream)
+        self._gated_domain(fn, req, call, gathered, rows, max_pair, most, None)
+        call.plan = plan
+        return call
+
+    def _early_result(self, fn: str, req: DispatchRequest, call: "_GatedCall", counts: "_Counts",
+                      starts: Optional[torch.Tensor], gathered: torch.Tensor, bounds: list,
+                      timing) -> Optional[DispatchResult]:
+        """After the count read, a call whose domain leg ``_early_issue`` issued: where the counts fit its bounds, the
+        rows' collectives and forward layouts on the network stream, then the result (``_gated_result``); else
+        (every rank of the domain sees the same counts) the issued push is let go with no rows (its chunks' bounds
+        empty, their flags released) and None: the call goes the way it would have without it."""
+        need = counts.needs()
+        if any(n > b for n, b in zip(need, call.plan)):
+            def let_go() -> None:
+                call.rows_at.zero_()
+                call.flags[:call.chunks].fill_(call.value)
+
+            self._network(let_go, wait=False)
+            self.early_stats["let go"] += 1
+            return None
+        self._early_seen_add(req, call.chunks, need)
+        call.starts = starts
+        m1 = [counts.rail_rows(c) for c in range(call.chunks)]
+        call.own_pos = [torch.empty(m, self.local_size, dtype=torch.int32, device=self.device) for m in m1]
+        rails = []
+        self._network(lambda: self._gated_legs(fn, call, counts, m1, gathered, rails), wait=False)
+        return self._gated_result(req, call, counts, sum(sum(d[1]) for d in counts.domain), rails, bounds, timing)
 
     def _next_gate(self, chunks: int) -> tuple:
         """``(flags, value)`` of a gated call of ``chunks`` chunks: int64 flags on the device (at least ``chunks``,
@@ -765,7 +913,8 @@ class HierarchicalTransport(Transport):
                        num_tokens_per_rank=per_rank, is_token_in_rank=itr, num_tokens_per_expert=per_expert,
                        bad_topk=req.bad_topk if first else None)
 
-    def _exchange_counts(self, fn: str, req: DispatchRequest, subs: list, bounds: list, head: int) -> tuple:
+    def _exchange_counts(self, fn: str, req: DispatchRequest, subs: list, bounds: list, head: int,
+                         before_read: Optional[Callable[[torch.Tensor], None]] = None) -> tuple:
         """Both legs' counts of every chunk of an exact-mode dispatch, learnt before any row moves: one all_to_all over
         the rail group, one all_gather over the domain group, one host read. Every source sends its rail peer in each
         domain, per chunk, ``[tokens with an expert in that domain, tokens for each of its ranks (L), tokens for each
@@ -786,7 +935,8 @@ class HierarchicalTransport(Transport):
         rows from each source, by forwarding rank then source domain, ``domain``, made when first asked: after the
         first rows' collective; [D, chunks] int32 first token of each chunk of every rail peer, or None for one
         chunk; the head's ``Ahead`` or None; the domain's gathered counts ``[L * chunks, W]`` int32 on the
-        device)``; raises on bad expert ids (``req.bad_topk``)."""
+        device)``; raises on bad expert ids (``req.bad_topk``). ``before_read(gathered)`` runs once the rows' packing
+        is enqueued, before the host reads the counts (``_early_issue``)."""
         D, L, C, dev = self.num_domains, self.local_size, len(subs), req.x.device
         e_dom = req.num_experts // D
         tables, legs = [], []
@@ -829,6 +979,8 @@ class HierarchicalTransport(Transport):
         with self._leg(fn, PACK_PHASE):  # the inter-domain leg's local work, while the counts travel
             sent = 1 if head else 0  # (the head's leg was sent ahead: nothing to prepare)
             legs = legs[:sent] + [evolve(leg, prepared=self.rail.prepare(leg)) for leg in legs[sent:]]
+        if before_read is not None:
+            before_read(every)
         with self._leg(fn, COUNTS_PHASE):
             host = read()
         raise_if_bad_topk(fn, host[-1], req.num_experts)
@@ -1470,6 +1622,13 @@ CHUNK_GAIN = 0.05
 CHUNK_RATIO_FLOOR = 0.25
 
 
+def early_bounds(seen, margin: float) -> tuple:
+    """The bounds of an exact-mode call's domain leg issued before its count read
+    (``HierarchicalTransport._early_plan``): each of the four needs (``_Counts.needs``) the largest in ``seen`` (earlier
+    calls' needs), ``margin`` more, rounded up to a multiple of 16, and 16 more."""
+    return tuple(-(-int(max(s[i] for s in seen) * (1 + margin)) // 16) * 16 + 16 for i in range(4))
+
+
 def split_description(ratio: float) -> str:
     return "even" if ratio == 1.0 else f"each {ratio:.2f} times the previous one's tokens"
 
@@ -1607,6 +1766,29 @@ def _true_sources(h2: LowLatencyHandle, t_max: int, D: int, L: int, src_info: to
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+@dataclass(eq=False)
+class _GatedCall:
+    """A gated exact-mode call's buffers (``HierarchicalTransport._gated``), made in steps: the landing rows and the
+    carried columns, the gate; the merged input and the sends; the chunks' own positions; the row maps, summaries and
+    outputs. ``plan``: the bounds it was sized by before its count read (``_early_issue``), else None."""
+
+    chunks: int
+    landed: torch.Tensor  # [rows, fused width] uint8: every chunk's inter-domain rows beside their records
+    carried: torch.Tensor  # [rows, scales + 2] float32: scales, then each row's source domain and token (int32 words)
+    flags: torch.Tensor  # int64 gate flags (HierarchicalTransport._next_gate)
+    value: int  # the value this call releases into them
+    rows_at: torch.Tensor  # [chunks + 1] int32: the chunks' bounds in the merged input, written on the device
+    starts: Optional[torch.Tensor]  # [D, chunks] int32 each rail peer's chunk starts (None until the counts are read)
+    merged: Optional[DispatchRequest] = None
+    sends: Optional[torch.Tensor] = None
+    own_pos: Optional[list] = None
+    row_map: Optional[torch.Tensor] = None
+    back: Optional[torch.Tensor] = None
+    summaries: Optional[torch.Tensor] = None
+    shared: Optional[tuple] = None
+    plan: Optional[tuple] = None
+
+
 class _Counts:
     """Both legs' counts of every chunk of an exact-mode dispatch, from the host read of ``_exchange_counts`` (the
     domain's gathered rows ``[L, C, V + D L]``: sums with ``V = 2 + L + e_dom``, the last their rail peers' most
@@ -1652,6 +1834,16 @@ class _Counts:
         (``domain``'s, without making it)."""
         bounds = [self._bounds(c) for c in range(self._shape[0])]
         return sum(b[0] for b in bounds), sum(b[1] for b in bounds)
+
+    def needs(self) -> tuple:
+        """What the domain leg of this call's chunks merged into one gated call needs, as the same numbers on every rank
+        of the domain (from the gathered counts alone): ``(rows landing on the rank that lands the most, each chunk's
+        from a multiple of 16; rows the rank that receives the most gets through the domain leg; the merged call's
+        max_pair and num_tokens_max)`` (``HierarchicalTransport._early_bounds``)."""
+        C, L = self._shape[:2]
+        land = max(sum(-(-self._every[f][c][0] // 16) * 16 for c in range(C)) for f in range(L))
+        recv = max(sum(self._every[f][c][1 + g] for f in range(L) for c in range(C)) for g in range(L))
+        return (land, recv) + self.merged_bounds()
 
     def _bounds(self, c: int) -> tuple:
         """``(max_pair, num_tokens_max)`` of chunk ``c``'s domain leg: the most rows any forwarder sends any rank of
