@@ -289,8 +289,8 @@ class HierarchicalTransport(Transport):
     # gated call where the domain transport can (``_gated``); False: one call per chunk
     gated_exact: bool = True
     # whether such a call (several chunks, no head chunk) issues that gated domain leg before its count read, sized by
-    # the needs of the last EARLY_HISTORY calls of as many chunks with EARLY_MARGIN more (``_early_issue``): the host's
-    # work after the read is then the rows' collectives and the handles, while rows cross
+    # the needs of the last EARLY_HISTORY gated calls of its kind with EARLY_MARGIN more (``_early_issue``; GPUs, kinds
+    # whose gated call has run): the host's work after the read is then the rows' collectives and the handles
     early_issue: bool = True
     EARLY_MARGIN = 0.125
     EARLY_HISTORY = 4
