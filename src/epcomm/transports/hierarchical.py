@@ -665,17 +665,19 @@ class HierarchicalTransport(Transport):
             return None
         self._early_seen_add(req, C, need)
         m1 = [counts.rail_rows(c) for c in range(C)]  # the rows each chunk lands here
+        at = _landing_at(m1)
         # before the first rows' collective only what it needs (the landing buffer, and the carried columns whose
         # views its handle keeps); the merged input's other parts after it, while its rows cross
-        call = self._gated_landing(req, C, sum(-(-m // 16) * 16 for m in m1), starts)
+        call = self._gated_landing(req, C, at[-1], starts)
+        call.m1, call.at = m1, at
         rails = []
-        self._network(lambda: self._gated_rail(fn, call, counts, m1, 0, rails))
+        self._network(lambda: self._gated_rail(fn, call, counts, 0, rails))
         self._gated_merged(req, call)
         call.own_pos = [torch.empty(m, self.local_size, dtype=torch.int32, device=self.device) for m in m1]
-        self._network(lambda: self._gated_legs(fn, call, counts, m1, gathered, rails), wait=False)
+        self._network(lambda: self._gated_legs(fn, call, counts, gathered, rails), wait=False)
         rows = sum(sum(d[1]) for d in counts.domain)  # (made after the first rows' collective)
         self._gated_domain(fn, req, call, gathered, rows, need[2], need[3], counts.domain)
-        return self._gated_result(req, call, counts, rows, rails, bounds, timing)
+        return self._gated_result(req, call, counts, rails, bounds, timing)
 
     def _gated_landing(self, req: DispatchRequest, C: int, rows: int, starts: Optional[torch.Tensor]) -> "_GatedCall":
         """A gated call of ``C`` chunks: the buffer its ``rows`` inter-domain rows land in beside their records, the
@@ -705,17 +707,16 @@ class HierarchicalTransport(Transport):
                                       positions=torch.empty(rows, L, dtype=torch.int32, device=dev))
         call.sends = torch.empty(call.chunks, -(-L // 4) * 4, dtype=torch.int32, device=dev)  # (rows 16 bytes apart)
 
-    def _gated_rail(self, fn: str, call: "_GatedCall", counts: "_Counts", m1: list, c: int, rails: list) -> None:
+    def _gated_rail(self, fn: str, call: "_GatedCall", counts: "_Counts", c: int, rails: list) -> None:
         """Chunk ``c``'s inter-domain rows into their place in the landing buffer (on the network stream)."""
-        a = sum(-(-m // 16) * 16 for m in m1[:c])
+        a, b = call.at[c], call.at[c] + call.m1[c]
         ns = call.carried.size(1) - 2
         words = call.carried.view(torch.int32)
         with self._leg(fn, ROWS_PHASE):
-            rails.append(self.rail.dispatch_into(counts.rail(c), call.landed[a:a + m1[c]],
-                                                 (words[a:a + m1[c], ns], words[a:a + m1[c], ns + 1])))
+            rails.append(self.rail.dispatch_into(counts.rail(c), call.landed[a:b],
+                                                 (words[a:b, ns], words[a:b, ns + 1])))
 
-    def _gated_legs(self, fn: str, call: "_GatedCall", counts: "_Counts", m1: list, gathered: torch.Tensor,
-                    rails: list) -> None:
+    def _gated_legs(self, fn: str, call: "_GatedCall", counts: "_Counts", gathered: torch.Tensor, rails: list) -> None:
         """On the network stream (which already waits for the caller's work the chunks read): every chunk's rows (the
         first's, where ``rails`` has it, already issued), each followed by ``launch_forward_layout``, its flag last."""
         from ..kernels.ep import launch_forward_layout
@@ -725,18 +726,16 @@ class HierarchicalTransport(Transport):
         xb = merged.x.size(1) * merged.x.element_size()
         records = call.landed.view(torch.int32)[:, xb // 4:]
         mine = gathered[self.local_index * C:(self.local_index + 1) * C]  # this rank's rows of the domain's counts
-        w = merged.topk_weights
-        at = 0
+        w, at = merged.topk_weights, call.at
         for c in range(C):
             if c >= len(rails):
-                self._gated_rail(fn, call, counts, m1, c, rails)
-            span = -(-m1[c] // 16) * 16
-            launch_forward_layout(records, at, m1[c], span, call.starts, c, call.carried.view(torch.int32),
+                self._gated_rail(fn, call, counts, c, rails)
+            launch_forward_layout(records, at[c], call.m1[c], at[c + 1] - at[c], call.starts, c,
+                                  call.carried.view(torch.int32),
                                   merged.topk_idx, None if w is None else w.view(torch.int32),
                                   merged.is_token_in_rank.view(torch.int8), merged.positions, call.own_pos[c],
                                   call.sends, mine, self.domain.deferred_errors, call.flags, call.rows_at, call.value,
                                   e_dom // L, e_dom)
-            at += span
 
     def _gated_domain(self, fn: str, req: DispatchRequest, call: "_GatedCall", gathered: torch.Tensor, rows: int,
                       max_pair: int, most: int, domain: Optional[list]) -> None:
@@ -767,27 +766,27 @@ class HierarchicalTransport(Transport):
         with self._leg(fn, "forwarding the tokens", within=True):
             self.domain.dispatch(evolve(call.merged, known=total, gate=gate, row_map=call.row_map, outs=call.shared))
 
-    def _gated_result(self, req: DispatchRequest, call: "_GatedCall", counts: "_Counts", rows: int, rails: list,
-                      bounds: list, timing) -> DispatchResult:
-        """A gated call's result once every launch is issued: its first ``rows`` output rows, each chunk's own handle
-        (its rows' sources in its own order, its positions and sends), as ``_finish`` takes them."""
+    def _gated_result(self, req: DispatchRequest, call: "_GatedCall", counts: "_Counts", rails: list, bounds: list,
+                      timing) -> DispatchResult:
+        """A gated call's result once every launch is issued: its output rows (the first of its outputs: those the
+        domain counts give), each chunk's own handle (its rows' sources in its own order, its positions and sends),
+        as ``_finish`` takes them."""
         self._join()
         e_dom = req.num_experts // self.num_domains
-        shared = tuple(None if t is None else t[:rows] for t in call.shared)
-        outs, src_rank, src_idx = self._split_carried(shared)
         known = [d[0] for d in counts.domain]
         per_chunk = [sum(d[1]) for d in counts.domain]
-        merged, at, start, handles = call.merged, 0, 0, []
+        rows = sum(per_chunk)
+        shared = tuple(None if t is None else t[:rows] for t in call.shared)
+        outs, src_rank, src_idx = self._split_carried(shared)
+        merged, at, start, handles = call.merged, call.at, 0, []
         for c in range(call.chunks):
-            m = counts.rail_rows(c)
+            a, b = at[c], at[c] + call.m1[c]
             own = shared[4].index_select(0, call.back[start:start + per_chunk[c]])
             start += per_chunk[c]
             handles.append(self.domain.known_handle(
-                DispatchRequest(merged.x[at:at + m], None, None, None, None, merged.is_token_in_rank[at:at + m], None,
-                                e_dom, 1, 0, None, req.config, None,
-                                known=evolve(known[c], summary_tensor=call.summaries[c])),
+                DispatchRequest(merged.x[a:b], None, None, None, None, merged.is_token_in_rank[a:b], None, e_dom, 1, 0,
+                                None, req.config, None, known=evolve(known[c], summary_tensor=call.summaries[c])),
                 call.own_pos[c], call.sends[c, :self.local_size], own))
-            at += -(-m // 16) * 16
         return self._finish(req, outs, src_rank, src_idx, rails, handles, bounds, call.back[:rows], None, False,
                             [kc.num_recv_tokens_per_expert for kc in known], timing)
 
@@ -855,11 +854,12 @@ class HierarchicalTransport(Transport):
             return None
         self._early_seen_add(req, call.chunks, need)
         call.starts = starts
-        m1 = [counts.rail_rows(c) for c in range(call.chunks)]
-        call.own_pos = [torch.empty(m, self.local_size, dtype=torch.int32, device=self.device) for m in m1]
+        call.m1 = [counts.rail_rows(c) for c in range(call.chunks)]
+        call.at = _landing_at(call.m1)  # (within the bounds: need[0] is the most any rank of the domain lands)
+        call.own_pos = [torch.empty(m, self.local_size, dtype=torch.int32, device=self.device) for m in call.m1]
         rails = []
-        self._network(lambda: self._gated_legs(fn, call, counts, m1, gathered, rails), wait=False)
-        return self._gated_result(req, call, counts, sum(sum(d[1]) for d in counts.domain), rails, bounds, timing)
+        self._network(lambda: self._gated_legs(fn, call, counts, gathered, rails), wait=False)
+        return self._gated_result(req, call, counts, rails, bounds, timing)
 
     def _next_gate(self, chunks: int) -> tuple:
         """``(flags, value)`` of a gated call of ``chunks`` chunks: int64 flags on the device (at least ``chunks``,
@@ -1622,6 +1622,15 @@ CHUNK_GAIN = 0.05
 CHUNK_RATIO_FLOOR = 0.25
 
 
+def _landing_at(rows: list) -> list:
+    """Where each chunk's ``rows`` start in a gated call's landing buffer, then the rows it takes: each chunk's from a
+    multiple of 16 rows (its slices start 16-byte aligned, one kernel variant)."""
+    at = [0]
+    for m in rows:
+        at.append(at[-1] + -(-m // 16) * 16)
+    return at
+
+
 def early_bounds(seen, margin: float) -> tuple:
     """The bounds of an exact-mode call's domain leg issued before its count read
     (``HierarchicalTransport._early_plan``): each of the four needs (``_Counts.needs``) the largest in ``seen`` (earlier
@@ -1781,6 +1790,8 @@ class _GatedCall:
     starts: Optional[torch.Tensor]  # [D, chunks] int32 each rail peer's chunk starts (None until the counts are read)
     merged: Optional[DispatchRequest] = None
     sends: Optional[torch.Tensor] = None
+    m1: Optional[list] = None  # the rows each chunk lands here (once the counts are read)
+    at: Optional[list] = None  # where each chunk's rows start in the landing buffer, and their end (_landing_at)
     own_pos: Optional[list] = None
     row_map: Optional[torch.Tensor] = None
     back: Optional[torch.Tensor] = None
@@ -1841,7 +1852,7 @@ class _Counts:
         from a multiple of 16; rows the rank that receives the most gets through the domain leg; the merged call's
         max_pair and num_tokens_max)`` (``HierarchicalTransport._early_bounds``)."""
         C, L = self._shape[:2]
-        land = max(sum(-(-self._every[f][c][0] // 16) * 16 for c in range(C)) for f in range(L))
+        land = max(_landing_at([self._every[f][c][0] for c in range(C)])[-1] for f in range(L))
         recv = max(sum(self._every[f][c][1 + g] for f in range(L) for c in range(C)) for g in range(L))
         return (land, recv) + self.merged_bounds()
 
