@@ -1102,6 +1102,13 @@ def summary_words(L: int, e_local: int) -> int:
     return -(-(SUMMARY_HEAD + 3 * L + max(e_local, 1)) // 4) * 4
 
 
+def summary_per_expert(summary, L: int, e_local: int):
+    """The rows a rank receives per local expert (``[e_local]`` int32, a view), from a domain-leg summary of ``L``
+    ranks (``_summary_of``'s layout, the exchange kernel's)."""
+    b = SUMMARY_HEAD + 3 * L
+    return summary[b:b + e_local]
+
+
 def launch_rows_merged(counts, row_map, back, summaries, stride: int, col: int, L: int, D: int, chunks: int,
                        cstride: int, local: int, e_local: int) -> None:
     """``rows_merged_kernel`` into ``row_map`` and ``back`` (``[M]`` int64 each) and ``summaries [chunks + 1,

@@ -237,7 +237,9 @@ class _HandleState:
     """Per pipelined chunk of the dispatch: the legs' handles, this rank's token bounds, the rows it received."""
 
     rail: tuple  # the inter-domain leg's handles (this rank as forwarder)
-    domain: tuple  # the domain leg's handles
+    # the domain leg's handles, or a function that makes them (``domain``: when first asked, by a combine or cached
+    # dispatch, whose host work a step hides, instead of the dispatch's, after its count read)
+    domain_handles: Any
     bounds: tuple  # (first, end) token of each chunk of this rank's x
     rows: tuple  # rows of the outputs from each chunk, in order
     back: torch.Tensor  # [M] int64: row i of the chunks' rows, one after the other, is output row back[i]
@@ -248,6 +250,13 @@ class _HandleState:
     # host and on the device), the inter-domain leg's merged packing; the last three None for one chunk), or None
     # where the domain leg cannot merge them
     merged: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @functools.cached_property
+    def domain(self) -> tuple:
+        """The domain leg's handles, per chunk (made here where a function was given, which is then let go)."""
+        if callable(self.domain_handles):
+            object.__setattr__(self, "domain_handles", self.domain_handles())
+        return self.domain_handles
 
     @functools.cached_property
     def order(self) -> torch.Tensor:
@@ -769,26 +778,40 @@ class HierarchicalTransport(Transport):
     def _gated_result(self, req: DispatchRequest, call: "_GatedCall", counts: "_Counts", rails: list, bounds: list,
                       timing) -> DispatchResult:
         """A gated call's result once every launch is issued: its output rows (the first of its outputs: those the
-        domain counts give), each chunk's own handle (its rows' sources in its own order, its positions and sends),
-        as ``_finish`` takes them."""
+        domain counts give), and each chunk's own handle (its rows' sources in its own order, its positions and
+        sends), made when the combine or a cached dispatch first asks for them (``_HandleState.domain``), as
+        ``_finish`` takes them."""
+        from ..kernels.ep import summary_per_expert
+
         self._join()
-        e_dom = req.num_experts // self.num_domains
+        L, C, e_dom = self.local_size, call.chunks, req.num_experts // self.num_domains
         known = [d[0] for d in counts.domain]
         per_chunk = [sum(d[1]) for d in counts.domain]
         rows = sum(per_chunk)
         shared = tuple(None if t is None else t[:rows] for t in call.shared)
         outs, src_rank, src_idx = self._split_carried(shared)
-        merged, at, start, handles = call.merged, call.at, 0, []
-        for c in range(call.chunks):
-            a, b = at[c], at[c] + call.m1[c]
-            own = shared[4].index_select(0, call.back[start:start + per_chunk[c]])
-            start += per_chunk[c]
-            handles.append(self.domain.known_handle(
-                DispatchRequest(merged.x[a:b], None, None, None, None, merged.is_token_in_rank[a:b], None, e_dom, 1, 0,
-                                None, req.config, None, known=evolve(known[c], summary_tensor=call.summaries[c])),
-                call.own_pos[c], call.sends[c, :self.local_size], own))
-        return self._finish(req, outs, src_rank, src_idx, rails, handles, bounds, call.back[:rows], None, False,
-                            [kc.num_recv_tokens_per_expert for kc in known], timing)
+        # (what the handles need, not the landed rows: those are let go with the call)
+        src, domain, itr, back, own_pos, sends, summaries = (shared[4], self.domain, call.merged.is_token_in_rank,
+                                                              call.back, call.own_pos, call.sends, call.summaries)
+        at, m1, config = call.at, call.m1, req.config
+        hidden, dtype = call.merged.x.size(1), call.merged.x.dtype
+
+        def handles() -> tuple:
+            made, start = [], 0
+            for c in range(C):
+                a, b = at[c], at[c] + m1[c]
+                own = src.index_select(0, back[start:start + per_chunk[c]])
+                start += per_chunk[c]
+                rows_of = torch.empty(m1[c], hidden, dtype=dtype, device="meta")  # (the handle reads their shape)
+                made.append(domain.known_handle(
+                    DispatchRequest(rows_of, None, None, None, None, itr[a:b], None, e_dom, 1, 0, None, config, None,
+                                    known=evolve(known[c], summary_tensor=summaries[c])),
+                    own_pos[c], sends[c, :L], own))
+            return tuple(made)
+
+        return self._finish(req, outs, src_rank, src_idx, rails, handles, bounds, back[:rows], None, False,
+                            [kc.num_recv_tokens_per_expert for kc in known], timing, rows=per_chunk,
+                            per_expert=summary_per_expert(summaries[C], L, e_dom // L))
 
     def _early_plan(self, req: DispatchRequest, sub: DispatchRequest, chunks: int) -> Optional[tuple]:
         """The bounds ``(landing rows, received rows, max_pair, num_tokens_max)`` an exact-mode call of ``req`` in
@@ -879,15 +902,20 @@ class HierarchicalTransport(Transport):
         return (out_x, carried[:, :ns].contiguous() if ns else None, out_idx, out_w), src_rank, src_idx
 
     def _finish(self, req: DispatchRequest, outs: tuple, src_rank: torch.Tensor, src_idx: torch.Tensor, rails: list,
-                domains: list, bounds: list, back, order, head: bool, lists: list, timing) -> DispatchResult:
+                domains, bounds: list, back, order, head: bool, lists: list, timing, rows: Optional[list] = None,
+                per_expert: Optional[torch.Tensor] = None) -> DispatchResult:
         """An exact-mode (or ``num_worst_tokens``) dispatch's result from its legs: ``outs`` (x, scales, top-k ids,
         weights) in the intranode path's order, each row's source rank and token, per chunk the inter-domain leg's
         and the domain leg's handles and the domain leg's per-expert counts (``lists``, host lists), ``bounds`` its
-        token bounds, ``back``/``order`` as ``_HandleState`` keeps them."""
+        token bounds, ``back``/``order`` as ``_HandleState`` keeps them. ``domains`` may be a function that makes
+        the domain leg's handles when first asked (``_HandleState.domain``); then ``rows`` (the rows each chunk
+        received) and ``per_expert`` (the received per-expert counts, on the device) are given."""
         W, n, x = req.num_worst_tokens, req.x.size(0), req.x
-        per_expert = domains[0].num_recv_tokens_per_expert
-        for h in domains[1:]:
-            per_expert = per_expert + h.num_recv_tokens_per_expert
+        if not callable(domains):
+            per_expert = domains[0].num_recv_tokens_per_expert
+            for h in domains[1:]:
+                per_expert = per_expert + h.num_recv_tokens_per_expert
+            rows, domains = [h.num_recv_tokens for h in domains], tuple(domains)
         self._milestone(ISSUED_MILESTONE)
         counts = []
         if not W and req.num_tokens_per_expert is not None:  # the domain leg counted without alignment
@@ -897,11 +925,10 @@ class HierarchicalTransport(Transport):
         handle = DispatchHandle(
             buffer_id=self.buffer_id, transport=self.name, num_ranks=self.num_ranks, num_experts=req.num_experts,
             num_tokens=n, hidden=x.size(1), is_token_in_rank=req.is_token_in_rank, num_tokens_per_rank=None,
-            num_recv_tokens=sum(h.num_recv_tokens for h in domains), num_recv_tokens_per_rank=None,
-            num_recv_tokens_per_expert=per_expert,
+            num_recv_tokens=sum(rows), num_recv_tokens_per_rank=None, num_recv_tokens_per_expert=per_expert,
             recv_src_rank=src_rank, recv_src_idx=src_idx,
-            num_worst_tokens=W, state=_HandleState(tuple(rails), tuple(domains), tuple(bounds),
-                                                   tuple(h.num_recv_tokens for h in domains), back, order, head))
+            num_worst_tokens=W, state=_HandleState(tuple(rails), domains, tuple(bounds), tuple(rows), back, order,
+                                                   head))
         return DispatchResult(*outs, counts, handle)
 
     def _chunk(self, req: DispatchRequest, a: int, b: int, first: bool) -> DispatchRequest:

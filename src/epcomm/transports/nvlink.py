@@ -1020,10 +1020,9 @@ def _known_summary(known, num_ranks: int, e_local: int, has_experts: bool) -> li
 
 def _recv_per_expert(summary: torch.Tensor, num_ranks: int, e_local: int) -> torch.Tensor:
     """The rows this rank receives per local expert, from the exchange's summary (int32 on the device)."""
-    from ..kernels.ep import SUMMARY_HEAD
+    from ..kernels.ep import summary_per_expert
 
-    b = SUMMARY_HEAD + 3 * num_ranks
-    return summary[b:b + e_local]
+    return summary_per_expert(summary, num_ranks, e_local)
 
 
 def _tag(epoch: int) -> int:
