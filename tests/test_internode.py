@@ -756,8 +756,10 @@ for m, pad, bad in ((13, 3, False), (0, 0, False), (16, 0, False), (9, 7, True))
     deferred = torch.zeros(1, dtype=torch.int32)
     flags = torch.zeros(4, dtype=torch.int64)
     bounds = torch.full((C + 1,), -7, dtype=torch.int32)
+    tickets = torch.zeros(C, dtype=torch.int32)
     launch_forward_layout(recs[:, :W], r0, m, rows, starts, 1, carried, idx, w, itr, pos, local, sends, gathered,
-                          deferred, flags, bounds, 41, e_dom // L, e_dom)
+                          deferred, flags, bounds, 41, e_dom // L, e_dom, tickets)
+    assert tickets.tolist() == [0, max(1, -(-rows // 64))], tickets  # (every program counted itself in its chunk's)
     assert bounds.tolist() == [-7, r0, r0 + rows]  # (its first row and the next chunk's; chunk 0 writes bounds[0])
     got = recs[real]
     assert carried[real, :ns].tolist() == got[:, 2:2 + ns].tolist()
@@ -779,8 +781,8 @@ print("ok")
 
 
 def test_forward_layout_of_a_landed_chunk():
-    """``launch_forward_layout`` (its kernels under the interpreter), which makes one chunk of a gated exact-mode
-    dispatch ready for the domain leg once its rows land: each row's scales, source domain and source token (its
+    """``launch_forward_layout`` (its one kernel under the interpreter, the positions made by its last program), which
+    makes one chunk of a gated exact-mode dispatch ready for the domain leg once its rows land: each row's scales, source domain and source token (its
     record's plus the chunk's first token on that source), top-k ids and weights unpacked from records of any row
     stride into the merged input at the chunk's rows; every row's layout within the domain (padding rows none); its
     positions in the merged call (after this rank's earlier chunks' rows) and in the chunk's own; its sends; its

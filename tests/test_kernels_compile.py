@@ -67,7 +67,7 @@ def _rows_in_place() -> None:
                           torch.empty(16, 2, dtype=torch.int32), torch.empty(3, 2, dtype=torch.int32),
                           torch.empty(2, 4, dtype=torch.int32), torch.zeros(2, 8, dtype=torch.int32),
                           torch.zeros(1, dtype=torch.int32), torch.zeros(2, dtype=torch.int64),
-                          torch.empty(3, dtype=torch.int32), 1, 1, 2)
+                          torch.empty(3, dtype=torch.int32), 1, 1, 2, torch.zeros(1, dtype=torch.int32))
 
 
 def _record(ctx):
@@ -90,7 +90,7 @@ def _record(ctx):
     assert not problems, problems
     assert any(n == "ll_dispatch_kernel" and kw.get("PRECAST") for _, n, _, kw in launches), "no pre-cast launch"
     assert any(n == "rows_in_place_kernel" for _, n, _, _ in launches), "no row map launch"
-    assert {"rows_merged_kernel", "forward_records_kernel", "forward_positions_kernel"} <= {
+    assert {"rows_merged_kernel", "forward_layout_kernel"} <= {
         n for _, n, _, _ in launches}, "no gated exact-mode launches"
     return launches
 

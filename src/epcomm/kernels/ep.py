@@ -225,12 +225,19 @@ def rows_merged_kernel(counts_ptr, map_ptr, back_ptr, summary_ptr, m, stride, cs
         _summary_of(counts_ptr, summary_ptr + pid * slen, 0, chunks, stride, cstride, L, local, e_local, LP, EP)
 
 
-@triton.jit(do_not_specialize=["rec_stride", "r0", "m", "rows", "chunk", "sstride", "cstride", "e_local", "e_dom"])
-def forward_records_kernel(rec_ptr, rec_stride, r0, m, rows, starts_ptr, chunk, sstride, cstride, carried_ptr, idx_ptr,
-                           w_ptr, itr_ptr, deferred_ptr, e_local, e_dom, NS: tl.constexpr, K: tl.constexpr,
-                           L: tl.constexpr, HAS_W: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
-                           BLOCK_K: tl.constexpr):
-    """One chunk's landed inter-domain rows made into the domain leg's input, ``BLOCK`` rows a program: rows ``[r0, r0 +
+@triton.jit(do_not_specialize=["rec_stride", "r0", "m", "rows", "chunk", "sstride", "cstride", "e_local", "e_dom",
+                             "sends_stride", "gstride", "value"])
+def forward_layout_kernel(rec_ptr, rec_stride, r0, m, rows, starts_ptr, chunk, sstride, cstride, carried_ptr, idx_ptr,
+                          w_ptr, itr_ptr, deferred_ptr, e_local, e_dom, pos_ptr, local_ptr, sends_ptr, sends_stride,
+                          gathered_ptr, gstride, flag_ptr, bounds_ptr, value, ticket_ptr, NS: tl.constexpr,
+                          K: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, HAS_W: tl.constexpr,
+                          BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
+                          USE_PTX: tl.constexpr):
+    """One chunk of a gated exact-mode dispatch's domain leg made ready, once its rows have landed, in one launch: every
+    program unpacks ``BLOCK`` rows' records (below); the last to finish (a ticket in ``ticket [chunk]`` int32, zero
+    before the launch) then makes the chunk's positions and releases its flag (``_forward_positions``).
+
+    The records: one chunk's landed inter-domain rows made into the domain leg's input, rows ``[r0, r0 +
     rows)`` of the merged input, the first ``m`` of them real (their received records: those rows of ``rec [., W]``
     int32, ``rec_stride`` words apart, ``record_words`` layout), the rest padding (no destination). Writes each real
     row's ``carried [., NS + 2]`` int32 words (its scales, then its source domain and its source token within the
@@ -265,6 +272,10 @@ def forward_records_kernel(rec_ptr, rec_stride, r0, m, rows, starts_ptr, chunk, 
     if bad > 0:
         tl.atomic_add(deferred_ptr, bad)
     _in_rank(itr_ptr, i64, inside, ids, km & (ids >= 0) & (ids < e_dom), e_local, L)
+    tl.debug_barrier()  # (the block's rows written, then its ticket: the last program's acquire sees every block's)
+    if tl.atomic_add(ticket_ptr + chunk, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+        _forward_positions(itr_ptr, pos_ptr, local_ptr, sends_ptr, sends_stride, gathered_ptr, gstride, chunk,
+                           deferred_ptr, flag_ptr, bounds_ptr, value, r0, m, rows, L, LP, BLOCK_T, USE_PTX)
 
 
 @triton.jit
@@ -293,11 +304,12 @@ def _running_positions(itr_ptr, pos_ptr, t_first, n, base, R, RP: tl.constexpr, 
     return carry
 
 
-@triton.jit(do_not_specialize=["r0", "m", "rows", "chunk", "gstride", "value"])
-def forward_positions_kernel(itr_ptr, pos_ptr, local_ptr, sends_ptr, sends_stride, gathered_ptr, gstride, chunk,
-                             deferred_ptr, flag_ptr, bounds_ptr, value, r0, m, rows, L: tl.constexpr, LP: tl.constexpr,
-                             BLOCK_T: tl.constexpr, USE_PTX: tl.constexpr):
-    """One program, after ``forward_records_kernel`` of the same chunk: each row's positions among this rank's rows for
+@triton.jit
+def _forward_positions(itr_ptr, pos_ptr, local_ptr, sends_ptr, sends_stride, gathered_ptr, gstride, chunk, deferred_ptr,
+                       flag_ptr, bounds_ptr, value, r0, m, rows, L: tl.constexpr, LP: tl.constexpr,
+                       BLOCK_T: tl.constexpr, USE_PTX: tl.constexpr):
+    """One program, once every row of the chunk is unpacked (``forward_layout_kernel``): each row's positions among
+    this rank's rows for
     each rank of the domain, ``pos [., L]`` int32 in the merged call (after this rank's rows to that rank in the earlier
     chunks) and ``local [m, L]`` int32 in the chunk's own (the chunk's rows ``[r0, r0 + rows)`` of the merged input, the
     first ``m`` real, their ``itr [., L]`` int8); this chunk's rows to each rank into ``sends + chunk * sends_stride``
@@ -1122,26 +1134,25 @@ def launch_rows_merged(counts, row_map, back, summaries, stride: int, col: int, 
 
 
 def launch_forward_layout(records, r0: int, m: int, rows: int, starts, chunk: int, carried, idx, w, itr, pos, local,
-                          sends, gathered, deferred, flags, bounds, value: int, e_local: int, e_dom: int) -> None:
+                          sends, gathered, deferred, flags, bounds, value: int, e_local: int, e_dom: int,
+                          tickets) -> None:
     """One chunk of a gated exact-mode dispatch's domain leg made ready on the current stream, once its rows have
-    landed: ``forward_records_kernel`` over its ``rows`` rows of the merged input from ``r0`` (``m`` of them real;
-    ``records [., W]`` int32, every chunk's, any row stride; ``starts [D, C]`` int32, any strides; the merged
-    ``carried`` int32 view, ``idx`` int64, ``w`` int32 view or None, ``itr`` int8 view), then
-    ``forward_positions_kernel`` (``pos`` merged, ``local [m, L]`` the chunk's own, ``sends [C, >= L]`` int32,
+    landed, by one launch of ``forward_layout_kernel``: its records unpacked over its ``rows`` rows of the merged input
+    from ``r0`` (``m`` of them real; ``records [., W]`` int32, every chunk's, any row stride; ``starts [D, C]`` int32,
+    any strides; the merged ``carried`` int32 view, ``idx`` int64, ``w`` int32 view or None, ``itr`` int8 view), then,
+    by its last program, the positions (``pos`` merged, ``local [m, L]`` the chunk's own, ``sends [C, >= L]`` int32,
     ``gathered``: this rank's rows of the domain's gathered counts from chunk 0, ``[C, W]`` int32, its rows
-    contiguous), which writes the chunk's bounds into ``bounds [C + 1]`` int32 (the gated push's ``Gate.bounds``: no
-    copy from the host) and ends by releasing ``value`` into ``flags[chunk]``."""
+    contiguous), the chunk's bounds into ``bounds [C + 1]`` int32 (the gated push's ``Gate.bounds``: no copy from the
+    host) and ``value`` released into ``flags[chunk]``. ``tickets [>= C]`` int32, zero before the call's first chunk:
+    each launch's programs count themselves in ``tickets[chunk]``."""
     k, ns = idx.size(1), carried.size(1) - 2
     L = itr.size(1)
     dummy = deferred
-    if rows:
-        launch(forward_records_kernel, (cdiv(rows, 64),), records, records.stride(0), r0, m, rows, starts, chunk,
-               starts.stride(0), starts.stride(1), carried, idx, w if w is not None else dummy, itr, deferred,
-               e_local, e_dom, NS=ns, K=k, L=L, HAS_W=w is not None, BLOCK=64, BLOCK_S=pow2_block(ns),
-               BLOCK_K=pow2_block(k))
-    launch(forward_positions_kernel, (1,), itr, pos, local, sends, sends.stride(0), gathered, gathered.stride(0),
-           chunk, deferred, flags, bounds, value, r0, m, rows, L=L, LP=next_pow2(max(L, 2)), BLOCK_T=256,
-           USE_PTX=itr.is_cuda, num_warps=4)
+    launch(forward_layout_kernel, (max(1, cdiv(rows, 64)),), records, records.stride(0), r0, m, rows, starts, chunk,
+           starts.stride(0), starts.stride(1), carried, idx, w if w is not None else dummy, itr, deferred, e_local,
+           e_dom, pos, local, sends, sends.stride(0), gathered, gathered.stride(0), flags, bounds, value, tickets,
+           NS=ns, K=k, L=L, LP=next_pow2(max(L, 2)), HAS_W=w is not None, BLOCK=64, BLOCK_S=pow2_block(ns),
+           BLOCK_K=pow2_block(k), BLOCK_T=256, USE_PTX=itr.is_cuda, num_warps=4)
 
 
 def launch_unpack_records(records, out_scales, out_idx, out_w, out_src, num_scales: int, num_topk: int) -> None:

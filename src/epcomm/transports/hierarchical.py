@@ -701,8 +701,11 @@ class HierarchicalTransport(Transport):
             ns, req.topk_idx.size(1), req.topk_weights is not None))), dtype=torch.uint8, device=dev)
         carried = torch.empty(rows, ns + 2, dtype=torch.float32, device=dev)
         flags, value = self._next_gate(C)  # (before the network stream's wait: a first call zeroes them on this stream)
-        # (zeroed: the kernel that empties them in a call let go, _early_result, is loaded by then)
-        return _GatedCall(C, landed, carried, flags, value, torch.zeros(C + 1, dtype=torch.int32, device=dev), starts)
+        # the chunks' bounds, then their forward layouts' tickets (zeroed: also loads the kernel that empties the bounds
+        # in a call let go, _early_result)
+        at = -(-(C + 1) // 4) * 4  # (the tickets 16-byte aligned, whatever the chunk count: one kernel variant)
+        words = torch.zeros(at + C, dtype=torch.int32, device=dev)
+        return _GatedCall(C, landed, carried, flags, value, words[:C + 1], starts, words[at:])
 
     def _gated_merged(self, req: DispatchRequest, call: "_GatedCall") -> None:
         """The merged input's other parts (the domain leg's request over the landed rows) and the chunks' sends."""
@@ -744,7 +747,7 @@ class HierarchicalTransport(Transport):
                                   merged.topk_idx, None if w is None else w.view(torch.int32),
                                   merged.is_token_in_rank.view(torch.int8), merged.positions, call.own_pos[c],
                                   call.sends, mine, self.domain.deferred_errors, call.flags, call.rows_at, call.value,
-                                  e_dom // L, e_dom)
+                                  e_dom // L, e_dom, call.tickets)
 
     def _gated_domain(self, fn: str, req: DispatchRequest, call: "_GatedCall", gathered: torch.Tensor, rows: int,
                       max_pair: int, most: int, domain: Optional[list]) -> None:
@@ -1815,6 +1818,7 @@ class _GatedCall:
     value: int  # the value this call releases into them
     rows_at: torch.Tensor  # [chunks + 1] int32: the chunks' bounds in the merged input, written on the device
     starts: Optional[torch.Tensor]  # [D, chunks] int32 each rail peer's chunk starts (None until the counts are read)
+    tickets: Optional[torch.Tensor] = None  # [chunks] int32, zero: each chunk's forward layout counts its programs
     merged: Optional[DispatchRequest] = None
     sends: Optional[torch.Tensor] = None
     m1: Optional[list] = None  # the rows each chunk lands here (once the counts are read)
