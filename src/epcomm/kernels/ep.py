@@ -234,8 +234,9 @@ def forward_layout_kernel(rec_ptr, rec_stride, r0, m, rows, starts_ptr, chunk, s
                           BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
                           USE_PTX: tl.constexpr):
     """One chunk of a gated exact-mode dispatch's domain leg made ready, once its rows have landed, in one launch: every
-    program unpacks ``BLOCK`` rows' records (below); the last to finish (a ticket in ``ticket [chunk]`` int32, zero
-    before the launch) then makes the chunk's positions and releases its flag (``_forward_positions``).
+    program unpacks ``BLOCK`` rows' records (below); the last to finish (``arrive_last`` on ``ticket [chunk]`` int32,
+    zero before the launch, zero again after it) then makes the chunk's positions and releases its flag
+    (``_forward_positions``).
 
     The records: one chunk's landed inter-domain rows made into the domain leg's input, rows ``[r0, r0 +
     rows)`` of the merged input, the first ``m`` of them real (their received records: those rows of ``rec [., W]``
@@ -272,8 +273,9 @@ def forward_layout_kernel(rec_ptr, rec_stride, r0, m, rows, starts_ptr, chunk, s
     if bad > 0:
         tl.atomic_add(deferred_ptr, bad)
     _in_rank(itr_ptr, i64, inside, ids, km & (ids >= 0) & (ids < e_dom), e_local, L)
-    tl.debug_barrier()  # (the block's rows written, then its ticket: the last program's acquire sees every block's)
-    if tl.atomic_add(ticket_ptr + chunk, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+    fence_sys(USE_PTX)  # (the block's rows written, then its ticket: the last program's acquire sees every block's)
+    tl.debug_barrier()
+    if arrive_last(ticket_ptr + chunk, tl.num_programs(0)) != 0:
         _forward_positions(itr_ptr, pos_ptr, local_ptr, sends_ptr, sends_stride, gathered_ptr, gstride, chunk,
                            deferred_ptr, flag_ptr, bounds_ptr, value, r0, m, rows, L, LP, BLOCK_T, USE_PTX)
 
