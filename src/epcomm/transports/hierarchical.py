@@ -855,6 +855,9 @@ class HierarchicalTransport(Transport):
             return None
         call = self._gated_landing(req, C, land, None)
         self.early_stats["issued"] += 1
+        # the flags' values if the call is let go (_early_result), made before the push: letting it go then copies them
+        # (a device copy), launching no kernel that might first be loaded behind the push (loading waits for it)
+        call.release = torch.full((C,), call.value, dtype=torch.int64, device=self.device)
         self._gated_merged(req, call)
         main, net = self._streams()
         net.wait_stream(main)  # (the rows' packing; not the push below, which waits for the network stream)
@@ -872,8 +875,8 @@ class HierarchicalTransport(Transport):
         need = counts.needs()
         if any(n > b for n, b in zip(need, call.plan)):
             def let_go() -> None:
-                call.rows_at.zero_()
-                call.flags[:call.chunks].fill_(call.value)
+                call.rows_at.zero_()  # (the kernel that zeroed them before the push)
+                call.flags[:call.chunks].copy_(call.release)
 
             self._network(let_go, wait=False)
             self.early_stats["let go"] += 1
@@ -1829,6 +1832,7 @@ class _GatedCall:
     summaries: Optional[torch.Tensor] = None
     shared: Optional[tuple] = None
     plan: Optional[tuple] = None
+    release: Optional[torch.Tensor] = None  # [chunks] int64 the flags' values, where the call may be let go
 
 
 class _Counts:
