@@ -98,21 +98,28 @@ def _early_calls(ctx, local):
     """Exact-mode dispatches in 3 chunks without a head chunk over a one-sided domain leg, each checked against the
     reference (its combine and cached dispatch too): the first of each size learns the needs; a later one of the same
     size issues its domain leg before its count read and uses it; a larger one outgrows those bounds and lets it go
-    (the call then goes the present way); the same larger size again fits. Returns ``(failures, early_stats)``."""
+    (the call then goes the present way); the same larger size again fits; then, inside those bounds, uneven tokens
+    with an empty rank and ``-1`` slots, and skewed routing. Returns ``(failures, early_stats, paths)``: ``paths`` is
+    what each call did (``issued``, ``let go`` or ``-``)."""
     from epcomm.buffer import Buffer
     from epcomm.testing.checks import NormalCase, check_normal
     from epcomm.transports.hierarchical import HierarchicalTransport
 
     HierarchicalTransport.pipeline_chunks, HierarchicalTransport.head_chunk = 3, False
     buf = Buffer(ctx.group, transport="nvlink", ranks_per_node=local)
-    failures = []
-    for tokens, seed in ((96, 51), (96, 52), (400, 53), (400, 54), (40, 55)):
+    failures, paths = [], []
+    calls = ((96, "uniform", 51), (96, "uniform", 52), (400, "uniform", 53), (400, "uniform", 54),
+             (40, "uniform", 55), ((120, 0, 77, 96), "dropped", 56), ((120, 0, 77, 96), "skewed", 57))
+    for tokens, routing, seed in calls:
         case = NormalCase(num_tokens=tokens, hidden=256, num_experts=8 * ctx.world_size, topk=4, dtype="fp8",
-                          bias=1, seed=seed)
-        failures += [f"{tokens} tokens: {f}" for f in check_normal(ctx, buf, case).failures]
+                          routing=routing, bias=1, seed=seed)
+        before = dict(buf.runtime.early_stats)
+        failures += [f"{tokens} tokens {routing}: {f}" for f in check_normal(ctx, buf, case).failures]
+        after = buf.runtime.early_stats
+        paths.append(" ".join(k for k in ("issued", "let go") if after.get(k, 0) > before.get(k, 0)) or "-")
     stats = dict(buf.runtime.early_stats)
     buf.destroy()
-    return failures, stats
+    return failures, stats, paths
 
 
 @pytest.mark.gpu
@@ -123,9 +130,14 @@ def test_gpu_domain_leg_issued_before_the_count_read(world_size, local):
     if gpu_ranks() < world_size:
         pytest.skip(f"needs {world_size} GPU rank slots")
     skip_split_shared_group("nvlink", world_size, local)
-    for rank, (failures, stats) in enumerate(spawn(_early_calls, world_size, local, device="cuda", timeout_s=600)):
+    for rank, (failures, stats, paths) in enumerate(spawn(_early_calls, world_size, local, device="cuda",
+                                                          timeout_s=600)):
         assert failures == [], (rank, failures)
-        assert stats.get("issued", 0) >= 3 and stats.get("let go", 0) >= 1, (rank, stats)
+        assert stats.get("issued", 0) >= 3 and stats.get("let go", 0) >= 1, (rank, stats, paths)
+        # the first call of the kind learns; the second of 96 tokens goes early; 400 outgrows 96's bounds; the
+        # uneven calls (at most 120 tokens a rank) fit the bounds 400 left and go early
+        assert paths[0] == "-" and paths[1] == "issued" and "let go" in paths[2], (rank, paths)
+        assert paths[5] == "issued" and paths[6] == "issued", (rank, paths)
 
 
 def _leg_errors(ctx, local, transport):
