@@ -25,7 +25,7 @@ Low-latency dispatch/combine: fixed-size slots of ``T * min(K, E_local)`` rows p
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -104,14 +104,20 @@ def fused_width(widths) -> int:
     return -(-sum(widths) // 16) * 16
 
 
+def _fused_as_is(parts: list, views: list) -> Optional[torch.Tensor]:
+    """The ``[rows, fused_width]`` uint8 rows of the buffer ``parts`` (their byte ``views``) already fill side by side
+    (``_side_by_side``) where its rows are that wide, or None."""
+    send = _side_by_side(parts)
+    return send if send is not None and send.size(1) == fused_width(v.size(1) for v in views) else None
+
+
 def _fused_send(parts: list, views: list) -> torch.Tensor:
     """The ``[rows, fused_width]`` uint8 rows that carry ``parts`` (their byte ``views``) side by side: the buffer they
-    already fill (``_side_by_side``, sent as it is) where its rows are that wide, else a copy (zero padding)."""
-    width = fused_width(v.size(1) for v in views)
-    send = _side_by_side(parts)
-    if send is not None and send.size(1) == width:
+    already fill (``_fused_as_is``, sent as it is), else a copy (zero padding)."""
+    send = _fused_as_is(parts, views)
+    if send is not None:
         return send
-    pad = width - sum(v.size(1) for v in views)
+    pad = fused_width(v.size(1) for v in views) - sum(v.size(1) for v in views)
     return torch.cat(views + ([views[0].new_zeros(views[0].size(0), pad)] if pad else []), 1)
 
 
@@ -469,7 +475,7 @@ class AllToAllTransport(Transport):
         """Exact-mode dispatch on GPUs: a plan kernel (positions, checks, count table), the count all_to_all,
         a pack kernel, one host synchronisation, then the rows and records all_to_alls."""
         if req.known is not None:  # no count exchange, no host read (the plan kernel's checks are not read)
-            plan, packed = req.prepared or self.prepare(req)
+            plan, packed = (req.prepared or self.prepare(req))[:2]
             return self._exchange_known(req, *packed, self._gpu_state(plan, req.known.num_tokens_per_rank))
         plan = self._plan_gpu(req, None)
         self._a2a(plan.recv_table, plan.table)
@@ -480,28 +486,35 @@ class AllToAllTransport(Transport):
         return self._finish_gpu(req, plan, packed, host)
 
     def prepare(self, req: DispatchRequest):
-        """``Transport.prepare``: on the GPU path, ``(plan, (rows, records))`` of the plan and pack kernels, which
-        read this rank's routing only."""
+        """``Transport.prepare``: on the GPU path, ``(plan, (rows, records), fused)`` of the plan and pack kernels,
+        which read this rank's routing only; ``fused``: with ``fuse_rows``, the packed rows beside their records as
+        one collective sends them (``_fused_as_is``: views, made here while the counts travel rather than per call
+        after them), or None where they are not side by side (``dispatch_into`` then fuses the rows it sends)."""
         if req.handle is not None or req.num_worst_tokens or req.peer_capacity or not self._gpu_path(req.x):
             return None
         plan = self._plan_gpu(req, None)
-        return plan, self._pack_plan(req, plan)
+        rows, recs = self._pack_plan(req, plan)
+        return plan, (rows, recs), (_fused_as_is([rows, recs], [_as_bytes(rows), _as_bytes(recs)])
+                                    if self.fuse_rows else None)
 
-    def dispatch_into(self, req: DispatchRequest, out: torch.Tensor, recv_src: tuple) -> DispatchHandle:
+    def dispatch_into(self, req: DispatchRequest, out: torch.Tensor,
+                      recv_src: tuple) -> Callable[[], DispatchHandle]:
         """An exact-mode GPU-path dispatch with its counts known (``req.known``) whose one collective lands its rows
         beside their records, as ``fuse_rows`` sends them (``[rows, fused_width]`` uint8: the row's bytes, then its
         record, ``record_words`` layout, then padding), into ``out`` (contiguous rows, e.g. one chunk's of a caller's
-        buffer), where the caller reads them: nothing is unpacked. Returns the dispatch's handle, whose
+        buffer), where the caller reads them: nothing is unpacked. Returns a function that makes the dispatch's handle
+        (when first asked: a combine's or cached dispatch's host work, which a step hides, not this call's), whose
         ``recv_src_rank`` / ``recv_src_idx`` are the caller's ``recv_src`` (what it will unpack of the records)."""
         known = req.known
         if known is None or not self._gpu_path(req.x):
             raise ValueError("AllToAllTransport.dispatch_into: an exact-mode GPU-path dispatch with known counts")
-        plan, (rows, recs) = req.prepared or self.prepare(req)
+        plan, (rows, recs), fused = req.prepared or self.prepare(req)
         sends, recvs = list(known.num_tokens_per_rank), list(known.num_recv_tokens_per_rank)
         n = sum(sends)
-        self._a2a(out, _fused_send([rows[:n], recs[:n]], [_as_bytes(rows[:n]), _as_bytes(recs[:n])]), recvs, sends)
-        return self._exact_handle(req, sends, recvs, self._known_expert_counts(known)()[1], *recv_src,
-                                  self._gpu_state(plan, sends))
+        self._a2a(out, fused[:n] if fused is not None else _fused_send(
+            [rows[:n], recs[:n]], [_as_bytes(rows[:n]), _as_bytes(recs[:n])]), recvs, sends)
+        return lambda: self._exact_handle(req, sends, recvs, self._known_expert_counts(known)()[1], *recv_src,
+                                          self._gpu_state(plan, sends))
 
     def _exact_handle(self, req: DispatchRequest, sends: list, recvs: list, recv_per_expert: torch.Tensor,
                       recv_src_rank: torch.Tensor, recv_src_idx: torch.Tensor, state: "_NormalState") -> DispatchHandle:

@@ -236,7 +236,9 @@ def _guarded(fn: str):
 class _HandleState:
     """Per pipelined chunk of the dispatch: the legs' handles, this rank's token bounds, the rows it received."""
 
-    rail: tuple  # the inter-domain leg's handles (this rank as forwarder)
+    # the inter-domain leg's handles (this rank as forwarder), each or a function that makes it (``rail``: when first
+    # asked, as ``domain``)
+    rail_handles: tuple
     # the domain leg's handles, or a function that makes them (``domain``: when first asked, by a combine or cached
     # dispatch, whose host work a step hides, instead of the dispatch's, after its count read)
     domain_handles: Any
@@ -250,6 +252,13 @@ class _HandleState:
     # host and on the device), the inter-domain leg's merged packing; the last three None for one chunk), or None
     # where the domain leg cannot merge them
     merged: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @functools.cached_property
+    def rail(self) -> tuple:
+        """The inter-domain leg's handles, per chunk (made here where functions were given)."""
+        if any(callable(h) for h in self.rail_handles):
+            object.__setattr__(self, "rail_handles", tuple(h() if callable(h) else h for h in self.rail_handles))
+        return self.rail_handles
 
     @functools.cached_property
     def domain(self) -> tuple:
@@ -739,13 +748,14 @@ class HierarchicalTransport(Transport):
         records = call.landed.view(torch.int32)[:, xb // 4:]
         mine = gathered[self.local_index * C:(self.local_index + 1) * C]  # this rank's rows of the domain's counts
         w, at = merged.topk_weights, call.at
+        # (the kernel's views of the merged input made once, not per chunk)
+        carried, itr = call.carried.view(torch.int32), merged.is_token_in_rank.view(torch.int8)
+        w = None if w is None else w.view(torch.int32)
         for c in range(C):
             if c >= len(rails):
                 self._gated_rail(fn, call, counts, c, rails)
-            launch_forward_layout(records, at[c], call.m1[c], at[c + 1] - at[c], call.starts, c,
-                                  call.carried.view(torch.int32),
-                                  merged.topk_idx, None if w is None else w.view(torch.int32),
-                                  merged.is_token_in_rank.view(torch.int8), merged.positions, call.own_pos[c],
+            launch_forward_layout(records, at[c], call.m1[c], at[c + 1] - at[c], call.starts, c, carried,
+                                  merged.topk_idx, w, itr, merged.positions, call.own_pos[c],
                                   call.sends, mine, self.domain.deferred_errors, call.flags, call.rows_at, call.value,
                                   e_dom // L, e_dom, call.tickets)
 
