@@ -85,11 +85,15 @@ collectives with their forward layouts, then makes the handles, while rows cross
 every rank of the domain sees it in the same counts, lets the issued push go with empty chunks, and the call goes the
 way above. GPUs only (the interpreter runs a launch to its end before the next); and only kinds whose gated call has
 run, so that every kernel launched after the push is loaded by then (loading one waits for the device, where the push
-waits for that kernel). By default only where the inter-domain collectives are NCCL's, which the host issues without
-waiting: gloo's on CUDA tensors (ranks sharing GPUs) block the host in each collective until its device copies are
-done, and behind a waiting push that stalled a DeepSeek-sized call (4 ranks on 2 GPUs, 2048 tokens of 7168 FP8
-columns: every rank in its first chunk's collective until the push's timeout); ``early_issue = True`` takes it there
-too (the tests' small calls).
+waits for that kernel). The push is the one launch of a call that waits on the device for work issued after it, so
+anything that makes later work wait for the push stalls the call until the push's timeout: by default
+(``early_issue_by_default``) it is issued early only where the inter-domain collectives are NCCL's, which the host
+issues without waiting (gloo's on CUDA tensors, as between ranks that share GPUs, block the host in each collective
+until its device copies are done: behind a waiting push that stalled a DeepSeek-sized call, 4 ranks on 2 GPUs with
+2048 tokens of 7168 FP8 columns, every rank in its first chunk's collective), and not where
+``CUDA_DEVICE_MAX_CONNECTIONS`` gives the streams fewer than CUDA's 8 work queues (Megatron-LM sets 1: kernels of
+different streams then start in issue order, so the chunks' kernels would wait behind the push). ``early_issue =
+True`` takes it everywhere on GPUs (the tests' small calls over gloo).
 ``num_worst_tokens`` (no host synchronisation): each rank sends at most ``num_worst_tokens // num_ranks`` tokens to
 each domain (the inter-domain leg has fixed slots of that many rows per peer); more tokens raise at once.
 
@@ -313,7 +317,7 @@ class HierarchicalTransport(Transport):
     # whether such a call (several chunks, no head chunk) issues that gated domain leg before its count read, sized by
     # the needs of the last EARLY_HISTORY gated calls of its kind with EARLY_MARGIN more (``_early_issue``; GPUs, kinds
     # whose gated call has run): the host's work after the read is then the rows' collectives and the handles. None:
-    # where the inter-domain collectives are NCCL's (module docstring, "Early issue"); True: over gloo too
+    # where ``early_issue_by_default`` allows it (module docstring, "Early issue"); True: everywhere on GPUs
     early_issue: Optional[bool] = None
     EARLY_MARGIN = 0.125
     EARLY_HISTORY = 4
@@ -340,8 +344,8 @@ class HierarchicalTransport(Transport):
                                                            num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes)
         self.leg_name = leg
         self.rail = INTER_DOMAIN_LEGS[leg](self.rail_group, device, buffer_id)
-        # (the host never waits in the inter-domain collectives: what ``early_issue`` needs, see the module docstring)
-        self._rail_nccl = device.type == "cuda" and "nccl" in str(dist.get_backend(self.rail_group)).lower()
+        self._early_default = device.type == "cuda" and early_issue_by_default(str(dist.get_backend(self.rail_group)),
+                                                                               env.device_max_connections())
         self.rail.fuse_rows = True  # rows with their records (weights) in one all_to_all: a round trip fewer
         if isinstance(self.domain, AllToAllTransport):  # (the same within a domain that runs the portable transport)
             self.domain.fuse_rows = True
@@ -843,7 +847,7 @@ class HierarchicalTransport(Transport):
         kernel the call launches after its push (the rows' collectives, the forward layouts, the handles' torch
         operations) must be loaded by then, since loading one waits for the device, where the push waits for them."""
         seen = self._early_seen.get(self._early_key(req, chunks))
-        early = self.early_issue if self.early_issue is not None else self._rail_nccl
+        early = self.early_issue if self.early_issue is not None else self._early_default
         if not seen or not early or self.device.type != "cuda" or not self.gated_exact:
             return None
         if not (self.domain.gates_exact_dispatch and self.domain.gates_cached_dispatch and self.domain.can_gate(sub)):
@@ -1680,6 +1684,14 @@ def _landing_at(rows: list) -> list:
     for m in rows:
         at.append(at[-1] + -(-m // 16) * 16)
     return at
+
+
+def early_issue_by_default(rail_backend: str, max_connections: Optional[int]) -> bool:
+    """Whether a gated call's domain leg is issued before its count read by default (``HierarchicalTransport.
+    early_issue`` None; module docstring, "Early issue"): where the inter-domain collectives are NCCL's
+    (``rail_backend``, as ``torch.distributed.get_backend`` names the group's), and the device gives this process's
+    streams CUDA's default 8 work queues or more (``max_connections``: ``CUDA_DEVICE_MAX_CONNECTIONS``, None unset)."""
+    return "nccl" in rail_backend.lower() and (max_connections is None or max_connections >= 8)
 
 
 def early_bounds(seen, margin: float) -> tuple:
