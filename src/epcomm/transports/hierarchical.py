@@ -702,7 +702,7 @@ class HierarchicalTransport(Transport):
         rails = []
         self._network(lambda: self._gated_rail(fn, call, counts, 0, rails))
         self._gated_merged(req, call)
-        call.own_pos = [torch.empty(m, self.local_size, dtype=torch.int32, device=self.device) for m in m1]
+        call.own_pos = call.own_positions()
         self._network(lambda: self._gated_legs(fn, call, counts, gathered, rails), wait=False)
         rows = sum(sum(d[1]) for d in counts.domain)  # (made after the first rows' collective)
         self._gated_domain(fn, req, call, gathered, rows, need[2], need[3], counts.domain)
@@ -728,7 +728,8 @@ class HierarchicalTransport(Transport):
         return _GatedCall(C, landed, carried, flags, value, words[:C + 1], starts, words[at:])
 
     def _gated_merged(self, req: DispatchRequest, call: "_GatedCall") -> None:
-        """The merged input's other parts (the domain leg's request over the landed rows) and the chunks' sends."""
+        """The merged input's other parts (the domain leg's request over the landed rows), the chunks' sends and the
+        rows of their own positions (``_GatedCall.own_positions``)."""
         x, L, dev, rows = req.x, self.local_size, self.device, call.landed.size(0)
         k, e_dom = req.topk_idx.size(1), req.num_experts // self.num_domains
         w = torch.empty(rows, k, dtype=torch.float32, device=dev) if req.topk_weights is not None else None
@@ -738,6 +739,7 @@ class HierarchicalTransport(Transport):
                                       req.config, None, req.overlapped,
                                       positions=torch.empty(rows, L, dtype=torch.int32, device=dev))
         call.sends = torch.empty(call.chunks, -(-L // 4) * 4, dtype=torch.int32, device=dev)  # (rows 16 bytes apart)
+        call.own_rows = torch.empty(rows, L, dtype=torch.int32, device=dev)
 
     def _gated_rail(self, fn: str, call: "_GatedCall", counts: "_Counts", c: int, rails: list) -> None:
         """Chunk ``c``'s inter-domain rows into their place in the landing buffer (on the network stream)."""
@@ -907,7 +909,7 @@ class HierarchicalTransport(Transport):
         call.starts = starts
         call.m1 = [counts.rail_rows(c) for c in range(call.chunks)]
         call.at = _landing_at(call.m1)  # (within the bounds: need[0] is the most any rank of the domain lands)
-        call.own_pos = [torch.empty(m, self.local_size, dtype=torch.int32, device=self.device) for m in call.m1]
+        call.own_pos = call.own_positions()  # (views: nothing is allocated between the push and the chunks' kernels)
         rails = []
         self._network(lambda: self._gated_legs(fn, call, counts, gathered, rails), wait=False)
         return self._gated_result(req, call, counts, rails, bounds, timing)
@@ -1856,6 +1858,7 @@ class _GatedCall:
     sends: Optional[torch.Tensor] = None
     m1: Optional[list] = None  # the rows each chunk lands here (once the counts are read)
     at: Optional[list] = None  # where each chunk's rows start in the landing buffer, and their end (_landing_at)
+    own_rows: Optional[torch.Tensor] = None  # [rows, L] int32: every chunk's own positions, at its landing rows
     own_pos: Optional[list] = None
     row_map: Optional[torch.Tensor] = None
     back: Optional[torch.Tensor] = None
@@ -1863,6 +1866,13 @@ class _GatedCall:
     shared: Optional[tuple] = None
     plan: Optional[tuple] = None
     release: Optional[torch.Tensor] = None  # [chunks] int64 the flags' values, where the call may be let go
+
+    def own_positions(self) -> list:
+        """Each chunk's own positions (``[m1[c], L]`` int32, the forward layout writes them): views of ``own_rows``
+        at the chunk's landing rows, made with the merged input. An early call (``_early_issue``) then allocates no
+        device memory between its push and the kernels the push waits for (an allocation the caching allocator cannot
+        serve may make later work wait for earlier work, the push)."""
+        return [self.own_rows[a:a + m] for a, m in zip(self.at, self.m1)]
 
 
 class _Counts:
