@@ -1036,6 +1036,7 @@ def test_chunk_count_is_measured_and_agreed(head_chunk):
         assert chosen == 1, (rank, text)
         assert seen == len(H.CHUNK_CANDIDATES) * H.TUNE_CALLS, (rank, seen)
         assert "measured fastest" in text and "normal-mode chunks: 1 chunk, measured" in described, text
+        assert described.endswith("gated node leg before the count read: off (GPUs only)"), described
 
 
 def test_chunk_count_candidates_take_turns():

@@ -385,7 +385,21 @@ class HierarchicalTransport(Transport):
             return f"{self.domains.describe()}; aborted: {self._fault['message']}"
         return (f"{self.domains.describe()}; inter-domain leg: {self.leg_name} (torch.distributed all_to_all over "
                 f"{dist.get_backend(self.rail_group)}, rail peers {self.rail_ranks}); domain leg: "
-                f"{self.domain.name} ({self.domain_reason}); normal-mode chunks: {self.chunks_description()}")
+                f"{self.domain.name} ({self.domain_reason}); normal-mode chunks: {self.chunks_description()}; gated "
+                f"node leg before the count read: {self.early_description()}")
+
+    def early_description(self) -> str:
+        """Whether a gated exact call's domain leg is issued before its count read (``early_issue``), and why."""
+        if self.early_issue is not None:
+            return f"{'on' if self.early_issue else 'off'} (early_issue={self.early_issue})"
+        if self.device.type != "cuda":
+            return "off (GPUs only)"
+        if self._early_default:
+            return "on where a kind repeats (NCCL between the domains)"
+        backend, queues = str(dist.get_backend(self.rail_group)), env.device_max_connections()
+        if "nccl" not in backend.lower():
+            return f"off (the collectives between the domains are {backend}'s, not NCCL's)"
+        return f"off (CUDA_DEVICE_MAX_CONNECTIONS={queues}: fewer than CUDA's 8 work queues)"
 
     def _fixed_chunks(self) -> tuple:
         """``(count, where it was set)`` when the chunk count is fixed (``EPCOMM_INTERNODE_CHUNKS``, else
