@@ -803,9 +803,9 @@ print("ok")
 
 def test_forward_layout_of_a_landed_chunk():
     """``launch_forward_layout`` (its one kernel under the interpreter, the positions made by its last program), which
-    makes one chunk of a gated exact-mode dispatch ready for the domain leg once its rows land: each row's scales, source domain and source token (its
-    record's plus the chunk's first token on that source), top-k ids and weights unpacked from records of any row
-    stride into the merged input at the chunk's rows; every row's layout within the domain (padding rows none); its
+    makes one chunk of a gated exact-mode dispatch ready for the domain leg once its rows land: each row's scales,
+    source domain and source token (its record's plus the chunk's first token on that source), top-k ids and weights
+    unpacked from records of any row stride into the merged input at the chunk's rows; every row's layout within the domain (padding rows none); its
     positions in the merged call (after this rank's earlier chunks' rows) and in the chunk's own; its sends; its
     bounds in the merged input (the gated push's); the chunk's flag released. An id outside the domain and sends that
     differ from the counts promised are counted as deferred errors; an empty chunk still releases its flag."""
