@@ -882,11 +882,14 @@ def _in_place_cases(ctx, chunks, gated):
         return made(*args, **kwargs)
 
     hierarchical._rows_in_place = counted
-    merged, merges = H._gated, [0]
+    merged, merges, lazy = H._gated, [0], [0]
 
     def merging(self, *args, **kwargs):
         got = merged(self, *args, **kwargs)
         merges[0] += got is not None
+        if got is not None:  # (its handles, both legs', not made yet: made when a combine or cached dispatch asks)
+            st = got.handle.state
+            lazy[0] += all(callable(h) for h in st.rail_handles) and callable(st.domain_handles)
         return got
 
     H._gated = merging
@@ -917,7 +920,7 @@ def _in_place_cases(ctx, chunks, gated):
         NormalCase(num_tokens=(6, 0, 11, 3), hidden=72, num_experts=24, topk=3, dtype="bf16", routing="dropped",
                    bias=1, seed=81)]  # (-1 slots)
     return (run_cases(ctx, cases, NVLinkTransport, {"ranks_per_node": 2, "num_nvl_bytes": 1 << 23}), calls[0],
-            sent[0] - packed[0], views[0], packed[0], merges[0])
+            sent[0] - packed[0], views[0], packed[0], merges[0], lazy[0])
 
 
 @pytest.mark.parametrize("chunks,gated", [(1, False), (3, True)])
@@ -930,16 +933,16 @@ def test_rows_written_in_place(monkeypatch, chunks, gated):
     the rows the inter-domain leg sends as they are, and the node leg reads the dispatches' rows where they landed (a
     view, beside their records). ``gated``: the chunks of every call with top-k ids go through the domain leg in one
     gated call (``HierarchicalTransport._gated``; each chunk's layout and positions made as its rows land), and each
-    chunk's own handle serves its combine and the cached dispatches. (Several chunks one by one, which a call with a
+    chunk's own handle serves its combine and the cached dispatches, both legs' handles made when first asked. (Several chunks one by one, which a call with a
     head chunk or one the gated path refuses takes: ``test_gated_call_refused_by_fixed_storage_goes_chunk_by_chunk``
     here, the GPU suites with a head chunk.)"""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    for failed, calls, sent, views, packed, merges in spawn(_in_place_cases, 4, chunks, gated, device="cpu",
-                                                            timeout_s=900):
+    for failed, calls, sent, views, packed, merges, lazy in spawn(_in_place_cases, 4, chunks, gated, device="cpu",
+                                                                  timeout_s=900):
         assert failed == [], failed
         assert sent >= 2 and packed >= 4, (sent, packed)
         if gated:  # (a call without top-k ids goes by ranks: then too)
-            assert merges >= 5 and calls == 0, (merges, calls)
+            assert merges >= 5 and calls == 0 and lazy == merges, (merges, calls, lazy)
         else:
             assert merges == 0 and calls >= 4 * chunks and views >= 4, (merges, calls, views)
 
