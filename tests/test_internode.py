@@ -805,10 +805,11 @@ def test_forward_layout_of_a_landed_chunk():
     """``launch_forward_layout`` (its one kernel under the interpreter, the positions made by its last program), which
     makes one chunk of a gated exact-mode dispatch ready for the domain leg once its rows land: each row's scales,
     source domain and source token (its record's plus the chunk's first token on that source), top-k ids and weights
-    unpacked from records of any row stride into the merged input at the chunk's rows; every row's layout within the domain (padding rows none); its
-    positions in the merged call (after this rank's earlier chunks' rows) and in the chunk's own; its sends; its
-    bounds in the merged input (the gated push's); the chunk's flag released. An id outside the domain and sends that
-    differ from the counts promised are counted as deferred errors; an empty chunk still releases its flag."""
+    unpacked from records of any row stride into the merged input at the chunk's rows; every row's layout within the
+    domain (padding rows none); its positions in the merged call (after this rank's earlier chunks' rows) and in the
+    chunk's own; its sends; its bounds in the merged input (the gated push's); the chunk's flag released. An id outside
+    the domain and sends that differ from the counts promised are counted as deferred errors; an empty chunk still
+    releases its flag."""
     import os
     import subprocess
     import sys
@@ -926,16 +927,16 @@ def _in_place_cases(ctx, chunks, gated):
 @pytest.mark.parametrize("chunks,gated", [(1, False), (3, True)])
 def test_rows_written_in_place(monkeypatch, chunks, gated):
     """An exact-mode dispatch whose domain leg is the one-sided transport writes every row of every chunk where the
-    intranode path's order puts it, all chunks into one set of outputs (no sort, no gather after the call); its
-    combine and cached dispatches (which read the domain leg's own order) match the reference too: uneven and empty
-    ranks, FP8 with column-major scales, skewed routing, a domain that receives nothing, bias, alignment, a dispatch
-    without top-k ids, -1 slots. The combines' node leg writes each chunk's partials and weights side by side into
-    the rows the inter-domain leg sends as they are, and the node leg reads the dispatches' rows where they landed (a
-    view, beside their records). ``gated``: the chunks of every call with top-k ids go through the domain leg in one
-    gated call (``HierarchicalTransport._gated``; each chunk's layout and positions made as its rows land), and each
-    chunk's own handle serves its combine and the cached dispatches, both legs' handles made when first asked. (Several chunks one by one, which a call with a
-    head chunk or one the gated path refuses takes: ``test_gated_call_refused_by_fixed_storage_goes_chunk_by_chunk``
-    here, the GPU suites with a head chunk.)"""
+    intranode path's order puts it, all chunks into one set of outputs (no sort, no gather after the call); its combine
+    and cached dispatches (which read the domain leg's own order) match the reference too: uneven and empty ranks, FP8
+    with column-major scales, skewed routing, a domain that receives nothing, bias, alignment, a dispatch without top-k
+    ids, -1 slots. The combines' node leg writes each chunk's partials and weights side by side into the rows the
+    inter-domain leg sends as they are, and the node leg reads the dispatches' rows where they landed (a view, beside
+    their records). ``gated``: the chunks of every call with top-k ids go through the domain leg in one gated call
+    (``HierarchicalTransport._gated``; each chunk's layout and positions made as its rows land), and each chunk's own
+    handle serves its combine and the cached dispatches, both legs' handles made when first asked. (Several chunks one
+    by one, which a call with a head chunk or one the gated path refuses takes:
+    ``test_gated_call_refused_by_fixed_storage_goes_chunk_by_chunk`` here, the GPU suites with a head chunk.)"""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     for failed, calls, sent, views, packed, merges, lazy in spawn(_in_place_cases, 4, chunks, gated, device="cpu",
                                                                   timeout_s=900):
