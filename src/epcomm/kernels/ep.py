@@ -310,15 +310,14 @@ def _running_positions(itr_ptr, pos_ptr, t_first, n, base, R, RP: tl.constexpr, 
 def _forward_positions(itr_ptr, pos_ptr, local_ptr, sends_ptr, sends_stride, gathered_ptr, gstride, chunk, deferred_ptr,
                        flag_ptr, bounds_ptr, value, r0, m, rows, L: tl.constexpr, LP: tl.constexpr,
                        BLOCK_T: tl.constexpr, USE_PTX: tl.constexpr):
-    """One program, once every row of the chunk is unpacked (``forward_layout_kernel``): each row's positions among
-    this rank's rows for
-    each rank of the domain, ``pos [., L]`` int32 in the merged call (after this rank's rows to that rank in the earlier
-    chunks) and ``local [m, L]`` int32 in the chunk's own (the chunk's rows ``[r0, r0 + rows)`` of the merged input, the
-    first ``m`` real, their ``itr [., L]`` int8); this chunk's rows to each rank into ``sends + chunk * sends_stride``
-    int32, checked against the counts this rank's row of the domain's gathered counts promised (``gathered + chunk *
-    gstride + 1 + g``, every chunk's row ``gstride`` words after the one before: a difference is counted into
-    ``deferred``, as the exchange kernel's ``CHECK``); writes the chunk's rows' bounds in the merged input into
-    ``bounds[chunk]`` and ``bounds[chunk + 1]`` (int32, the gated push's: the next chunk writes the same value at
+    """One program, once every row of the chunk is unpacked (``forward_layout_kernel``): each row's positions among this
+    rank's rows for each rank of the domain, ``pos [., L]`` int32 in the merged call (after this rank's rows to that
+    rank in the earlier chunks) and ``local [m, L]`` int32 in the chunk's own (the chunk's rows ``[r0, r0 + rows)`` of
+    the merged input, the first ``m`` real, their ``itr [., L]`` int8); this chunk's rows to each rank into ``sends +
+    chunk * sends_stride`` int32, checked against the counts this rank's row of the domain's gathered counts promised
+    (``gathered + chunk * gstride + 1 + g``, every chunk's row ``gstride`` words after the one before: a difference is
+    counted into ``deferred``, as the exchange kernel's ``CHECK``); writes the chunk's rows' bounds in the merged input
+    into ``bounds[chunk]`` and ``bounds[chunk + 1]`` (int32, the gated push's: the next chunk writes the same value at
     ``chunk + 1``); then releases ``value`` into the chunk's flag ``flag[chunk]`` (int64): the gated push
     (``dispatch_kernel``'s ``GATED``) takes the chunk's rows from here on."""
     g = tl.arange(0, LP)

@@ -344,8 +344,9 @@ class HierarchicalTransport(Transport):
                                                            num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes)
         self.leg_name = leg
         self.rail = INTER_DOMAIN_LEGS[leg](self.rail_group, device, buffer_id)
-        self._early_default = device.type == "cuda" and early_issue_by_default(str(dist.get_backend(self.rail_group)),
-                                                                               env.device_max_connections())
+        # (why a gated call's domain leg does not go before its count read by default, or None: ``_early_plan``)
+        self._early_off = ("GPUs only" if device.type != "cuda" else
+                           _early_off_reason(str(dist.get_backend(self.rail_group)), env.device_max_connections()))
         self.rail.fuse_rows = True  # rows with their records (weights) in one all_to_all: a round trip fewer
         if isinstance(self.domain, AllToAllTransport):  # (the same within a domain that runs the portable transport)
             self.domain.fuse_rows = True
@@ -392,14 +393,9 @@ class HierarchicalTransport(Transport):
         """Whether a gated exact call's domain leg is issued before its count read (``early_issue``), and why."""
         if self.early_issue is not None:
             return f"{'on' if self.early_issue else 'off'} (early_issue={self.early_issue})"
-        if self.device.type != "cuda":
-            return "off (GPUs only)"
-        if self._early_default:
-            return "on where a kind repeats (NCCL between the domains)"
-        backend, queues = str(dist.get_backend(self.rail_group)), env.device_max_connections()
-        if "nccl" not in backend.lower():
-            return f"off (the collectives between the domains are {backend}'s, not NCCL's)"
-        return f"off (CUDA_DEVICE_MAX_CONNECTIONS={queues}: fewer than CUDA's 8 work queues)"
+        if self._early_off is not None:
+            return f"off ({self._early_off})"
+        return "on where a kind repeats (NCCL between the domains)"
 
     def _fixed_chunks(self) -> tuple:
         """``(count, where it was set)`` when the chunk count is fixed (``EPCOMM_INTERNODE_CHUNKS``, else
@@ -716,7 +712,6 @@ class HierarchicalTransport(Transport):
         rails = []
         self._network(lambda: self._gated_rail(fn, call, counts, 0, rails))
         self._gated_merged(req, call)
-        call.own_pos = call.own_positions()
         self._network(lambda: self._gated_legs(fn, call, counts, gathered, rails), wait=False)
         rows = sum(sum(d[1]) for d in counts.domain)  # (made after the first rows' collective)
         self._gated_domain(fn, req, call, gathered, rows, need[2], need[3], counts.domain)
@@ -743,7 +738,7 @@ class HierarchicalTransport(Transport):
 
     def _gated_merged(self, req: DispatchRequest, call: "_GatedCall") -> None:
         """The merged input's other parts (the domain leg's request over the landed rows), the chunks' sends and the
-        rows of their own positions (``_GatedCall.own_positions``)."""
+        rows of their own positions (``_GatedCall.own_pos``)."""
         x, L, dev, rows = req.x, self.local_size, self.device, call.landed.size(0)
         k, e_dom = req.topk_idx.size(1), req.num_experts // self.num_domains
         w = torch.empty(rows, k, dtype=torch.float32, device=dev) if req.topk_weights is not None else None
@@ -863,7 +858,7 @@ class HierarchicalTransport(Transport):
         kernel the call launches after its push (the rows' collectives, the forward layouts, the handles' torch
         operations) must be loaded by then, since loading one waits for the device, where the push waits for them."""
         seen = self._early_seen.get(self._early_key(req, chunks))
-        early = self.early_issue if self.early_issue is not None else self._early_default
+        early = self.early_issue if self.early_issue is not None else self._early_off is None
         if not seen or not early or self.device.type != "cuda" or not self.gated_exact:
             return None
         if not (self.domain.gates_exact_dispatch and self.domain.gates_cached_dispatch and self.domain.can_gate(sub)):
@@ -923,7 +918,6 @@ class HierarchicalTransport(Transport):
         call.starts = starts
         call.m1 = [counts.rail_rows(c) for c in range(call.chunks)]
         call.at = _landing_at(call.m1)  # (within the bounds: need[0] is the most any rank of the domain lands)
-        call.own_pos = call.own_positions()  # (views: nothing is allocated between the push and the chunks' kernels)
         rails = []
         self._network(lambda: self._gated_legs(fn, call, counts, gathered, rails), wait=False)
         return self._gated_result(req, call, counts, rails, bounds, timing)
@@ -1707,7 +1701,16 @@ def early_issue_by_default(rail_backend: str, max_connections: Optional[int]) ->
     early_issue`` None; module docstring, "Early issue"): where the inter-domain collectives are NCCL's
     (``rail_backend``, as ``torch.distributed.get_backend`` names the group's), and the device gives this process's
     streams CUDA's default 8 work queues or more (``max_connections``: ``CUDA_DEVICE_MAX_CONNECTIONS``, None unset)."""
-    return "nccl" in rail_backend.lower() and (max_connections is None or max_connections >= 8)
+    return _early_off_reason(rail_backend, max_connections) is None
+
+
+def _early_off_reason(rail_backend: str, max_connections: Optional[int]) -> Optional[str]:
+    """Why ``early_issue_by_default`` says no (as ``describe`` words it), or None where it says yes."""
+    if "nccl" not in rail_backend.lower():
+        return f"the collectives between the domains are {rail_backend}'s, not NCCL's"
+    if max_connections is not None and max_connections < 8:
+        return f"CUDA_DEVICE_MAX_CONNECTIONS={max_connections}: fewer than CUDA's 8 work queues"
+    return None
 
 
 def early_bounds(seen, margin: float) -> tuple:
@@ -1873,7 +1876,6 @@ class _GatedCall:
     m1: Optional[list] = None  # the rows each chunk lands here (once the counts are read)
     at: Optional[list] = None  # where each chunk's rows start in the landing buffer, and their end (_landing_at)
     own_rows: Optional[torch.Tensor] = None  # [rows, L] int32: every chunk's own positions, at its landing rows
-    own_pos: Optional[list] = None
     row_map: Optional[torch.Tensor] = None
     back: Optional[torch.Tensor] = None
     summaries: Optional[torch.Tensor] = None
@@ -1881,11 +1883,12 @@ class _GatedCall:
     plan: Optional[tuple] = None
     release: Optional[torch.Tensor] = None  # [chunks] int64 the flags' values, where the call may be let go
 
-    def own_positions(self) -> list:
-        """Each chunk's own positions (``[m1[c], L]`` int32, the forward layout writes them): views of ``own_rows``
-        at the chunk's landing rows, made with the merged input. An early call (``_early_issue``) then allocates no
-        device memory between its push and the kernels the push waits for (an allocation the caching allocator cannot
-        serve may make later work wait for earlier work, the push)."""
+    @functools.cached_property
+    def own_pos(self) -> list:
+        """Each chunk's own positions (``[m1[c], L]`` int32, the forward layout writes them), once ``m1`` and ``at``
+        are set: views of ``own_rows`` at the chunk's landing rows, made with the merged input. An early call
+        (``_early_issue``) then allocates no device memory between its push and the kernels the push waits for (an
+        allocation the caching allocator cannot serve may make later work wait for earlier work, the push)."""
         return [self.own_rows[a:a + m] for a, m in zip(self.at, self.m1)]
 
 
@@ -1939,7 +1942,7 @@ class _Counts:
         """What the domain leg of this call's chunks merged into one gated call needs, as the same numbers on every rank
         of the domain (from the gathered counts alone): ``(rows landing on the rank that lands the most, each chunk's
         from a multiple of 16; rows the rank that receives the most gets through the domain leg; the merged call's
-        max_pair and num_tokens_max)`` (``HierarchicalTransport._early_bounds``)."""
+        max_pair and num_tokens_max)`` (``early_bounds``)."""
         C, L = self._shape[:2]
         land = max(_landing_at([self._every[f][c][0] for c in range(C)])[-1] for f in range(L))
         recv = max(sum(self._every[f][c][1 + g] for f in range(L) for c in range(C)) for g in range(L))
