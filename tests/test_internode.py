@@ -721,6 +721,20 @@ def test_early_issue_by_default(backend, connections, early, monkeypatch):
     assert env.device_max_connections() is None
 
 
+@pytest.mark.parametrize("backend,forced,cuda,rail", [
+    ("cpu:gloo,cuda:gloo", True, True, "cpu:gloo,cuda:nccl"), ("cpu:gloo,cuda:gloo", False, True, None),
+    ("cpu:gloo,cuda:nccl", True, True, None), ("nccl", True, True, None), ("gloo", True, False, None)])
+def test_rail_backend(backend, forced, cuda, rail, monkeypatch):
+    """``rail_backend``: the inter-domain groups keep the group's backend unless ``EPCOMM_RAIL_NCCL=1`` asks for NCCL
+    where the group's CUDA collectives are gloo's (ranks sharing GPUs) on a CUDA device; ``env.rail_nccl`` reads it."""
+    from epcomm import env
+    from epcomm.transports.hierarchical import rail_backend
+
+    assert rail_backend(backend, forced, cuda) == rail
+    monkeypatch.setenv("EPCOMM_RAIL_NCCL", "1" if forced else "0")
+    assert env.rail_nccl() is forced
+
+
 def test_rows_in_place_is_the_canonical_order():
     """``_rows_in_place`` (its kernel under the interpreter): where each row of each chunk of a dispatch's domain leg
     (by forwarding rank, then source domain, then token) lands in the intranode path's order (by source rank, then

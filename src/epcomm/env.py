@@ -12,6 +12,7 @@ Values are read at call time (not cached at import) so that tests and launchers 
 | ``EPCOMM_COMMIT`` | the commit recorded in benchmark results where the checkout has no git metadata | unset: ``git rev-parse`` |
 | ``EPCOMM_RANKS_PER_NODE`` | ranks per node (NVLink domain) of every ``Buffer``, instead of what the topology probe finds (consecutive ranks form a node); on one machine it splits the ranks into simulated nodes, and the test launcher then gives each simulated node its own ``NCCL_HOSTID`` | unset: the probe's |
 | ``EPCOMM_INTERNODE_CHUNKS`` | how many chunks a normal-mode call across nodes is pipelined in (a whole number from 1 to 16), instead of the count its first calls measure as fastest | unset: measured |
+| ``EPCOMM_RAIL_NCCL`` | ``1``: between simulated nodes of ranks that share GPUs (gloo for their CUDA collectives), the inter-domain groups over NCCL all the same (testing: NCCL between the nodes on one or two GPUs) | unset |
 | ``CUDA_DEVICE_MAX_CONNECTIONS`` | read, never set: below CUDA's 8 work queues (Megatron-LM sets 1) the hierarchical transport does not issue a gated call's domain leg before its count read (``HierarchicalTransport.early_issue``) | unset |
 | ``EPCOMM_RANKS_PER_GPU`` | how many ranks the launcher may place on one GPU (more than 1: testing the one-sided kernels on a machine with fewer GPUs than ranks; see ``epcomm.testing.launcher``) | ``1`` |
 """
@@ -81,6 +82,13 @@ def internode_chunks() -> int | None:
 def ranks_per_gpu() -> int:
     """How many ranks ``epcomm.testing`` may place on one GPU (``EPCOMM_RANKS_PER_GPU``, default 1)."""
     return _number("EPCOMM_RANKS_PER_GPU", 1, int, lambda n: 1 <= n <= 8, "a whole number from 1 to 8")
+
+
+def rail_nccl() -> bool:
+    """``EPCOMM_RAIL_NCCL=1``: the hierarchical transport's inter-domain groups over NCCL even where the group's CUDA
+    collectives are gloo's (ranks sharing GPUs, split into simulated nodes: each node has its own ``NCCL_HOSTID``, so
+    NCCL takes its ranks for other hosts' and connects them through its network path). Testing only."""
+    return _get("EPCOMM_RAIL_NCCL") == "1"
 
 
 def ranks_per_node() -> int | None:

@@ -57,14 +57,14 @@ class WaitExpired(EpcommTimeoutError):
         self.what = what
 
 
-def group_timeout(parent: Any) -> datetime.timedelta:
-    """The timeout of a group epcomm makes out of ``parent``'s ranks: ``EPCOMM_TIMEOUT_S`` over gloo;
-    ``backstop_s()`` plus a margin over NCCL, whose watchdog would end the process at that timeout (epcomm's
-    deadline and its abort must come first)."""
+def group_timeout(parent: Any, backend: Optional[str] = None) -> datetime.timedelta:
+    """The timeout of a group epcomm makes out of ``parent``'s ranks (with ``backend``, or ``parent``'s when None):
+    ``EPCOMM_TIMEOUT_S`` over gloo; ``backstop_s()`` plus a margin over NCCL, whose watchdog would end the process at
+    that timeout (epcomm's deadline and its abort must come first)."""
     import torch.distributed as dist
 
     t = env.timeout_s()
-    if "nccl" in str(dist.get_backend(parent)).lower():
+    if "nccl" in (backend or str(dist.get_backend(parent))).lower():
         t = backstop_s() + 30.0 + 0.5 * t
     return datetime.timedelta(seconds=t)
 

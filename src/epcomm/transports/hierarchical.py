@@ -188,21 +188,33 @@ _faults: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 log = logging.getLogger(__name__)
 
 
-def subgroups(group: Any, domains: Domains, rank: int) -> tuple:
-    """``(domain group, rail group)`` of ``rank`` (a rank of ``group``), made once per (group, domains) with
-    ``faults.group_timeout`` as their timeout (``EPCOMM_TIMEOUT_S`` over gloo; longer over NCCL, so that the
-    transport's own deadline and abort come before NCCL's watchdog). Only the members of a subgroup take part in
-    making it. Groups that were aborted (a rank never joined) are made anew."""
+def rail_backend(group_backend: str, forced: bool, cuda: bool) -> Optional[str]:
+    """The backend of the rail (inter-domain) groups made out of a group whose backend is ``group_backend`` (as
+    ``torch.distributed.get_backend`` names it): None (the group's) unless ``forced`` (``EPCOMM_RAIL_NCCL``) asks for
+    NCCL where the group's CUDA collectives are not NCCL's (ranks sharing GPUs) and CUDA is there
+    (``cpu:gloo,cuda:nccl``)."""
+    if not forced or not cuda or "nccl" in group_backend.lower():
+        return None
+    return "cpu:gloo,cuda:nccl"
+
+
+def subgroups(group: Any, domains: Domains, rank: int, cuda: bool = False) -> tuple:
+    """``(domain group, rail group)`` of ``rank`` (a rank of ``group``, on a CUDA device where ``cuda``), made once
+    per (group, domains) with ``faults.group_timeout`` as their timeout (``EPCOMM_TIMEOUT_S`` over gloo; longer over
+    NCCL, so that the transport's own deadline and abort come before NCCL's watchdog). Only the members of a subgroup
+    take part in making it. Groups that were aborted (a rank never joined) are made anew. The rail group over NCCL
+    where ``rail_backend`` says so (``EPCOMM_RAIL_NCCL``, testing), else with ``group``'s backend."""
     cache = _subgroups.setdefault(group, {})
-    key = (domains.num_domains, domains.local_size, env.timeout_s())
+    rail_over = rail_backend(str(dist.get_backend(group)), env.rail_nccl(), cuda)
+    key = (domains.num_domains, domains.local_size, env.timeout_s(), rail_over)
     if key not in cache:
         ranks = dist.get_process_group_ranks(group)
-        timeout = faults.group_timeout(group)
         own = [ranks[r] for r in domains.domain_ranks(domains.domain_of(rank))]
         rail = [ranks[r] for r in domains.rail_ranks(domains.local_index(rank))]
         made = []
-        for members in (own, rail):
-            made.append(dist.new_group(members, timeout=timeout, use_local_synchronization=True))
+        for members, backend in ((own, None), (rail, rail_over)):
+            made.append(dist.new_group(members, timeout=faults.group_timeout(group, backend),
+                                       use_local_synchronization=True, backend=backend))
         cache[key] = tuple(made)
     return cache[key]
 
@@ -336,7 +348,7 @@ class HierarchicalTransport(Transport):
         self.domains = domains
         self.num_domains, self.local_size = domains.num_domains, domains.local_size
         self.local_index, self.domain_index = domains.local_index(self.rank), domains.domain_of(self.rank)
-        self.domain_group, self.rail_group = subgroups(group, domains, self.rank)
+        self.domain_group, self.rail_group = subgroups(group, domains, self.rank, device.type == "cuda")
         self.rail_ranks = domains.rail_ranks(self.local_index)
         if self.local_size == 1:  # nothing to forward within a domain of one rank: a copy
             domain_transport = "alltoall"
