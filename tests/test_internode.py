@@ -700,25 +700,15 @@ def test_early_bounds_cover_the_needs_seen():
         assert all(b % 16 == 0 and b >= max(s[i] for s in seen) * (1 + margin) for i, b in enumerate(got)), got
 
 
-@pytest.mark.parametrize("backend,connections,early", [
-    ("cpu:gloo,cuda:nccl", None, True), ("nccl", 8, True), ("nccl", 32, True), ("cpu:gloo,cuda:nccl", 1, False),
-    ("nccl", 4, False), ("cpu:gloo,cuda:gloo", None, False), ("gloo", 8, False)])
-def test_early_issue_by_default(backend, connections, early, monkeypatch):
+@pytest.mark.parametrize("backend,early", [
+    ("cpu:gloo,cuda:nccl", True), ("nccl", True), ("cpu:gloo,cuda:gloo", False), ("gloo", False)])
+def test_early_issue_by_default(backend, early):
     """``early_issue_by_default``: the domain leg goes before the count read by default only where the inter-domain
-    collectives are NCCL's (the host never waits in them) and the streams have CUDA's 8 work queues or more (fewer, as
-    Megatron-LM's ``CUDA_DEVICE_MAX_CONNECTIONS=1``, start kernels in issue order: the chunks' would wait behind the
-    push); ``env.device_max_connections`` reads the variable (None unset or not a number)."""
-    from epcomm import env
-    from epcomm.transports.hierarchical import early_issue_by_default
+    collectives are NCCL's (the host never waits in them), whatever ``CUDA_DEVICE_MAX_CONNECTIONS`` says."""
+    from epcomm.transports.hierarchical import _early_off_reason, early_issue_by_default
 
-    assert early_issue_by_default(backend, connections) is early
-    if connections is None:
-        monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
-    else:
-        monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", str(connections))
-    assert env.device_max_connections() == connections
-    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "many")
-    assert env.device_max_connections() is None
+    assert early_issue_by_default(backend) is early
+    assert (_early_off_reason(backend) is None) is early
 
 
 @pytest.mark.parametrize("backend,forced,cuda,rail", [

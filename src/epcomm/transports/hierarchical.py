@@ -86,14 +86,17 @@ every rank of the domain sees it in the same counts, lets the issued push go wit
 way above. GPUs only (the interpreter runs a launch to its end before the next); and only kinds whose gated call has
 run, so that every kernel launched after the push is loaded by then (loading one waits for the device, where the push
 waits for that kernel). The push is the one launch of a call that waits on the device for work issued after it, so
-anything that makes later work wait for the push stalls the call until the push's timeout: by default
+anything that keeps that work from running while the push waits stalls the call until the push's timeout. By default
 (``early_issue_by_default``) it is issued early only where the inter-domain collectives are NCCL's, which the host
-issues without waiting (gloo's on CUDA tensors, as between ranks that share GPUs, block the host in each collective
-until its device copies are done: behind a waiting push that stalled a DeepSeek-sized call, 4 ranks on 2 GPUs with
-2048 tokens of 7168 FP8 columns, every rank in its first chunk's collective), and not where
-``CUDA_DEVICE_MAX_CONNECTIONS`` gives the streams fewer than CUDA's 8 work queues (Megatron-LM sets 1: kernels of
-different streams then start in issue order, so the chunks' kernels would wait behind the push). ``early_issue =
-True`` takes it everywhere on GPUs (the tests' small calls over gloo).
+issues without waiting. Gloo's on CUDA tensors (which epcomm meets only between ranks that share GPUs) block the host
+in each collective until its device copies are done; forced there, a DeepSeek-sized call (4 ranks on 2 GPUs, 2048
+tokens of 7168 FP8 columns) stalled with every rank in its first chunk's collective. Between ranks sharing GPUs such
+calls stalled with NCCL's collectives too, with the early leg or without it (kernels that wait on the device for
+another process's kernels, which find no room on the shared GPU); with one GPU per rank they did not. Megatron-LM's
+``CUDA_DEVICE_MAX_CONNECTIONS=1`` (one work queue: kernels of different streams start in issue order, and still run
+side by side) does not stall it: the push is resident before the work it waits for starts, and every wait the call
+enqueues is on an event recorded before it (measured: the early test, forced, with NCCL between the domains).
+``early_issue = True`` takes it everywhere on GPUs (the tests' small calls over gloo).
 ``num_worst_tokens`` (no host synchronisation): each rank sends at most ``num_worst_tokens // num_ranks`` tokens to
 each domain (the inter-domain leg has fixed slots of that many rows per peer); more tokens raise at once.
 
@@ -358,7 +361,7 @@ class HierarchicalTransport(Transport):
         self.rail = INTER_DOMAIN_LEGS[leg](self.rail_group, device, buffer_id)
         # (why a gated call's domain leg does not go before its count read by default, or None: ``_early_plan``)
         self._early_off = ("GPUs only" if device.type != "cuda" else
-                           _early_off_reason(str(dist.get_backend(self.rail_group)), env.device_max_connections()))
+                           _early_off_reason(str(dist.get_backend(self.rail_group))))
         self.rail.fuse_rows = True  # rows with their records (weights) in one all_to_all: a round trip fewer
         if isinstance(self.domain, AllToAllTransport):  # (the same within a domain that runs the portable transport)
             self.domain.fuse_rows = True
@@ -1708,20 +1711,17 @@ def _landing_at(rows: list) -> list:
     return at
 
 
-def early_issue_by_default(rail_backend: str, max_connections: Optional[int]) -> bool:
+def early_issue_by_default(rail_backend: str) -> bool:
     """Whether a gated call's domain leg is issued before its count read by default (``HierarchicalTransport.
     early_issue`` None; module docstring, "Early issue"): where the inter-domain collectives are NCCL's
-    (``rail_backend``, as ``torch.distributed.get_backend`` names the group's), and the device gives this process's
-    streams CUDA's default 8 work queues or more (``max_connections``: ``CUDA_DEVICE_MAX_CONNECTIONS``, None unset)."""
-    return _early_off_reason(rail_backend, max_connections) is None
+    (``rail_backend``, as ``torch.distributed.get_backend`` names the group's)."""
+    return _early_off_reason(rail_backend) is None
 
 
-def _early_off_reason(rail_backend: str, max_connections: Optional[int]) -> Optional[str]:
+def _early_off_reason(rail_backend: str) -> Optional[str]:
     """Why ``early_issue_by_default`` says no (as ``describe`` words it), or None where it says yes."""
     if "nccl" not in rail_backend.lower():
         return f"the collectives between the domains are {rail_backend}'s, not NCCL's"
-    if max_connections is not None and max_connections < 8:
-        return f"CUDA_DEVICE_MAX_CONNECTIONS={max_connections}: fewer than CUDA's 8 work queues"
     return None
 
 
