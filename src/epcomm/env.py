@@ -12,7 +12,7 @@ Values are read at call time (not cached at import) so that tests and launchers 
 | ``EPCOMM_COMMIT`` | the commit recorded in benchmark results where the checkout has no git metadata | unset: ``git rev-parse`` |
 | ``EPCOMM_RANKS_PER_NODE`` | ranks per node (NVLink domain) of every ``Buffer``, instead of what the topology probe finds (consecutive ranks form a node); on one machine it splits the ranks into simulated nodes, and the test launcher then gives each simulated node its own ``NCCL_HOSTID`` | unset: the probe's |
 | ``EPCOMM_INTERNODE_CHUNKS`` | how many chunks a normal-mode call across nodes is pipelined in (a whole number from 1 to 16), instead of the count its first calls measure as fastest | unset: measured |
-| ``EPCOMM_RAIL_NCCL`` | ``1``: between simulated nodes of ranks that share GPUs (gloo for their CUDA collectives), the inter-domain groups over NCCL all the same (testing: NCCL between the nodes on one or two GPUs; small calls only: DeepSeek-sized ones stalled, their kernels waiting for the other processes' on the shared GPU) | unset |
+| ``EPCOMM_RAIL_NCCL`` | ``1``: between simulated nodes of ranks that share GPUs (gloo for their CUDA collectives), the inter-domain groups over NCCL all the same (testing: NCCL between the nodes on one or two GPUs; small calls only: DeepSeek-sized ones stalled) | unset |
 | ``EPCOMM_RANKS_PER_GPU`` | how many ranks the launcher may place on one GPU (more than 1: testing the one-sided kernels on a machine with fewer GPUs than ranks; see ``epcomm.testing.launcher``) | ``1`` |
 """
 
@@ -88,8 +88,8 @@ def rail_nccl() -> bool:
     collectives are gloo's (ranks sharing GPUs, split into simulated nodes: each node has its own ``NCCL_HOSTID``, so
     NCCL takes its ranks for other hosts' and connects them through its network path). Testing only, and small calls
     only: DeepSeek-sized calls (4 ranks on 2 GPUs) stalled until the device's timeout, with the early node leg or
-    without it (NCCL's kernels and the one-sided ones wait on the device for other processes' kernels on the shared
-    GPU, which may find no room there)."""
+    without it (likely: NCCL's kernels and the one-sided ones waiting on the device for other processes' kernels on
+    the shared GPU; not pinned down)."""
     return _get("EPCOMM_RAIL_NCCL") == "1"
 
 

@@ -91,8 +91,8 @@ anything that keeps that work from running while the push waits stalls the call 
 issues without waiting. Gloo's on CUDA tensors (which epcomm meets only between ranks that share GPUs) block the host
 in each collective until its device copies are done; forced there, a DeepSeek-sized call (4 ranks on 2 GPUs, 2048
 tokens of 7168 FP8 columns) stalled with every rank in its first chunk's collective. Between ranks sharing GPUs such
-calls stalled with NCCL's collectives too, with the early leg or without it (kernels that wait on the device for
-another process's kernels, which find no room on the shared GPU); with one GPU per rank they did not. Megatron-LM's
+calls stalled with NCCL's collectives too, with the early leg or without it (likely: kernels that wait on the device
+for another process's kernels on the shared GPU; not pinned down); with one GPU per rank they did not. Megatron-LM's
 ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (one work queue: kernels of different streams start in issue order, and still run
 side by side) does not stall it: the push is resident before the work it waits for starts, and every wait the call
 enqueues is on an event recorded before it (measured: the early test, forced, with NCCL between the domains).
