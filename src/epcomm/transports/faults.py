@@ -115,13 +115,14 @@ def host_list(t: torch.Tensor, fn: str, what: Any, limit_s: Optional[float] = No
     return t.tolist()
 
 
-def read_later(t: torch.Tensor, fn: str, what: Any, pinned: dict):
+def read_later(t: torch.Tensor, fn: str, what: Any, pinned: dict, array: bool = False):
     """Start copying ``t`` (a few counts) to the host, into a pinned block of ``pinned`` (kept there by dtype and size
     for the next calls); returns a function that waits for that copy alone, not for work enqueued after it, and
-    returns ``t`` as a list. The wait is bounded (``host_wait``, from this call; ``what`` names it). On CPUs the
-    values are read at the call."""
+    returns ``t`` as a list (``array``: as a numpy array of its own, which thousands of counts become ~3x faster than
+    a list). The wait is bounded (``host_wait``, from this call; ``what`` names it). On CPUs the values are read at
+    the call."""
     if not t.is_cuda:
-        values = t.tolist()
+        values = t.numpy().copy() if array else t.tolist()
         return lambda: values
     key = (t.dtype, t.numel())
     host = pinned.get(key)
@@ -134,7 +135,7 @@ def read_later(t: torch.Tensor, fn: str, what: Any, pinned: dict):
 
     def read() -> list:
         host_wait(copied, fn, what, started)
-        return host.tolist()
+        return host.numpy().copy() if array else host.tolist()
 
     return read
 
