@@ -118,7 +118,7 @@ def host_list(t: torch.Tensor, fn: str, what: Any, limit_s: Optional[float] = No
 def read_later(t: torch.Tensor, fn: str, what: Any, pinned: dict, array: bool = False):
     """Start copying ``t`` (a few counts) to the host, into a pinned block of ``pinned`` (kept there by dtype and size
     for the next calls); returns a function that waits for that copy alone, not for work enqueued after it, and
-    returns ``t`` as a list (``array``: as a numpy array of its own, which thousands of counts become ~3x faster than
+    returns ``t`` as a list (``array``: as a numpy array of its own; thousands of counts become one ~3x faster than
     a list). The wait is bounded (``host_wait``, from this call; ``what`` names it). On CPUs the values are read at
     the call."""
     if not t.is_cuda:

@@ -160,7 +160,7 @@ import torch.distributed as dist
 from .. import env
 from ..core.config import Config
 from ..core.handles import DispatchHandle, LowLatencyHandle, evolve
-from ..core.layout import align_all, chunk_bounds, token_alignment
+from ..core.layout import align_all, align_up, chunk_bounds, token_alignment
 from ..core.validate import raise_if_bad_topk
 from ..errors import EpcommError, EpcommTimeoutError
 from ..fp8 import FP8_DTYPE, per_token_cast_to_fp8
@@ -1703,12 +1703,15 @@ CHUNK_GAIN = 0.05
 CHUNK_RATIO_FLOOR = 0.25
 
 
+LANDING_ROWS = 16  # each chunk's rows start at a multiple of this many rows of a gated call's landing buffer
+
+
 def _landing_at(rows: list) -> list:
     """Where each chunk's ``rows`` start in a gated call's landing buffer, then the rows it takes: each chunk's from a
-    multiple of 16 rows (its slices start 16-byte aligned, one kernel variant)."""
+    multiple of ``LANDING_ROWS`` rows (its slices start 16-byte aligned, one kernel variant)."""
     at = [0]
     for m in rows:
-        at.append(at[-1] + -(-m // 16) * 16)
+        at.append(at[-1] + align_up(m, LANDING_ROWS))
     return at
 
 
@@ -1730,7 +1733,7 @@ def early_bounds(seen, margin: float) -> tuple:
     """The bounds of an exact-mode call's domain leg issued before its count read
     (``HierarchicalTransport._early_plan``): each of the four needs (``_Counts.needs``) the largest in ``seen`` (earlier
     calls' needs), ``margin`` more, rounded up to a multiple of 16, and 16 more."""
-    return tuple(-(-int(max(s[i] for s in seen) * (1 + margin)) // 16) * 16 + 16 for i in range(4))
+    return tuple(align_up(int(max(s[i] for s in seen) * (1 + margin)), 16) + 16 for i in range(4))
 
 
 def split_description(ratio: float) -> str:
@@ -1963,7 +1966,7 @@ class _Counts:
         from a multiple of 16; rows the rank that receives the most gets through the domain leg; the merged call's
         max_pair and num_tokens_max)`` (``early_bounds``)."""
         L = self._shape[1]
-        land = int((-(-self._every[:, :, 0] // 16) * 16).sum(axis=1).max())  # (_landing_at's end, per forwarder)
+        land = int(align_up(self._every[:, :, 0], LANDING_ROWS).sum(axis=1).max())  # (_landing_at's end, per forwarder)
         recv = int(self._every[:, :, 1:1 + L].sum(axis=(0, 1)).max())
         return (land, recv) + self.merged_bounds()
 
