@@ -598,9 +598,9 @@ def test_known_counts_from_the_exchange():
 _ROWS_IN_PLACE = """
 import random
 import torch
-from epcomm.kernels.ep import SUMMARY_HEAD, launch_rows_merged, summary_words
+from epcomm.kernels.ep import SUMMARY_HEAD, launch_merged_needs, launch_rows_merged, summary_words
 from epcomm.transports.base import KnownCounts
-from epcomm.transports.hierarchical import _Counts, _canonical_order, _rows_in_place
+from epcomm.transports.hierarchical import LANDING_ROWS, _Counts, _canonical_order, _rows_in_place
 from epcomm.transports.nvlink import _known_summary
 
 rng = random.Random(3)
@@ -676,6 +676,17 @@ for L, D in ((2, 2), (3, 2), (1, 4), (4, 3), (2, 1), (8, 8), (5, 7)):
             land = max(sum(-(-every[f * chunks + c, 0].item() // 16) * 16 for c in range(chunks)) for f in range(L))
             recv = max(sum(sum(d[0].num_recv_tokens_per_rank) for d in v.domain) for v in views)
             assert {v.needs() for v in views} == {(land, recv) + views[0].merged_bounds()}, (L, D, chunks)
+            # the same four made on the device (launch_merged_needs) and read after the sends and receives
+            needs = torch.full((4,), -7, dtype=torch.int32)
+            launch_merged_needs(every, needs, L, chunks, LANDING_ROWS)
+            assert tuple(needs.tolist()) == views[0].needs(), (L, D, chunks, needs)
+            read = _Counts(host + needs.tolist() + [0], chunks, L, D, e_local * L, local, True)
+            assert read.needs() == views[0].needs() and read.domain == views[local].domain, (L, D, chunks)
+            # what a gated call's result takes without the domain's KnownCounts: rows per chunk, per-expert totals
+            for v in views:
+                rows, per_expert = v.received()
+                assert rows == [sum(d[1]) for d in v.domain], (L, D, chunks)
+                assert per_expert == [sum(t) for t in zip(*(d[0].num_recv_tokens_per_expert for d in v.domain))]
             known = [d[0] for d in domain]
             total = KnownCounts(*(tuple(map(sum, zip(*(getattr(k, f) for k in known)))) for f in (
                 "num_tokens_per_rank", "num_recv_tokens_per_rank", "num_recv_tokens_per_expert")),
@@ -733,7 +744,9 @@ def test_rows_in_place_is_the_canonical_order():
     domain in each chunk's row), in 1, 2 and 4 chunks, with empty blocks, empty calls and up to 8 x 8 ranks; and the
     domain leg's summary the same launch writes is the one the host makes of the counts it read (``_known_summary``
     of ``_Counts.domain``). The chunks merged into one gated call (``launch_rows_merged``): the chunks' maps one after
-    another, the merged call's map (its rows by forwarder, then chunk), each chunk's summary and the merged one."""
+    another, the merged call's map (its rows by forwarder, then chunk), each chunk's summary and the merged one; what
+    that call needs, made on the device (``launch_merged_needs``) as the host makes it (``_Counts.needs``), and what
+    its result takes of the counts (``_Counts.received``)."""
     import os
     import subprocess
     import sys

@@ -225,6 +225,37 @@ def rows_merged_kernel(counts_ptr, map_ptr, back_ptr, summary_ptr, m, stride, cs
         _summary_of(counts_ptr, summary_ptr + pid * slen, 0, chunks, stride, cstride, L, local, e_local, LP, EP)
 
 
+@triton.jit(do_not_specialize=["chunks", "L", "stride"])
+def merged_needs_kernel(counts_ptr, out_ptr, chunks, L, stride, align, LP: tl.constexpr):
+    """What the domain leg of an exact-mode dispatch's chunks merged into one gated call needs, from the domain's
+    gathered counts ``[L * chunks, W]`` int32 (forwarder ``f``'s chunk ``c`` in row ``f * chunks + c``: its rows, then
+    its rows for each rank of the domain, ...), into ``out [4]`` int32: the rows landing on the forwarder that lands
+    the most, each chunk's from a multiple of ``align``; the rows the rank that receives the most gets; the merged
+    call's max_pair (per chunk the most rows any forwarder sends any rank, summed) and num_tokens_max (per chunk the
+    most rows any forwarder forwards, summed). One program."""
+    f = tl.arange(0, LP)
+    ok = f < L
+    both = ok[:, None] & ok[None, :]
+    land = tl.zeros([LP], tl.int32)
+    recv = tl.zeros([LP], tl.int32)
+    pair = tl.zeros([], tl.int32)
+    most = tl.zeros([], tl.int32)
+    c = 0
+    while c < chunks:
+        row = counts_ptr + (f * chunks + c) * stride
+        rows = tl.load(row, mask=ok, other=0)
+        per = tl.load(row[:, None] + 1 + f[None, :], mask=both, other=0)  # [forwarder, rank]
+        land += (rows + align - 1) // align * align
+        recv += tl.sum(per, axis=0)
+        pair += tl.max(tl.max(per, axis=1), axis=0)
+        most += tl.max(rows, axis=0)
+        c += 1
+    tl.store(out_ptr, tl.max(land, axis=0))
+    tl.store(out_ptr + 1, tl.max(recv, axis=0))
+    tl.store(out_ptr + 2, pair)
+    tl.store(out_ptr + 3, most)
+
+
 @triton.jit(do_not_specialize=["rec_stride", "r0", "m", "rows", "chunk", "sstride", "cstride", "e_local", "e_dom",
                              "sends_stride", "gstride", "value"])
 def forward_layout_kernel(rec_ptr, rec_stride, r0, m, rows, starts_ptr, chunk, sstride, cstride, carried_ptr, idx_ptr,
@@ -1132,6 +1163,12 @@ def launch_rows_merged(counts, row_map, back, summaries, stride: int, col: int, 
     launch(rows_merged_kernel, (max(chunks + 1, cdiv(m, block)),), counts, row_map, back, summaries, m, stride,
            cstride, col, chunks, L, D, local, e_local, summaries.stride(0), LP=lp, DP=dp, BLOCK=block,
            EP=next_pow2(max(e_local, 2)))
+
+
+def launch_merged_needs(counts, out, L: int, chunks: int, align: int) -> None:
+    """``merged_needs_kernel`` of the domain's gathered counts ``counts [L * chunks, W]`` int32 (rows contiguous) into
+    ``out [4]`` int32, on the current stream."""
+    launch(merged_needs_kernel, (1,), counts, out, chunks, L, counts.stride(0), align, LP=next_pow2(max(L, 2)))
 
 
 def launch_forward_layout(records, r0: int, m: int, rows: int, starts, chunk: int, carried, idx, w, itr, pos, local,

@@ -640,26 +640,28 @@ class HierarchicalTransport(Transport):
         if head:
             bounds.insert(0, (0, h))
         ahead = early = None
+        place = gate = False  # (the domain leg writes rows in place; the chunks' domain legs are one gated call)
         if W:  # fixed slots, no counts to learn
             subs, counts, starts, gathered = [req], None, None, None
         else:  # every chunk's layout computed here (the counts below are made from it), both legs' counts learnt
             subs = [self._chunk(req, a, b, c == 0) for c, (a, b) in enumerate(bounds)]
-            plan = None if head or len(subs) < 2 else self._early_plan(req, subs[0], len(subs))
+            place = self.domain.gates_cached_dispatch and self.domain.can_gate(subs[0])
+            gate = place and len(subs) > 1 and not head and self.gated_exact and self.domain.gates_exact_dispatch
+            plan = self._early_plan(req, len(subs)) if gate else None
             issued = []
             counts, starts, ahead, gathered = self._exchange_counts(
                 fn, req, subs, bounds, head, None if plan is None else (
-                    lambda every: issued.append(self._early_issue(fn, req, len(subs), plan, every))))
+                    lambda every: issued.append(self._early_issue(fn, req, len(subs), plan, every))), needs=gate)
             early = issued[0] if issued else None
         if early is not None:  # its domain leg already issued: done, unless the counts outgrew its bounds
-            got = self._early_result(fn, req, early, counts, starts, gathered, bounds, timing)
+            got = self._early_result(fn, req, early, counts, starts, bounds, timing)
             if got is not None:
                 return got
         # with its counts known, every chunk's domain leg writes each row where the intranode path's order puts it,
         # into one set of outputs (no sort, no gather after the call), where it can (the one-sided transports'
         # streaming dispatch); each chunk's map is made once its rows cross (nothing crosses while the host works
         # between the count read and them)
-        place = (counts is not None and self.domain.gates_cached_dispatch and self.domain.can_gate(subs[0]))
-        if place and len(subs) > 1 and ahead is None and self.gated_exact and self.domain.gates_exact_dispatch:
+        if gate:
             got = self._gated(fn, req, counts, starts, gathered, bounds, timing)
             if got is not None:
                 return got
@@ -726,9 +728,9 @@ class HierarchicalTransport(Transport):
         call = self._gated_landing(req, C, at[-1], starts)
         call.m1, call.at = m1, at
         rails = []
-        self._network(lambda: self._gated_rail(fn, call, counts, 0, rails))
-        self._gated_merged(req, call)
-        self._network(lambda: self._gated_legs(fn, call, counts, gathered, rails), wait=False)
+        self._network(lambda: self._gated_rail(fn, call, counts, 0, rails), streams=call.streams)
+        self._gated_merged(req, call, gathered)
+        self._network(lambda: self._gated_legs(fn, call, counts, rails), wait=False, streams=call.streams)
         rows = sum(sum(d[1]) for d in counts.domain)  # (made after the first rows' collective)
         self._gated_domain(fn, req, call, gathered, rows, need[2], need[3], counts.domain)
         return self._gated_result(req, call, counts, rails, bounds, timing)
@@ -750,11 +752,16 @@ class HierarchicalTransport(Transport):
         # in a call let go, _early_result)
         at = -(-(C + 1) // 4) * 4  # (the tickets 16-byte aligned, whatever the chunk count: one kernel variant)
         words = torch.zeros(at + C, dtype=torch.int32, device=dev)
-        return _GatedCall(C, landed, carried, flags, value, words[:C + 1], starts, words[at:])
+        call = _GatedCall(C, landed, carried, flags, value, words[:C + 1], starts, words[at:])
+        carried_words = carried.view(torch.int32)
+        call.sources = (carried_words[:, ns], carried_words[:, ns + 1])
+        call.streams = self._streams() if dev.type == "cuda" else None
+        return call
 
-    def _gated_merged(self, req: DispatchRequest, call: "_GatedCall") -> None:
+    def _gated_merged(self, req: DispatchRequest, call: "_GatedCall", gathered: torch.Tensor) -> None:
         """The merged input's other parts (the domain leg's request over the landed rows), the chunks' sends and the
-        rows of their own positions (``_GatedCall.own_pos``)."""
+        rows of their own positions (``_GatedCall.own_pos``), and the views of them the chunks' forward layouts take
+        (``_GatedCall.views``; ``gathered``: the domain's gathered counts)."""
         x, L, dev, rows = req.x, self.local_size, self.device, call.landed.size(0)
         k, e_dom = req.topk_idx.size(1), req.num_experts // self.num_domains
         w = torch.empty(rows, k, dtype=torch.float32, device=dev) if req.topk_weights is not None else None
@@ -765,30 +772,27 @@ class HierarchicalTransport(Transport):
                                       positions=torch.empty(rows, L, dtype=torch.int32, device=dev))
         call.sends = torch.empty(call.chunks, -(-L // 4) * 4, dtype=torch.int32, device=dev)  # (rows 16 bytes apart)
         call.own_rows = torch.empty(rows, L, dtype=torch.int32, device=dev)
+        C, xb = call.chunks, x.size(1) * x.element_size()
+        call.views = (call.landed.view(torch.int32)[:, xb // 4:], call.carried.view(torch.int32),
+                      call.merged.is_token_in_rank.view(torch.int8), None if w is None else w.view(torch.int32),
+                      gathered[self.local_index * C:(self.local_index + 1) * C])  # (records, ..., this rank's counts)
 
     def _gated_rail(self, fn: str, call: "_GatedCall", counts: "_Counts", c: int, rails: list) -> None:
         """Chunk ``c``'s inter-domain rows into their place in the landing buffer (on the network stream)."""
         a, b = call.at[c], call.at[c] + call.m1[c]
-        ns = call.carried.size(1) - 2
-        words = call.carried.view(torch.int32)
+        domain, token = call.sources
+        req = counts.rail(c)  # (made before the leg: the benchmarks' lead, up to the leg, includes it)
         with self._leg(fn, ROWS_PHASE):
-            rails.append(self.rail.dispatch_into(counts.rail(c), call.landed[a:b],
-                                                 (words[a:b, ns], words[a:b, ns + 1])))
+            rails.append(self.rail.dispatch_into(req, call.landed[a:b], (domain[a:b], token[a:b])))
 
-    def _gated_legs(self, fn: str, call: "_GatedCall", counts: "_Counts", gathered: torch.Tensor, rails: list) -> None:
+    def _gated_legs(self, fn: str, call: "_GatedCall", counts: "_Counts", rails: list) -> None:
         """On the network stream (which already waits for the caller's work the chunks read): every chunk's rows (the
         first's, where ``rails`` has it, already issued), each followed by ``launch_forward_layout``, its flag last."""
         from ..kernels.ep import launch_forward_layout
 
-        L, C, merged = self.local_size, call.chunks, call.merged
+        L, C, merged, at = self.local_size, call.chunks, call.merged, call.at
         e_dom = merged.num_experts
-        xb = merged.x.size(1) * merged.x.element_size()
-        records = call.landed.view(torch.int32)[:, xb // 4:]
-        mine = gathered[self.local_index * C:(self.local_index + 1) * C]  # this rank's rows of the domain's counts
-        w, at = merged.topk_weights, call.at
-        # (the kernel's views of the merged input made once, not per chunk)
-        carried, itr = call.carried.view(torch.int32), merged.is_token_in_rank.view(torch.int8)
-        w = None if w is None else w.view(torch.int32)
+        records, carried, itr, w, mine = call.views  # (made with the merged input: before the count read if early)
         for c in range(C):
             if c >= len(rails):
                 self._gated_rail(fn, call, counts, c, rails)
@@ -834,10 +838,9 @@ class HierarchicalTransport(Transport):
         ``_finish`` takes them."""
         from ..kernels.ep import summary_per_expert
 
-        self._join()
+        self._join(call.streams)
         L, C, e_dom = self.local_size, call.chunks, req.num_experts // self.num_domains
-        known = [d[0] for d in counts.domain]
-        per_chunk = [sum(d[1]) for d in counts.domain]
+        per_chunk, per_expert = counts.received()  # (the domain leg's KnownCounts made when the handles are)
         rows = sum(per_chunk)
         shared = tuple(None if t is None else t[:rows] for t in call.shared)
         outs, src_rank, src_idx = self._split_carried(shared)
@@ -849,6 +852,7 @@ class HierarchicalTransport(Transport):
 
         def handles() -> tuple:
             made, start = [], 0
+            known = [d[0] for d in counts.domain]
             for c in range(C):
                 a, b = at[c], at[c] + m1[c]
                 own = src.index_select(0, back[start:start + per_chunk[c]])
@@ -861,23 +865,21 @@ class HierarchicalTransport(Transport):
             return tuple(made)
 
         return self._finish(req, outs, src_rank, src_idx, rails, handles, bounds, back[:rows], None, False,
-                            [kc.num_recv_tokens_per_expert for kc in known], timing, rows=per_chunk,
+                            [per_expert], timing, rows=per_chunk,
                             per_expert=summary_per_expert(summaries[C], L, e_dom // L))
 
-    def _early_plan(self, req: DispatchRequest, sub: DispatchRequest, chunks: int) -> Optional[tuple]:
+    def _early_plan(self, req: DispatchRequest, chunks: int) -> Optional[tuple]:
         """The bounds ``(landing rows, received rows, max_pair, num_tokens_max)`` an exact-mode call of ``req`` in
-        ``chunks`` chunks (``sub`` its first) issues its domain leg with before its count read (``_early_issue``), or
-        None where it does not: no earlier gated call of that kind (``_early_key``), or a domain leg that cannot take
-        the chunks in one gated call. Each is the largest of the last ``EARLY_HISTORY`` such calls' needs
+        ``chunks`` chunks, which the caller found can take its domain legs in one gated call, issues its domain leg
+        with before its count read (``_early_issue``), or None where it does not: no earlier gated call of that kind
+        (``_early_key``), or the early leg off. Each is the largest of the last ``EARLY_HISTORY`` such calls' needs
         (``_Counts.needs``) with ``EARLY_MARGIN`` more: the same numbers on every rank of the domain (they come from
         its gathered counts). An earlier gated call of the same kind is required, not only for its needs: every
         kernel the call launches after its push (the rows' collectives, the forward layouts, the handles' torch
         operations) must be loaded by then, since loading one waits for the device, where the push waits for them."""
         seen = self._early_seen.get(self._early_key(req, chunks))
         early = self.early_issue if self.early_issue is not None else self._early_off is None
-        if not seen or not early or self.device.type != "cuda" or not self.gated_exact:
-            return None
-        if not (self.domain.gates_exact_dispatch and self.domain.gates_cached_dispatch and self.domain.can_gate(sub)):
+        if not seen or not early or self.device.type != "cuda":
             return None
         return early_bounds(seen, self.EARLY_MARGIN)
 
@@ -907,16 +909,15 @@ class HierarchicalTransport(Transport):
         # the flags' values if the call is let go (_early_result), made before the push: letting it go then copies them
         # (a device copy), launching no kernel that might first be loaded behind the push (loading waits for it)
         call.release = torch.full((C,), call.value, dtype=torch.int64, device=self.device)
-        self._gated_merged(req, call)
-        main, net = self._streams()
+        self._gated_merged(req, call, gathered)
+        main, net = call.streams
         net.wait_stream(main)  # (the rows' packing; not the push below, which waits for the network stream)
         self._gated_domain(fn, req, call, gathered, rows, max_pair, most, None)
         call.plan = plan
         return call
 
     def _early_result(self, fn: str, req: DispatchRequest, call: "_GatedCall", counts: "_Counts",
-                      starts: Optional[torch.Tensor], gathered: torch.Tensor, bounds: list,
-                      timing) -> Optional[DispatchResult]:
+                      starts: Optional[torch.Tensor], bounds: list, timing) -> Optional[DispatchResult]:
         """After the count read, a call whose domain leg ``_early_issue`` issued: where the counts fit its bounds, the
         rows' collectives and forward layouts on the network stream, then the result (``_gated_result``); else
         (every rank of the domain sees the same counts) the issued push is let go with no rows (its chunks' bounds
@@ -927,15 +928,15 @@ class HierarchicalTransport(Transport):
                 call.rows_at.zero_()  # (the kernel that zeroed them before the push)
                 call.flags[:call.chunks].copy_(call.release)
 
-            self._network(let_go, wait=False)
+            self._network(let_go, wait=False, streams=call.streams)
             self.early_stats["let go"] += 1
             return None
-        self._early_seen_add(req, call.chunks, need)
         call.starts = starts
         call.m1 = [counts.rail_rows(c) for c in range(call.chunks)]
         call.at = _landing_at(call.m1)  # (within the bounds: need[0] is the most any rank of the domain lands)
         rails = []
-        self._network(lambda: self._gated_legs(fn, call, counts, gathered, rails), wait=False)
+        self._network(lambda: self._gated_legs(fn, call, counts, rails), wait=False, streams=call.streams)
+        self._early_seen_add(req, call.chunks, need)  # (after the rows' collectives: not in the host's lead)
         return self._gated_result(req, call, counts, rails, bounds, timing)
 
     def _next_gate(self, chunks: int) -> tuple:
@@ -995,7 +996,7 @@ class HierarchicalTransport(Transport):
                        bad_topk=req.bad_topk if first else None)
 
     def _exchange_counts(self, fn: str, req: DispatchRequest, subs: list, bounds: list, head: int,
-                         before_read: Optional[Callable[[torch.Tensor], None]] = None) -> tuple:
+                         before_read: Optional[Callable[[torch.Tensor], None]] = None, needs: bool = False) -> tuple:
         """Both legs' counts of every chunk of an exact-mode dispatch, learnt before any row moves: one all_to_all over
         the rail group, one all_gather over the domain group, one host read. Every source sends its rail peer in each
         domain, per chunk, ``[tokens with an expert in that domain, tokens for each of its ranks (L), tokens for each
@@ -1017,7 +1018,10 @@ class HierarchicalTransport(Transport):
         first rows' collective; [D, chunks] int32 first token of each chunk of every rail peer, or None for one
         chunk; the head's ``Ahead`` or None; the domain's gathered counts ``[L * chunks, W]`` int32 on the
         device)``; raises on bad expert ids (``req.bad_topk``). ``before_read(gathered)`` runs once the rows' packing
-        is enqueued, before the host reads the counts (``_early_issue``)."""
+        is enqueued, before the host reads the counts (``_early_issue``). ``needs``: the chunks may take their domain
+        legs in one gated call: what it needs (``_Counts.needs``) is computed on the device from the gathered counts
+        (``launch_merged_needs``, one program) and read with them, so that the host's lead to the first rows'
+        collective holds no arithmetic over them."""
         D, L, C, dev = self.num_domains, self.local_size, len(subs), req.x.device
         e_dom = req.num_experts // D
         tables, legs = [], []
@@ -1046,10 +1050,15 @@ class HierarchicalTransport(Transport):
         with self._leg(fn, COUNTS_PHASE, within=True):
             _all_gather_single(every, torch.cat([mine, most, by_source], 1), group=self.domain_group)
             bad = req.bad_topk if req.bad_topk is not None else torch.zeros((), dtype=torch.int32, device=dev)
+            parts = [every.view(-1), send[:, :, 0].reshape(-1), recv[:, :, 0].reshape(-1)]
+            if needs:
+                from ..kernels.ep import launch_merged_needs
+
+                parts.append(torch.empty(4, dtype=torch.int32, device=dev))
+                launch_merged_needs(every, parts[-1], L, C, LANDING_ROWS)
             # copied to the host ahead of the packing below: the host's read waits for the counts alone, and the
             # packing runs on the device while the host reads them and issues the rows' collectives
-            read = faults.read_later(torch.cat([every.view(-1), send[:, :, 0].reshape(-1), recv[:, :, 0].reshape(-1),
-                                                bad.view(1).to(torch.int32)]), fn,
+            read = faults.read_later(torch.cat(parts + [bad.view(1).to(torch.int32)]), fn,
                                      f"rank {self.rank}: the counts of both legs", self._pinned, array=True)
         ahead = None
         if head:  # behind the counts on the link; its packing on the network stream meanwhile. Issued after the
@@ -1062,14 +1071,19 @@ class HierarchicalTransport(Transport):
             legs = legs[:sent] + [evolve(leg, prepared=self.rail.prepare(leg)) for leg in legs[sent:]]
         if before_read is not None:
             before_read(every)
+        # before the read, what the host's lead to the first rows' collective would otherwise do: the views it takes
+        # (the inter-domain leg's received per-expert counts, this rank's sums, a view per chunk), and dropping the
+        # temporaries (freeing a tensor costs the host ~1-2 us; ~20 us of lead as the frame's return freed them)
+        starts = recv[:, :, -2] if C > 1 else None
+        per_expert = mine[:, 1 + L:].unbind(0)
+        del tables, marks, send, recv, mine, most, by_source, parts, bad, in_domain, per_domain
         with self._leg(fn, COUNTS_PHASE):
             host = read()
         raise_if_bad_topk(fn, int(host[-1]), req.num_experts)
-        counts = _Counts(host, C, L, D, e_dom, self.local_index)
+        counts = _Counts(host, C, L, D, e_dom, self.local_index, needs)
         self._head = math.ceil(counts.most_tokens * self.head_share)  # (the same on every rank)
-        # (the inter-domain leg's received per-expert counts are this rank's sums, already on the device)
-        counts.with_legs(legs, mine[:, 1 + L:])  # (each chunk's request made when first asked)
-        return counts, (recv[:, :, -2] if C > 1 else None), ahead, every
+        counts.with_legs(legs, per_expert)  # (each chunk's request made when first asked)
+        return counts, starts, ahead, every
 
     def _rows_in_place(self, fn: str, sources: tuple, gathered: torch.Tensor, chunk: int, chunks: int,
                        num_experts: int) -> tuple:
@@ -1126,8 +1140,9 @@ class HierarchicalTransport(Transport):
         first = 1 if ahead is not None else 0
         if self.device.type != "cuda" or len(subs) == 1:
             for c, req in enumerate(subs):
+                leg = None if c < first else request(c, req)  # (made before the leg, as _gated_rail's)
                 with self._leg(fn, HEAD_PHASE if c < first else ROWS_PHASE):
-                    r1 = head() if c < first else self.rail.dispatch(request(c, req))
+                    r1 = head() if c < first else self.rail.dispatch(leg)
                 yield r1
             return
         main, net = self._streams()
@@ -1144,8 +1159,9 @@ class HierarchicalTransport(Transport):
             outs.append((r1, done))
 
         # the other chunks' collectives first, so that the link never waits for the host's work on the head's slots
+        legs = [request(c, r) for c, r in enumerate(subs) if c >= first]  # (made before the leg, as _gated_rail's)
         with torch.cuda.stream(net), self._leg(fn, ROWS_PHASE):
-            for r1 in self.rail.dispatch_many([request(c, r) for c, r in enumerate(subs) if c >= first]):
+            for r1 in self.rail.dispatch_many(legs):
                 issued(r1)
         if first:  # then the head's slots made into its result on the caller's stream, while those rows cross
             main.wait_event(sent)
@@ -1228,19 +1244,29 @@ class HierarchicalTransport(Transport):
             done.record(net)
         return out, done
 
-    def _network(self, work: Callable[[], None], wait: bool = True) -> None:
+    def _network(self, work: Callable[[], None], wait: bool = True, streams: Optional[tuple] = None) -> None:
         """``work()`` issued on the network stream once the caller's stream has reached this point (its work so far
         is what ``work`` reads; ``wait`` False: where the network stream already waits for all of it, nothing having
         been enqueued on the caller's stream since); on CPUs run now (every collective has ended when it returns).
-        Tensors are allocated outside ``work``, on the caller's stream."""
+        Tensors are allocated outside ``work``, on the caller's stream. ``streams``: ``_streams()`` as the call
+        already has them. The switch to the network stream and back is two ``set_stream`` calls where this device is
+        the current one (``torch.cuda.stream`` makes stream objects and asks for the current device and stream: ~60 us
+        of a gated call's lead on the GPU machines, measured)."""
         if self.device.type != "cuda":
             work()
             return
-        main, net = self._streams()
+        main, net = streams if streams is not None else self._streams()
         if wait:
             net.wait_stream(main)
-        with torch.cuda.stream(net):
+        if torch.cuda.current_device() != net.device_index:  # (set_stream would make the stream's device current)
+            with torch.cuda.stream(net):
+                work()
+            return
+        torch.cuda.set_stream(net)
+        try:
             work()
+        finally:
+            torch.cuda.set_stream(main)
 
     def _streams(self) -> tuple:
         """``(the caller's stream, the network stream)`` of a pipelined call."""
@@ -1248,10 +1274,11 @@ class HierarchicalTransport(Transport):
             self._net = torch.cuda.Stream(self.device)
         return torch.cuda.current_stream(self.device), self._net
 
-    def _join(self) -> None:
-        """The caller's stream waits for everything issued on the network stream."""
+    def _join(self, streams: Optional[tuple] = None) -> None:
+        """The caller's stream waits for everything issued on the network stream (``streams``: ``_streams()`` as the
+        call already has them)."""
         if self._net is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self._net)
+            (streams[0] if streams is not None else torch.cuda.current_stream(self.device)).wait_stream(self._net)
 
     def _dispatch_by_rank(self, req: DispatchRequest) -> DispatchResult:
         """A dispatch without expert ids (``is_token_in_rank`` alone): the forwarding ranks route by ranks, so each
@@ -1898,6 +1925,9 @@ class _GatedCall:
     shared: Optional[tuple] = None
     plan: Optional[tuple] = None
     release: Optional[torch.Tensor] = None  # [chunks] int64 the flags' values, where the call may be let go
+    sources: Optional[tuple] = None  # the carried columns of each row's source domain and token (int32 views)
+    views: Optional[tuple] = None  # the forward layouts' views of the merged input (_gated_merged)
+    streams: Optional[tuple] = None  # (the caller's stream, the network stream) of the call, on GPUs
 
     @functools.cached_property
     def own_pos(self) -> list:
@@ -1912,14 +1942,15 @@ class _Counts:
     """Both legs' counts of every chunk of an exact-mode dispatch, from the host read of ``_exchange_counts`` (the
     domain's gathered rows ``[L, C, V + D L]``: sums with ``V = 2 + L + e_dom``, the last their rail peers' most
     tokens, then the rows each source domain sends each rank of this domain through that forwarder; then this rank's
-    sends ``[D, C]`` and receives ``[D, C]`` over the rail) for local index ``l``. The inter-domain leg's counts
+    sends ``[D, C]`` and receives ``[D, C]`` over the rail; with ``needs``, then the four numbers ``needs`` returns) for
+    local index ``l``. The inter-domain leg's counts
     (``rail_known``) are what its first rows' collective waits for; the domain leg's (``domain``: per chunk, its
     ``KnownCounts`` and this rank's rows from each source, ``[L * D]``, from source rank ``d * L + f`` at
     ``f * D + d``, the domain leg's order: by forwarding rank, then source domain) are made when first asked, after
     that collective is issued. ``rail(c)``: chunk ``c``'s inter-domain leg request with its counts, made when first
     asked from the requests the caller sets (``with_legs``)."""
 
-    def __init__(self, host, C: int, L: int, D: int, e_dom: int, l: int) -> None:
+    def __init__(self, host, C: int, L: int, D: int, e_dom: int, l: int, needs: bool = False) -> None:
         V = 2 + L + e_dom
         W = V + D * L
         # (the read's numpy array, or a list: the gathered rows as an [L, C, W] array, whose sums and maxima the host
@@ -1928,17 +1959,20 @@ class _Counts:
         host = np.asarray(host, dtype=np.int64)
         base = L * C * W
         self._every = host[:base].reshape(L, C, W)
-        sr = host[base:base + 2 * D * C].tolist()
-        self._sends, self._recvs = sr[:D * C], sr[D * C:]
+        sr = host[base:base + 2 * D * C + (4 if needs else 0)].tolist()
+        self._sends, self._recvs = sr[:D * C], sr[D * C:2 * D * C]
+        # (``needs``: the read holds them after the sends and receives, made on the device: launch_merged_needs)
+        self._needs = tuple(sr[2 * D * C:]) if needs else None
         self._shape = (C, L, D, e_dom, l, V)
         self.most_tokens = int(self._every[:, 0, V - 1].max())
         self._legs: list = []  # the inter-domain leg's requests without their counts (``with_legs``)
         self._per_expert: Optional[torch.Tensor] = None  # [C, e_dom] received per-expert counts on the device
         self._rails: dict = {}
 
-    def with_legs(self, legs: list, per_expert: Optional[torch.Tensor]) -> None:
+    def with_legs(self, legs: list, per_expert) -> None:
         """Set the inter-domain leg's requests of the chunks (their counts not yet known) and the received per-expert
-        counts on the device (``[C, e_dom]`` int32, or None), from which ``rail`` makes each chunk's."""
+        counts on the device (``[C, e_dom]`` int32 or its ``C`` rows, or None), from which ``rail`` makes each
+        chunk's."""
         self._legs, self._per_expert = legs, per_expert
 
     def rail(self, c: int) -> DispatchRequest:
@@ -1964,11 +1998,25 @@ class _Counts:
         """What the domain leg of this call's chunks merged into one gated call needs, as the same numbers on every rank
         of the domain (from the gathered counts alone): ``(rows landing on the rank that lands the most, each chunk's
         from a multiple of 16; rows the rank that receives the most gets through the domain leg; the merged call's
-        max_pair and num_tokens_max)`` (``early_bounds``)."""
+        max_pair and num_tokens_max)`` (``early_bounds``); as the read gave them where it did (the device made them:
+        ``launch_merged_needs``, the same numbers)."""
+        if self._needs is not None:
+            return self._needs
         L = self._shape[1]
         land = int(align_up(self._every[:, :, 0], LANDING_ROWS).sum(axis=1).max())  # (_landing_at's end, per forwarder)
         recv = int(self._every[:, :, 1:1 + L].sum(axis=(0, 1)).max())
         return (land, recv) + self.merged_bounds()
+
+    def received(self) -> tuple:
+        """``(rows, per_expert)``: the rows this rank's domain leg receives in each chunk (``[C]``, the sums of
+        ``domain``'s second parts) and, over all chunks, per expert of this rank (``[e_dom / L]``, the sum of
+        ``domain``'s ``num_recv_tokens_per_expert``), Python lists made from the counts in two sums, without
+        ``domain``."""
+        C, L, D, e_dom, l, V = self._shape
+        e_local = e_dom // L
+        rows = self._every[:, :, V + l:V + D * L:L].sum(axis=(0, 2))
+        per_expert = self._every[:, :, 1 + L + l * e_local:1 + L + (l + 1) * e_local].sum(axis=(0, 1))
+        return rows.tolist(), per_expert.tolist()
 
     def _bounds(self, c: int) -> tuple:
         """``(max_pair, num_tokens_max)`` of chunk ``c``'s domain leg: the most rows any forwarder sends any rank of
@@ -1977,9 +2025,9 @@ class _Counts:
         rows = self._every[:, c]
         return int(rows[:, 1:1 + L].max()), int(rows[:, 0].max())
 
-    def rail_known(self, c: int, per_expert: Optional[torch.Tensor] = None) -> KnownCounts:
+    def rail_known(self, c: int, per_expert=None) -> KnownCounts:
         """The inter-domain leg's ``KnownCounts`` of chunk ``c`` (``per_expert``: ``[C, e_dom]`` the same received
-        per-expert counts on the device, or None)."""
+        per-expert counts on the device or its ``C`` rows, or None)."""
         C, L, D, e_dom, l, V = self._shape
         return KnownCounts(tuple(self._sends[c::C]), tuple(self._recvs[c::C]),
                            tuple(self._every[l, c, 1 + L:V - 1].tolist()),
