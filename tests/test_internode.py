@@ -198,6 +198,43 @@ def test_both_legs_counts_in_one_exchange(chunks):
         assert calls.get("all_gather_single") == 1, calls  # the domain's sums
 
 
+def _lead_marks(ctx, chunks):
+    """One exact-mode dispatch of ``chunks`` chunks (no head) with a phase log: ``(the host's milestones, the first
+    rows' leg's begin, the rows' collectives marked after the read, the leg's hook after the log is dropped)``."""
+    from epcomm.buffer import Buffer
+    from epcomm.testing.routing import make_inputs
+    from epcomm.transports.hierarchical import COLLECTIVE_MILESTONE, ROWS_PHASE, HierarchicalTransport, host_milestones
+
+    HierarchicalTransport.pipeline_chunks, HierarchicalTransport.head_chunk = chunks, False
+    buf = Buffer(ctx.group, transport="alltoall", ranks_per_node=2)
+    mine = make_inputs(9, ctx.world_size, 13, 64, 8, 3)[ctx.rank]
+    layout = buf.get_dispatch_layout(mine.topk_idx, 8)
+    kw = dict(num_tokens_per_rank=layout[0], is_token_in_rank=layout[3], num_tokens_per_expert=layout[2],
+              topk_idx=mine.topk_idx, topk_weights=mine.topk_weights)
+    buf.dispatch(mine.x, **kw)
+    rt = buf.runtime
+    rt.phase_log = []
+    buf.dispatch(mine.x, **kw)
+    log, rt.phase_log = rt.phase_log, None
+    marks = host_milestones(log)
+    rows = min(began for phase, _, _, _, began in log if phase == ROWS_PHASE)
+    issued = [began for phase, _, _, _, began in log if phase == COLLECTIVE_MILESTONE and began > marks["counts read"]]
+    hook = rt.rail.on_collective
+    buf.destroy()
+    return marks, rows, issued, hook
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_lead_ends_at_the_rows_collective(chunks):
+    """The benchmarks' lead (the host's time from the count read to the first rows' collective, ``host_milestones``)
+    ends where the inter-domain leg issues that collective (``AllToAllTransport.on_collective``, set while a phase
+    log is kept), after the rows' leg began (its request's views and checks are in the lead), one mark per chunk."""
+    for marks, rows, issued, hook in spawn(_lead_marks, 4, chunks, device="cpu", timeout_s=300):
+        assert len(issued) >= chunks and marks["rows issued"] == min(issued), (marks, issued)
+        assert marks["counts read"] < rows <= marks["rows issued"], (marks, rows)
+        assert hook is None
+
+
 def _packed_ahead(ctx, chunks, head_share):
     """Exact-mode dispatches with the inter-domain leg on its kernel path (the Triton interpreter here), checked
     against the reference while the order of the leg's local work and the count read is recorded: ``(failures,

@@ -192,6 +192,9 @@ class AllToAllTransport(Transport):
     # a wider row stride), not copied out, for a caller whose consumer reads rows of any stride (the hierarchical
     # path's one-sided node leg); its records are still copied out
     rows_as_views = False
+    # called (no arguments) right before each all_to_all of rows is issued, or None: a caller's benchmark marks when
+    # its rows' collective is issued (the hierarchical path's phase log), not when the leg that issues it begins
+    on_collective: Optional[Callable[[], None]] = None
 
     def __init__(self, group, device: torch.device, buffer_id: int) -> None:
         super().__init__(group, device, buffer_id)
@@ -214,6 +217,8 @@ class AllToAllTransport(Transport):
 
     # ------------------------------------------------------------------ helpers
     def _a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits=None, in_splits=None, async_op=False):
+        if self.on_collective is not None:
+            self.on_collective()
         if self.num_ranks == 1:  # a group of one rank (a domain of one GPU): the all_to_all is a copy
             _as_bytes(out).copy_(_as_bytes(inp))
             return _DONE if async_op else None

@@ -184,6 +184,10 @@ HEAD_PHASE = "the first tokens to their domains, ahead of their counts"  # the h
 # (a point, not a part) an exact-mode dispatch's device work is all enqueued: what the host does after it (the
 # handle) runs beside the device's last forwarding (benchmarks time it)
 ISSUED_MILESTONE = "the call's device work issued"
+# (a point) an inter-domain rows' collective is issued: the host's lead after the count read ends at the first
+# (``AllToAllTransport.on_collective``; the rows' leg begins earlier, with the request's views and checks)
+COLLECTIVE_MILESTONE = "an inter-domain rows' collective issued"
+MILESTONES = (ISSUED_MILESTONE, COLLECTIVE_MILESTONE)
 
 _subgroups: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 # per rail group: {"message": why its groups were aborted}, shared by every transport that uses them
@@ -370,7 +374,7 @@ class HierarchicalTransport(Transport):
             self.rail.rows_as_views = True
         self.errors = CombinedErrors((self.domain.errors, self.rail.errors), device)
         self._agreed: set = set()
-        self.phase_log: Optional[list] = None  # see _leg
+        self.phase_log = None  # see _leg (a property: it also sets the inter-domain leg's on_collective)
         self.phase_events = True  # phase_log entries with CUDA events (False: the host's times alone, no events)
         self._net: Optional[torch.cuda.Stream] = None  # the inter-domain leg's stream while a dispatch pipelines
         self._gate_flags: Optional[torch.Tensor] = None  # int64 per chunk of a gated cached dispatch (_mapped)
@@ -461,6 +465,16 @@ class HierarchicalTransport(Transport):
             raise self._fail(fn, phase, within, exc) from exc
         finally:
             self._phase = outer
+
+    @property
+    def phase_log(self) -> Optional[list]:
+        return self._phase_log
+
+    @phase_log.setter
+    def phase_log(self, log: Optional[list]) -> None:
+        self._phase_log = log
+        if hasattr(self.rail, "on_collective"):  # (the leg marks when each of its rows' collectives is issued)
+            self.rail.on_collective = None if log is None else functools.partial(self._milestone, COLLECTIVE_MILESTONE)
 
     def _milestone(self, name: str) -> None:
         """With ``phase_log`` a list, append a point of the call named ``name``: a part that takes no time
@@ -1813,7 +1827,7 @@ def phase_durations_us(log: list, host: bool = False) -> dict:
         torch.cuda.synchronize()
     out: dict = {}
     for phase, start, end, on_host, _ in log:
-        if phase == ISSUED_MILESTONE:  # (a point, not a part: ``host_milestones``)
+        if phase in MILESTONES:  # (points, not parts: ``host_milestones``)
             continue
         if host:
             us = on_host * 1e6
@@ -1826,7 +1840,8 @@ def phase_durations_us(log: list, host: bool = False) -> dict:
 def host_milestones(log: list) -> dict:
     """When the host reached the points of an exact-mode dispatch that bound its exposed time, from its ``phase_log``
     (``time.perf_counter`` seconds): ``"counts read"``, the count read's return (the last part of ``COUNTS_PHASE``),
-    and ``"rows issued"``, the first part of the inter-domain rows (``ROWS_PHASE``) beginning, and ``"device work
+    and ``"rows issued"``, the first inter-domain rows' collective issued after it (``COLLECTIVE_MILESTONE``; where
+    the leg marks none, the first part of the inter-domain rows, ``ROWS_PHASE``, beginning), and ``"device work
     issued"``, the point after which the call enqueues no more device work (``ISSUED_MILESTONE``). Missing ones are
     absent."""
     out = {}
@@ -1834,9 +1849,12 @@ def host_milestones(log: list) -> dict:
     if issued:
         out["device work issued"] = max(issued)
     counts = [began + on_host for phase, _, _, on_host, began in log if phase == COUNTS_PHASE]
-    rows = [began for phase, _, _, _, began in log if phase == ROWS_PHASE]
     if counts:
         out["counts read"] = max(counts)
+    # (a head chunk's collective, issued before the read, is not the lead's end)
+    after = [began for phase, _, _, _, began in log if phase == COLLECTIVE_MILESTONE and began >= out.get(
+        "counts read", float("-inf"))]
+    rows = after or [began for phase, _, _, _, began in log if phase == ROWS_PHASE]
     if rows:
         out["rows issued"] = min(rows)
     return out
