@@ -1055,13 +1055,14 @@ class HierarchicalTransport(Transport):
             net.wait_stream(torch.cuda.current_stream(self.device))
         with self._leg(fn, COUNTS_PHASE):
             dist.all_to_all_single(recv, send, group=self.rail_group)
-        mine = recv[:, :, :-2].sum(0, dtype=torch.int32)  # [C, V]: what this rank forwards
-        most = recv[:, 0, -1].amax().view(1, 1).expand(C, 1)  # the most tokens of a rail peer
-        # and, unsummed, what it forwards from each source domain to each rank of this domain ([C, D * L]): every
-        # rank learns the rows it gets from each source rank, where they land in its output (``_rows_in_place``)
-        by_source = recv[:, :, 1:1 + L].transpose(0, 1).reshape(C, D * L)
-        every = torch.empty(L * C, mine.size(1) + 1 + D * L, dtype=torch.int32, device=dev)  # [L, C, V + 1 + D L]
+        # (in the count phase's part: its device time is the count exchange's, which the benchmarks time)
         with self._leg(fn, COUNTS_PHASE, within=True):
+            mine = recv[:, :, :-2].sum(0, dtype=torch.int32)  # [C, V]: what this rank forwards
+            most = recv[:, 0, -1].amax().view(1, 1).expand(C, 1)  # the most tokens of a rail peer
+            # and, unsummed, what it forwards from each source domain to each rank of this domain ([C, D * L]): every
+            # rank learns the rows it gets from each source rank, where they land in its output (``_rows_in_place``)
+            by_source = recv[:, :, 1:1 + L].transpose(0, 1).reshape(C, D * L)
+            every = torch.empty(L * C, mine.size(1) + 1 + D * L, dtype=torch.int32, device=dev)  # [L, C, V + 1 + D L]
             _all_gather_single(every, torch.cat([mine, most, by_source], 1), group=self.domain_group)
             bad = req.bad_topk if req.bad_topk is not None else torch.zeros((), dtype=torch.int32, device=dev)
             parts = [every.view(-1), send[:, :, 0].reshape(-1), recv[:, :, 0].reshape(-1)]
