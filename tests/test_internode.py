@@ -583,6 +583,14 @@ def test_known_counts_from_the_exchange():
     every = [[5, 3, 4, 1, 2, 3, 4, 9, 1, 3, 2, 1], [6, 2, 5, 5, 6, 7, 8, 12, 0, 4, 2, 1]]
     host = every[0] + every[1] + [7, 8] + [2, 3]
     assert "domain" not in vars(_Counts(host, 1, 2, 2, 4, 0))  # (made when first asked: after the rows' collective)
+    # the read as the device's words (a numpy int32 array): chunk 0's request takes its counts from the flat words,
+    # without the [L, C, W] array or the most tokens (the next call's head), which are made when first asked
+    import numpy as np
+
+    counts = _Counts(np.array(host, dtype=np.int32), 1, 2, 2, 4, 0)
+    assert counts.rail_known(0) == KnownCounts((7, 8), (2, 3), (1, 2, 3, 4))
+    assert not {"_every", "most_tokens", "domain"} & set(vars(counts))
+    assert counts.most_tokens == 12 and counts.domain == _Counts(host, 1, 2, 2, 4, 0).domain
     ((rail, domain, sources),), most = read(host, 1, 2, 2, 4, 0)
     assert most == 12
     assert rail == KnownCounts((7, 8), (2, 3), (1, 2, 3, 4))
@@ -733,6 +741,47 @@ for L, D in ((2, 2), (3, 2), (1, 4), (4, 3), (2, 1), (8, 8), (5, 7)):
                 assert summaries[c, :len(want)].tolist() == want, (L, D, chunks, c)
 print("ok")
 """
+
+
+_COUNT_WORDS = """
+import random
+import numpy as np
+import torch
+from epcomm.transports.hierarchical import _Counts, _gather_row, _read_words
+
+rng = random.Random(5)
+for L, D, C, e_dom in ((1, 2, 1, 4), (2, 2, 2, 6), (3, 2, 4, 9), (8, 8, 4, 32), (5, 7, 3, 7), (4, 3, 1, 128)):
+    V = 1 + L + e_dom  # (the sums' columns; then each chunk's first token and the source's tokens)
+    send = torch.randint(0, 60, (D, C, V + 2), dtype=torch.int32)
+    recv = torch.randint(0, 60, (D, C, V + 2), dtype=torch.int32)
+    row = _gather_row(recv, L, True)
+    assert row.tolist() == _gather_row(recv, L, False).tolist(), (L, D, C)
+    every = torch.randint(0, 90, (L * C, row.size(1)), dtype=torch.int32)  # (the domain's gathered rows)
+    for needs in (False, True):
+        for bad in (None, torch.tensor(rng.randrange(1, 9), dtype=torch.int32)):
+            words = _read_words(every, send, recv, bad, L, needs, True)
+            assert words.tolist() == _read_words(every, send, recv, bad, L, needs, False).tolist(), (L, D, C, needs)
+            assert words[-1].item() == (0 if bad is None else bad.item())
+            # as the host reads them: the same counts from the words as from a list
+            a, b = (_Counts(w, C, L, D, e_dom, L - 1, needs) for w in (words.numpy().copy(), words.tolist()))
+            assert a.needs() == b.needs() and a.most_tokens == b.most_tokens and a.domain == b.domain
+            assert [a.rail_known(c) for c in range(C)] == [b.rail_known(c) for c in range(C)]
+print("ok")
+"""
+
+
+def test_count_words_by_kernels():
+    """The count exchange's gathered row and the words the host reads (``_gather_row``, ``_read_words``), made by
+    their two kernels (``launch_counts_gather_row``, ``launch_counts_read``: the interpreter here) as by torch
+    operations: the same words for 1-8 ranks a domain, 2-8 domains, 1-4 chunks, with and without the needs and the bad
+    id count; and the same counts read from them (``_Counts``) as from a list."""
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _COUNT_WORDS], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
 
 
 def test_early_bounds_cover_the_needs_seen():

@@ -17,3 +17,15 @@ def triton_available() -> bool:
     except Exception:  # noqa: BLE001 - any import failure means "no Triton"
         return False
     return True
+
+
+def use_kernels(t) -> bool:
+    """Triton kernels for work on tensor ``t``: on GPUs, and on CPUs under the Triton interpreter (tests); torch
+    operations otherwise."""
+    if not triton_available():
+        return False
+    if t.is_cuda:
+        return True
+    from .shmem import interpreted
+
+    return interpreted()

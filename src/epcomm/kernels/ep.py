@@ -225,14 +225,9 @@ def rows_merged_kernel(counts_ptr, map_ptr, back_ptr, summary_ptr, m, stride, cs
         _summary_of(counts_ptr, summary_ptr + pid * slen, 0, chunks, stride, cstride, L, local, e_local, LP, EP)
 
 
-@triton.jit(do_not_specialize=["chunks", "L", "stride"])
-def merged_needs_kernel(counts_ptr, out_ptr, chunks, L, stride, align, LP: tl.constexpr):
-    """What the domain leg of an exact-mode dispatch's chunks merged into one gated call needs, from the domain's
-    gathered counts ``[L * chunks, W]`` int32 (forwarder ``f``'s chunk ``c`` in row ``f * chunks + c``: its rows, then
-    its rows for each rank of the domain, ...), into ``out [4]`` int32: the rows landing on the forwarder that lands
-    the most, each chunk's from a multiple of ``align``; the rows the rank that receives the most gets; the merged
-    call's max_pair (per chunk the most rows any forwarder sends any rank, summed) and num_tokens_max (per chunk the
-    most rows any forwarder forwards, summed). One program."""
+@triton.jit
+def _merged_needs(counts_ptr, out_ptr, chunks, L, stride, align, LP: tl.constexpr):
+    """``merged_needs_kernel``'s work, by one program (shared with ``counts_read_kernel``)."""
     f = tl.arange(0, LP)
     ok = f < L
     both = ok[:, None] & ok[None, :]
@@ -254,6 +249,68 @@ def merged_needs_kernel(counts_ptr, out_ptr, chunks, L, stride, align, LP: tl.co
     tl.store(out_ptr + 1, tl.max(recv, axis=0))
     tl.store(out_ptr + 2, pair)
     tl.store(out_ptr + 3, most)
+
+
+@triton.jit(do_not_specialize=["chunks", "L", "stride"])
+def merged_needs_kernel(counts_ptr, out_ptr, chunks, L, stride, align, LP: tl.constexpr):
+    """What the domain leg of an exact-mode dispatch's chunks merged into one gated call needs, from the domain's
+    gathered counts ``[L * chunks, W]`` int32 (forwarder ``f``'s chunk ``c`` in row ``f * chunks + c``: its rows, then
+    its rows for each rank of the domain, ...), into ``out [4]`` int32: the rows landing on the forwarder that lands
+    the most, each chunk's from a multiple of ``align``; the rows the rank that receives the most gets; the merged
+    call's max_pair (per chunk the most rows any forwarder sends any rank, summed) and num_tokens_max (per chunk the
+    most rows any forwarder forwards, summed). One program."""
+    _merged_needs(counts_ptr, out_ptr, chunks, L, stride, align, LP)
+
+
+@triton.jit(do_not_specialize=["D", "C", "L", "V"])
+def counts_gather_row_kernel(recv_ptr, row_ptr, D, C, L, V, BLOCK_V: tl.constexpr, BLOCK_S: tl.constexpr):
+    """The row an exact-mode dispatch's count exchange gathers over the domain, from what the rail peers sent: ``recv
+    [D, C, V + 2]`` int32 (contiguous; source domain ``d``'s chunk ``c``: its ``V`` sums, its chunk's first token, its
+    tokens) into ``row [C, V + 1 + D L]`` int32 (contiguous): per chunk the sums over the source domains, the most
+    tokens of any rail peer (chunk 0's last column, the same in every chunk), then the rows each source domain sends
+    each rank of this domain (``recv[d, c, 1 + g]`` at ``V + 1 + d L + g``). One program per chunk."""
+    c = tl.program_id(0)
+    v = tl.arange(0, BLOCK_V)
+    okv = v < V
+    acc = tl.zeros([BLOCK_V], tl.int32)
+    most = tl.zeros([], tl.int32)
+    d = 0
+    while d < D:
+        acc += tl.load(recv_ptr + (d * C + c) * (V + 2) + v, mask=okv, other=0)
+        most = tl.maximum(most, tl.load(recv_ptr + d * C * (V + 2) + V + 1))
+        d += 1
+    out = row_ptr + c * (V + 1 + D * L)
+    tl.store(out + v, acc, mask=okv)
+    tl.store(out + V, most)
+    s = tl.arange(0, BLOCK_S)
+    oks = s < D * L
+    got = tl.load(recv_ptr + ((s // L) * C + c) * (V + 2) + 1 + s % L, mask=oks, other=0)
+    tl.store(out + V + 1 + s, got, mask=oks)
+
+
+@triton.jit(do_not_specialize=["n_every", "stride", "sstride", "D", "C", "L", "has_bad", "needs", "align"])
+def counts_read_kernel(every_ptr, n_every, stride, send_ptr, recv_ptr, sstride, D, C, L, bad_ptr, has_bad, needs,
+                       align, words_ptr, BLOCK: tl.constexpr, BLOCK_DC: tl.constexpr, LP: tl.constexpr):
+    """The words an exact-mode dispatch's host reads after its count exchange, into ``words`` int32: the domain's
+    gathered counts (``every``, ``n_every`` words, rows ``stride`` apart and contiguous), this rank's sends and
+    receives over the rail (column 0 of ``send`` and ``recv``, ``[D, C, sstride]`` int32), then (``needs`` != 0) the
+    four numbers ``merged_needs_kernel`` makes, then the bad top-k id count (``bad [1]`` int32 where ``has_bad`` != 0,
+    else 0). Programs copy ``BLOCK`` words of ``every`` each; program 0 also writes the rest. The flags are runtime
+    integers: one variant for every call of a shape."""
+    pid = tl.program_id(0)
+    i = pid * BLOCK + tl.arange(0, BLOCK)
+    ok = i < n_every
+    tl.store(words_ptr + i, tl.load(every_ptr + i, mask=ok, other=0), mask=ok)
+    if pid == 0:
+        k = tl.arange(0, BLOCK_DC)
+        okk = k < D * C
+        tl.store(words_ptr + n_every + k, tl.load(send_ptr + k * sstride, mask=okk, other=0), mask=okk)
+        tl.store(words_ptr + n_every + D * C + k, tl.load(recv_ptr + k * sstride, mask=okk, other=0), mask=okk)
+        at = n_every + 2 * D * C
+        if needs != 0:
+            _merged_needs(every_ptr, words_ptr + at, C, L, stride, align, LP)
+        at += 4 * (needs != 0).to(tl.int32)
+        tl.store(words_ptr + at, tl.load(bad_ptr, mask=has_bad != 0, other=0))
 
 
 @triton.jit(do_not_specialize=["rec_stride", "r0", "m", "rows", "chunk", "sstride", "cstride", "e_local", "e_dom",
@@ -1169,6 +1226,27 @@ def launch_merged_needs(counts, out, L: int, chunks: int, align: int) -> None:
     """``merged_needs_kernel`` of the domain's gathered counts ``counts [L * chunks, W]`` int32 (rows contiguous) into
     ``out [4]`` int32, on the current stream."""
     launch(merged_needs_kernel, (1,), counts, out, chunks, L, counts.stride(0), align, LP=next_pow2(max(L, 2)))
+
+
+def launch_counts_gather_row(recv, row, L: int) -> None:
+    """``counts_gather_row_kernel``: the row the count exchange gathers over the domain, ``row [C, V + 1 + D L]``
+    int32, from what the rail peers sent, ``recv [D, C, V + 2]`` int32 (both contiguous), on the current stream."""
+    D, C, V2 = recv.shape
+    launch(counts_gather_row_kernel, (C,), recv, row, D, C, L, V2 - 2, BLOCK_V=next_pow2(max(V2 - 2, 2)),
+           BLOCK_S=next_pow2(max(D * L, 2)))
+
+
+def launch_counts_read(every, send, recv, bad, words, L: int, chunks: int, needs: bool, align: int) -> None:
+    """``counts_read_kernel``: the words the host reads after the count exchange, into ``words`` int32 (``every.numel()
+    + 2 D C + (4 if needs) + 1``), from the domain's gathered counts ``every [L * chunks, W]`` int32, the rail's
+    ``send`` and ``recv [D, chunks, S]`` int32 (contiguous) and ``bad`` (a one-word int32 tensor, or None: 0), on the
+    current stream."""
+    D = send.size(0)
+    n = every.numel()
+    block = 1024
+    launch(counts_read_kernel, (max(1, cdiv(n, block)),), every, n, every.stride(0), send, recv, send.stride(1), D,
+           chunks, L, bad if bad is not None else words, int(bad is not None), int(needs), align, words,
+           BLOCK=block, BLOCK_DC=next_pow2(max(D * chunks, 2)), LP=next_pow2(max(L, 2)))
 
 
 def launch_forward_layout(records, r0: int, m: int, rows: int, starts, chunk: int, carried, idx, w, itr, pos, local,

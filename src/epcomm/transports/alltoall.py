@@ -35,7 +35,7 @@ from ..core.layout import align_all, low_latency_pair_capacity
 from ..core.validate import check_precast, raise_if_bad_routing
 from ..errors import EpcommError
 from ..fp8 import FP8_DTYPE, pack_ue8m0, per_token_cast_to_fp8
-from ..kernels import triton_available
+from ..kernels import triton_available, use_kernels
 from ..kernels.launch import one_variant
 from .device_errors import LOW_LATENCY, NORMAL, DeviceErrors
 from .faults import read_later
@@ -334,13 +334,7 @@ class AllToAllTransport(Transport):
 
     def _gpu_path(self, t: torch.Tensor) -> bool:
         """Kernels instead of torch ops: on GPUs (and on CPUs under the Triton interpreter, for tests)."""
-        if t.size(1) * t.element_size() % 4 or not triton_available():
-            return False
-        if t.is_cuda:
-            return True
-        from ..kernels.shmem import interpreted
-
-        return interpreted()
+        return t.size(1) * t.element_size() % 4 == 0 and use_kernels(t)
 
     def dispatch(self, req: DispatchRequest) -> DispatchResult:
         if req.handle is not None:

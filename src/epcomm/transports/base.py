@@ -282,7 +282,7 @@ class Transport(abc.ABC):
     def _local_pass(self, fn: str, key: tuple, t: torch.Tensor, run: Callable[[], Any]):
         """``run()`` (local kernels, no waits); where it launches kernels, the first call of ``key`` compiles
         them and meets the other ranks first (``first_call``), so that no rank compiles while its peers wait."""
-        from .expert_major import use_kernels
+        from ..kernels import use_kernels
 
         if not use_kernels(t):
             return run()

@@ -24,18 +24,7 @@ import torch
 
 from ..core.handles import DispatchHandle
 from ..core.layout import expert_major_rows
-from ..kernels import triton_available
-
-
-def use_kernels(t: torch.Tensor) -> bool:
-    """Triton kernels on GPUs, and on CPUs under the Triton interpreter (tests); torch otherwise."""
-    if not triton_available():
-        return False
-    if t.is_cuda:
-        return True
-    from ..kernels.shmem import interpreted
-
-    return interpreted()
+from ..kernels import use_kernels
 
 
 def _align(t: torch.Tensor, a: int) -> torch.Tensor:

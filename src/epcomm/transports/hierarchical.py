@@ -164,6 +164,7 @@ from ..core.layout import align_all, align_up, chunk_bounds, token_alignment
 from ..core.validate import raise_if_bad_topk
 from ..errors import EpcommError, EpcommTimeoutError
 from ..fp8 import FP8_DTYPE, per_token_cast_to_fp8
+from ..kernels import use_kernels
 from ..kernels.launch import one_variant
 from ..topology.domains import Domains
 from .alltoall import AllToAllTransport, _as_bytes, columns_of_rows, fused_width
@@ -384,6 +385,7 @@ class HierarchicalTransport(Transport):
         self._pinned: dict = {}  # pinned host blocks for the count read (faults.read_later)
         self._tuner = _ChunkTuner(self.CHUNK_CANDIDATES, self.TUNE_CALLS, device)
         self._head = 0  # the next exact-mode dispatch's head chunk: slots per domain (the same on every rank; 0: none)
+        self._head_from: Optional[tuple] = None  # (the last call's counts and share it is sized from: ``_next_head``)
         self._fault = _faults.setdefault(self.rail_group, {})  # shared with every Buffer on these groups
         self._calls = 0  # calls made (the same count on every rank): names a call in the fault reports
         self._in_flight: collections.deque = collections.deque()  # (end event, issued at, call, fn) per call
@@ -641,7 +643,7 @@ class HierarchicalTransport(Transport):
         timing = None if candidate is None else self._tuner.start(candidate, n * row_bytes)
         # slots per domain of the head chunk (sent ahead of the counts; 0: none, as where the leg cannot or the tuner
         # measured the calls faster without one)
-        head = self._head_slots(self._head, row_bytes) if can_head and with_head else 0
+        head = self._head_slots(self._next_head(), row_bytes) if can_head and with_head else 0
         # chunk bounds at multiples of `align` tokens: every per-token tensor's chunks start 16-byte aligned, as the
         # whole tensor does, so no chunk launches a kernel variant of its own (which would be compiled and loaded
         # mid-call, where loading waits for the device and so for any collective that hangs there)
@@ -1056,25 +1058,20 @@ class HierarchicalTransport(Transport):
         with self._leg(fn, COUNTS_PHASE):
             dist.all_to_all_single(recv, send, group=self.rail_group)
         # (in the count phase's part: its device time is the count exchange's, which the benchmarks time)
+        V = send.size(2) - 2  # (the sums' columns)
         with self._leg(fn, COUNTS_PHASE, within=True):
-            mine = recv[:, :, :-2].sum(0, dtype=torch.int32)  # [C, V]: what this rank forwards
-            most = recv[:, 0, -1].amax().view(1, 1).expand(C, 1)  # the most tokens of a rail peer
-            # and, unsummed, what it forwards from each source domain to each rank of this domain ([C, D * L]): every
-            # rank learns the rows it gets from each source rank, where they land in its output (``_rows_in_place``)
-            by_source = recv[:, :, 1:1 + L].transpose(0, 1).reshape(C, D * L)
-            every = torch.empty(L * C, mine.size(1) + 1 + D * L, dtype=torch.int32, device=dev)  # [L, C, V + 1 + D L]
-            _all_gather_single(every, torch.cat([mine, most, by_source], 1), group=self.domain_group)
-            bad = req.bad_topk if req.bad_topk is not None else torch.zeros((), dtype=torch.int32, device=dev)
-            parts = [every.view(-1), send[:, :, 0].reshape(-1), recv[:, :, 0].reshape(-1)]
-            if needs:
-                from ..kernels.ep import launch_merged_needs
-
-                parts.append(torch.empty(4, dtype=torch.int32, device=dev))
-                launch_merged_needs(every, parts[-1], L, C, LANDING_ROWS)
+            # the row gathered over the domain ([C, V + 1 + D L]): what this rank forwards (the sums over the source
+            # domains), the most tokens of a rail peer, and, unsummed, what it forwards from each source domain to each
+            # rank of this domain: every rank learns the rows it gets from each source rank, where they land in its
+            # output (``_rows_in_place``)
+            fused = use_kernels(recv)  # (one launch each for the row and the read's words: ~9 torch operations else)
+            row = _gather_row(recv, L, fused)
+            every = torch.empty(L * C, row.size(1), dtype=torch.int32, device=dev)  # [L, C, V + 1 + D L]
+            _all_gather_single(every, row, group=self.domain_group)
+            words = _read_words(every, send, recv, req.bad_topk, L, needs, fused)
             # copied to the host ahead of the packing below: the host's read waits for the counts alone, and the
             # packing runs on the device while the host reads them and issues the rows' collectives
-            read = faults.read_later(torch.cat(parts + [bad.view(1).to(torch.int32)]), fn,
-                                     f"rank {self.rank}: the counts of both legs", self._pinned, array=True)
+            read = faults.read_later(words, fn, f"rank {self.rank}: the counts of both legs", self._pinned, array=True)
         ahead = None
         if head:  # behind the counts on the link; its packing on the network stream meanwhile. Issued after the
             # domain's gather and the copy to the host: the count read waits for the counts alone, not for the host's
@@ -1090,15 +1087,23 @@ class HierarchicalTransport(Transport):
         # (the inter-domain leg's received per-expert counts, this rank's sums, a view per chunk), and dropping the
         # temporaries (freeing a tensor costs the host ~1-2 us; ~20 us of lead as the frame's return freed them)
         starts = recv[:, :, -2] if C > 1 else None
-        per_expert = mine[:, 1 + L:].unbind(0)
-        del tables, marks, send, recv, mine, most, by_source, parts, bad, in_domain, per_domain
+        per_expert = row[:, 1 + L:V].unbind(0)
+        del tables, marks, send, recv, row, words, in_domain, per_domain
         with self._leg(fn, COUNTS_PHASE):
             host = read()
         raise_if_bad_topk(fn, int(host[-1]), req.num_experts)
         counts = _Counts(host, C, L, D, e_dom, self.local_index, needs)
-        self._head = math.ceil(counts.most_tokens * self.head_share)  # (the same on every rank)
+        self._head_from = (counts, self.head_share)  # (the next call's head, sized when it asks: ``_next_head``)
         counts.with_legs(legs, per_expert)  # (each chunk's request made when first asked)
         return counts, starts, ahead, every
+
+    def _next_head(self) -> int:
+        """The next exact-mode dispatch's head chunk, slots per domain: ``head_share`` of the largest token count any
+        rank had in the last such call (the same on every rank), sized when first asked, not in that call's lead."""
+        if self._head_from is not None:
+            counts, share = self._head_from
+            self._head, self._head_from = math.ceil(counts.most_tokens * share), None
+        return self._head
 
     def _rows_in_place(self, fn: str, sources: tuple, gathered: torch.Tensor, chunk: int, chunks: int,
                        num_experts: int) -> tuple:
@@ -1567,7 +1572,7 @@ class HierarchicalTransport(Transport):
         head is sized as before them."""
         fixed = self._fixed_chunks()[0]
         counts = (fixed,) if fixed else self.CHUNK_CANDIDATES
-        head = self._head
+        head = self._next_head()
         try:
             for i, chunks in enumerate(counts + counts[:1] + counts[-1:]):
                 self._warm_chunks, self._unmerged = chunks, i == len(counts)
@@ -1575,6 +1580,7 @@ class HierarchicalTransport(Transport):
                 run()
         finally:
             self._warm_chunks, self._head, self._unmerged, self._warm_nohead = None, head, False, False
+            self._head_from = None
 
     def warmup_low_latency(self, shape: tuple) -> None:
         t_max, hidden, topk, num_experts, fp8, round_scale, ue8m0, dtype = shape
@@ -1975,18 +1981,30 @@ class _Counts:
         # (the read's numpy array, or a list: the gathered rows as an [L, C, W] array, whose sums and maxima the host
         # takes before the first rows' collective in a few numpy operations, ~15 us at EP64's shape against ~90 as
         # lists; only what a request needs becomes Python ints)
-        host = np.asarray(host, dtype=np.int64)
+        # (the lead to the first rows' collective takes from it only what chunk 0's request needs: the sends and
+        # receives, the needs, chunk 0's per-expert counts; the [L, C, W] array and the most tokens are made when first
+        # asked, after that collective)
+        self._host = host if isinstance(host, np.ndarray) else np.asarray(host, dtype=np.int64)
         base = L * C * W
-        self._every = host[:base].reshape(L, C, W)
-        sr = host[base:base + 2 * D * C + (4 if needs else 0)].tolist()
+        sr = self._host[base:base + 2 * D * C + (4 if needs else 0)].tolist()
         self._sends, self._recvs = sr[:D * C], sr[D * C:2 * D * C]
         # (``needs``: the read holds them after the sends and receives, made on the device: launch_merged_needs)
         self._needs = tuple(sr[2 * D * C:]) if needs else None
         self._shape = (C, L, D, e_dom, l, V)
-        self.most_tokens = int(self._every[:, 0, V - 1].max())
         self._legs: list = []  # the inter-domain leg's requests without their counts (``with_legs``)
         self._per_expert: Optional[torch.Tensor] = None  # [C, e_dom] received per-expert counts on the device
         self._rails: dict = {}
+
+    @functools.cached_property
+    def _every(self) -> np.ndarray:
+        """The domain's gathered rows, ``[L, C, W]`` (a view of the read)."""
+        C, L, D, e_dom, l, V = self._shape
+        return self._host[:L * C * (V + D * L)].reshape(L, C, V + D * L)
+
+    @functools.cached_property
+    def most_tokens(self) -> int:
+        """The largest token count any rank had in this call (the same on every rank: the next call's head)."""
+        return int(self._every[:, 0, self._shape[5] - 1].max())
 
     def with_legs(self, legs: list, per_expert) -> None:
         """Set the inter-domain leg's requests of the chunks (their counts not yet known) and the received per-expert
@@ -2048,8 +2066,9 @@ class _Counts:
         """The inter-domain leg's ``KnownCounts`` of chunk ``c`` (``per_expert``: ``[C, e_dom]`` the same received
         per-expert counts on the device or its ``C`` rows, or None)."""
         C, L, D, e_dom, l, V = self._shape
+        at = (l * C + c) * (V + D * L)  # (this rank's row of chunk c in the read: no [L, C, W] array in the lead)
         return KnownCounts(tuple(self._sends[c::C]), tuple(self._recvs[c::C]),
-                           tuple(self._every[l, c, 1 + L:V - 1].tolist()),
+                           tuple(self._host[at + 1 + L:at + V - 1].tolist()),
                            recv_per_expert_tensor=None if per_expert is None else per_expert[c])
 
     @functools.cached_property
@@ -2067,6 +2086,47 @@ class _Counts:
                 tuple(map(sum, zip(*(r[mine] for r in rows)))), num_tokens_max=most, max_pair=max_pair)
             out.append((known, tuple(r[V + d * L + l] for r in rows for d in range(D))))
         return out
+
+
+def _gather_row(recv: torch.Tensor, L: int, fused: bool) -> torch.Tensor:
+    """The row an exact-mode dispatch's count exchange gathers over the domain, ``[C, V + 1 + D L]`` int32, from what
+    its rail peers sent, ``recv [D, C, V + 2]`` int32 (``_exchange_counts``): per chunk the sums over the source
+    domains (what this rank forwards), the most tokens of any rail peer, then, unsummed, the rows each source domain
+    sends each rank of this domain. ``fused``: one launch (``launch_counts_gather_row``), else torch operations."""
+    D, C = recv.shape[:2]
+    if fused:
+        from ..kernels.ep import launch_counts_gather_row
+
+        row = torch.empty(C, recv.size(2) - 1 + D * L, dtype=torch.int32, device=recv.device)
+        launch_counts_gather_row(recv, row, L)
+        return row
+    return torch.cat([recv[:, :, :-2].sum(0, dtype=torch.int32), recv[:, 0, -1].amax().view(1, 1).expand(C, 1),
+                      recv[:, :, 1:1 + L].transpose(0, 1).reshape(C, D * L)], 1)
+
+
+def _read_words(every: torch.Tensor, send: torch.Tensor, recv: torch.Tensor, bad: Optional[torch.Tensor], L: int,
+                needs: bool, fused: bool) -> torch.Tensor:
+    """The words the host reads after an exact-mode dispatch's count exchange (``_Counts``' layout), int32: the
+    domain's gathered counts ``every [L * C, W]``, this rank's sends and receives over the rail (column 0 of ``send``
+    and ``recv``, ``[D, C, V + 2]``), with ``needs`` the four numbers a gated call's domain leg needs
+    (``launch_merged_needs``), then the bad top-k id count (``bad``, a device scalar int32, or None: 0). ``fused``: one
+    launch (``launch_counts_read``), else torch operations."""
+    C = send.size(1)
+    if fused:
+        from ..kernels.ep import launch_counts_read
+
+        words = torch.empty(every.numel() + 2 * send.size(0) * C + (4 if needs else 0) + 1, dtype=torch.int32,
+                            device=every.device)
+        launch_counts_read(every, send, recv, None if bad is None else bad.view(1), words, L, C, needs, LANDING_ROWS)
+        return words
+    parts = [every.view(-1), send[:, :, 0].reshape(-1), recv[:, :, 0].reshape(-1)]
+    if needs:
+        from ..kernels.ep import launch_merged_needs
+
+        parts.append(torch.empty(4, dtype=torch.int32, device=every.device))
+        launch_merged_needs(every, parts[-1], L, C, LANDING_ROWS)
+    bad = bad if bad is not None else torch.zeros((), dtype=torch.int32, device=every.device)
+    return torch.cat(parts + [bad.view(1).to(torch.int32)])
 
 
 def _cat(parts: list) -> Optional[torch.Tensor]:
