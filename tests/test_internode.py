@@ -626,8 +626,6 @@ def test_known_counts_from_the_exchange():
         # a gated call's: the merged domain call's bounds from the host lists alone (before ``domain`` is made), and
         # each chunk's inter-domain request and landing rows made when first asked
         counts = _Counts(host, C, L, D, e_dom, l)
-        assert counts.merged_bounds() == (sum(d.max_pair for _, d, _ in known),
-                                          sum(d.num_tokens_max for _, d, _ in known))
         assert "domain" not in vars(counts)
         counts.with_legs([DispatchRequest(*([None] * 13)) for _ in range(C)], None)
         for c, (rail, _, _) in enumerate(known):
@@ -716,17 +714,17 @@ for L, D in ((2, 2), (3, 2), (1, 4), (4, 3), (2, 1), (8, 8), (5, 7)):
                                every.stride(0), local, e_local)
             assert [t[:m].tolist() for t in longer] == [t.tolist() for t in maps], (L, D, chunks)
             # what that call's domain leg needs (_Counts.needs): the same numbers from every rank's reading of the
-            # counts, each the largest over the domain's ranks
+            # counts, each the largest over the domain's ranks or the chunks' sums of the domain leg's bounds (the same
+            # on every rank), made on the device (launch_merged_needs) and read after the sends and receives
             views = [_Counts(host, chunks, L, D, e_local * L, g) for g in range(L)]
             land = max(sum(-(-every[f * chunks + c, 0].item() // 16) * 16 for c in range(chunks)) for f in range(L))
             recv = max(sum(sum(d[0].num_recv_tokens_per_rank) for d in v.domain) for v in views)
-            assert {v.needs() for v in views} == {(land, recv) + views[0].merged_bounds()}, (L, D, chunks)
-            # the same four made on the device (launch_merged_needs) and read after the sends and receives
+            want = (land, recv) + tuple(sum(getattr(d[0], k) for d in domain) for k in ("max_pair", "num_tokens_max"))
             needs = torch.full((4,), -7, dtype=torch.int32)
             launch_merged_needs(every, needs, L, chunks, LANDING_ROWS)
-            assert tuple(needs.tolist()) == views[0].needs(), (L, D, chunks, needs)
+            assert tuple(needs.tolist()) == want, (L, D, chunks, needs, want)
             read = _Counts(host + needs.tolist() + [0], chunks, L, D, e_local * L, local, True)
-            assert read.needs() == views[0].needs() and read.domain == views[local].domain, (L, D, chunks)
+            assert read.needs() == want and read.domain == views[local].domain, (L, D, chunks)
             # what a gated call's result takes without the domain's KnownCounts: rows per chunk, per-expert totals
             for v in views:
                 rows, per_expert = v.received()
@@ -764,7 +762,7 @@ for L, D, C, e_dom in ((1, 2, 1, 4), (2, 2, 2, 6), (3, 2, 4, 9), (8, 8, 4, 32), 
             assert words[-1].item() == (0 if bad is None else bad.item())
             # as the host reads them: the same counts from the words as from a list
             a, b = (_Counts(w, C, L, D, e_dom, L - 1, needs) for w in (words.numpy().copy(), words.tolist()))
-            assert a.needs() == b.needs() and a.most_tokens == b.most_tokens and a.domain == b.domain
+            assert a._needs == b._needs and a.most_tokens == b.most_tokens and a.domain == b.domain
             assert [a.rail_known(c) for c in range(C)] == [b.rail_known(c) for c in range(C)]
 print("ok")
 """

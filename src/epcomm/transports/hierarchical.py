@@ -2024,25 +2024,16 @@ class _Counts:
         """The rows chunk ``c``'s inter-domain leg lands on this rank (its ``num_recv_tokens``, from the host lists)."""
         return sum(self._recvs[c::self._shape[0]])
 
-    def merged_bounds(self) -> tuple:
-        """``(max_pair, num_tokens_max)`` of the domain leg's chunks merged into one call: the sums of the chunks'
-        (``domain``'s, without making it)."""
-        L = self._shape[1]
-        return (int(self._every[:, :, 1:1 + L].max(axis=2).max(axis=0).sum()),
-                int(self._every[:, :, 0].max(axis=0).sum()))
-
     def needs(self) -> tuple:
-        """What the domain leg of this call's chunks merged into one gated call needs, as the same numbers on every rank
-        of the domain (from the gathered counts alone): ``(rows landing on the rank that lands the most, each chunk's
-        from a multiple of 16; rows the rank that receives the most gets through the domain leg; the merged call's
-        max_pair and num_tokens_max)`` (``early_bounds``); as the read gave them where it did (the device made them:
-        ``launch_merged_needs``, the same numbers)."""
-        if self._needs is not None:
-            return self._needs
-        L = self._shape[1]
-        land = int(align_up(self._every[:, :, 0], LANDING_ROWS).sum(axis=1).max())  # (_landing_at's end, per forwarder)
-        recv = int(self._every[:, :, 1:1 + L].sum(axis=(0, 1)).max())
-        return (land, recv) + self.merged_bounds()
+        """What the domain leg of this call's chunks merged into one gated call needs, the same numbers on every rank
+        of the domain: ``(rows landing on the rank that lands the most, each chunk's from a multiple of 16; rows the
+        rank that receives the most gets through the domain leg; the merged call's max_pair and num_tokens_max)``
+        (``early_bounds``), made on the device from the gathered counts (``launch_merged_needs``) and read with them
+        (``needs=True``)."""
+        if self._needs is None:
+            raise EpcommError("_Counts.needs: these counts were read without the needs: pass needs=True to "
+                              "_exchange_counts for a call whose domain legs may be one gated call")
+        return self._needs
 
     def received(self) -> tuple:
         """``(rows, per_expert)``: the rows this rank's domain leg receives in each chunk (``[C]``, the sums of
