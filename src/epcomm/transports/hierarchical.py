@@ -1093,7 +1093,9 @@ class HierarchicalTransport(Transport):
             host = read()
         raise_if_bad_topk(fn, int(host[-1]), req.num_experts)
         counts = _Counts(host, C, L, D, e_dom, self.local_index, needs)
-        self._head_from = (counts, self.head_share)  # (the next call's head, sized when it asks: ``_next_head``)
+        # (the next call's head, sized when it asks: ``_next_head``; from the read's words alone, not the counts, which
+        # hold this call's requests and their packed rows)
+        self._head_from = (functools.partial(_Counts.most_of, counts._host, C, L, D, e_dom), self.head_share)
         counts.with_legs(legs, per_expert)  # (each chunk's request made when first asked)
         return counts, starts, ahead, every
 
@@ -1101,8 +1103,8 @@ class HierarchicalTransport(Transport):
         """The next exact-mode dispatch's head chunk, slots per domain: ``head_share`` of the largest token count any
         rank had in the last such call (the same on every rank), sized when first asked, not in that call's lead."""
         if self._head_from is not None:
-            counts, share = self._head_from
-            self._head, self._head_from = math.ceil(counts.most_tokens * share), None
+            most, share = self._head_from
+            self._head, self._head_from = math.ceil(most() * share), None
         return self._head
 
     def _rows_in_place(self, fn: str, sources: tuple, gathered: torch.Tensor, chunk: int, chunks: int,
@@ -2004,7 +2006,15 @@ class _Counts:
     @functools.cached_property
     def most_tokens(self) -> int:
         """The largest token count any rank had in this call (the same on every rank: the next call's head)."""
-        return int(self._every[:, 0, self._shape[5] - 1].max())
+        C, L, D, e_dom = self._shape[:4]
+        return _Counts.most_of(self._host, C, L, D, e_dom)
+
+    @staticmethod
+    def most_of(host: np.ndarray, C: int, L: int, D: int, e_dom: int) -> int:
+        """``most_tokens`` of the read's words ``host`` (column ``V - 1`` of every forwarder's chunk-0 row)."""
+        V = 2 + L + e_dom
+        W = V + D * L
+        return int(host[V - 1:L * C * W:C * W].max())
 
     def with_legs(self, legs: list, per_expert) -> None:
         """Set the inter-domain leg's requests of the chunks (their counts not yet known) and the received per-expert
