@@ -975,6 +975,8 @@ def _in_place_cases(ctx, chunks, gated):
     from epcomm.transports import hierarchical
     from epcomm.transports.nvlink import NVLinkTransport
 
+    from epcomm.transports.base import DispatchRequest
+
     H = hierarchical.HierarchicalTransport
     H.pipeline_chunks, H.head_chunk, H.gated_exact = chunks, False, gated
     made, calls = hierarchical._rows_in_place, [0]
@@ -991,7 +993,15 @@ def _in_place_cases(ctx, chunks, gated):
         merges[0] += got is not None
         if got is not None:  # (its handles, both legs', not made yet: made when a combine or cached dispatch asks)
             st = got.handle.state
-            lazy[0] += all(callable(h) for h in st.rail_handles) and callable(st.domain_handles)
+            # and what the domain leg's handles are made from holds none of the call's inter-domain requests (their
+            # packed rows): a handle lives until its combine, or a training step's backward
+            kept = [c.cell_contents for c in st.domain_handles.__closure__ or ()]
+            counts = [k for k in kept if isinstance(k, hierarchical._Counts)]
+            requests = [c.cell_contents for h in st.rail_handles for c in getattr(h, "__closure__", None) or ()
+                        if isinstance(c.cell_contents, DispatchRequest)]
+            lazy[0] += (all(callable(h) for h in st.rail_handles) and callable(st.domain_handles) and len(counts) == 1
+                        and not counts[0]._legs and not counts[0]._rails and counts[0]._per_expert is None
+                        and not requests)
         return got
 
     H._gated = merging

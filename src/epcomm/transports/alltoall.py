@@ -427,8 +427,8 @@ class AllToAllTransport(Transport):
         else:
             recv_src_idx, recv_src_rank, recv_scales, recv_idx, recv_w = self._unpack_metadata(
                 recv_meta, req.x_scales, req.topk_idx, req.topk_weights)
-        handle = self._exact_handle(req, send_counts, recv_counts, recv_per_expert, recv_src_rank, recv_src_idx,
-                                    state)
+        handle = self._exact_handle((req.num_experts, x.size(0), x.size(1), req.is_token_in_rank), send_counts,
+                                    recv_counts, recv_per_expert, recv_src_rank, recv_src_idx, state)
         per_expert_list = (align_all(per_expert, req.expert_alignment)
                            if req.num_tokens_per_expert is not None else [])
         return DispatchResult(recv_x, recv_scales, recv_idx, recv_w, per_expert_list, handle)
@@ -512,15 +512,20 @@ class AllToAllTransport(Transport):
         n = sum(sends)
         self._a2a(out, fused[:n] if fused is not None else _fused_send(
             [rows[:n], recs[:n]], [_as_bytes(rows[:n]), _as_bytes(recs[:n])]), recvs, sends)
-        return lambda: self._exact_handle(req, sends, recvs, self._known_expert_counts(known)()[1], *recv_src,
+        # (the function keeps what the handle needs of ``req``, not ``req``: its packed rows, ``prepared``, would live
+        # as long as the handle is not made, until the combine)
+        shape = (req.num_experts, req.x.size(0), req.x.size(1), req.is_token_in_rank)
+        return lambda: self._exact_handle(shape, sends, recvs, self._known_expert_counts(known)()[1], *recv_src,
                                           self._gpu_state(plan, sends))
 
-    def _exact_handle(self, req: DispatchRequest, sends: list, recvs: list, recv_per_expert: torch.Tensor,
+    def _exact_handle(self, shape: tuple, sends: list, recvs: list, recv_per_expert: torch.Tensor,
                       recv_src_rank: torch.Tensor, recv_src_idx: torch.Tensor, state: "_NormalState") -> DispatchHandle:
-        """The handle of an exact-mode dispatch of ``req`` that sent ``sends`` and received ``recvs`` rows per rank."""
+        """The handle of an exact-mode dispatch that sent ``sends`` and received ``recvs`` rows per rank; ``shape``:
+        its request's ``(num_experts, tokens, hidden, is_token_in_rank)``."""
+        num_experts, num_tokens, hidden, itr = shape
         return DispatchHandle(
-            buffer_id=self.buffer_id, transport=self.name, num_ranks=self.num_ranks, num_experts=req.num_experts,
-            num_tokens=req.x.size(0), hidden=req.x.size(1), is_token_in_rank=req.is_token_in_rank,
+            buffer_id=self.buffer_id, transport=self.name, num_ranks=self.num_ranks, num_experts=num_experts,
+            num_tokens=num_tokens, hidden=hidden, is_token_in_rank=itr,
             num_tokens_per_rank=tuple(sends), num_recv_tokens=sum(recvs), num_recv_tokens_per_rank=tuple(recvs),
             num_recv_tokens_per_expert=recv_per_expert, recv_src_rank=recv_src_rank, recv_src_idx=recv_src_idx,
             state=state)

@@ -855,6 +855,7 @@ class HierarchicalTransport(Transport):
         from ..kernels.ep import summary_per_expert
 
         self._join(call.streams)
+        counts.drop_requests()  # (the handles below keep the counts: not this call's requests and packed rows)
         L, C, e_dom = self.local_size, call.chunks, req.num_experts // self.num_domains
         per_chunk, per_expert = counts.received()  # (the domain leg's KnownCounts made when the handles are)
         rows = sum(per_chunk)
@@ -2021,6 +2022,12 @@ class _Counts:
         counts on the device (``[C, e_dom]`` int32 or its ``C`` rows, or None), from which ``rail`` makes each
         chunk's."""
         self._legs, self._per_expert = legs, per_expert
+
+    def drop_requests(self) -> None:
+        """Let go of the inter-domain leg's requests (their packed rows among them) and the received per-expert counts
+        once the call has issued every chunk's leg: what keeps these counts after the call (a handle whose domain
+        ``KnownCounts`` are made when first asked) needs the read's words alone."""
+        self._legs, self._rails, self._per_expert = [], {}, None
 
     def rail(self, c: int) -> DispatchRequest:
         """Chunk ``c``'s inter-domain leg request with its counts known, made when first asked (a gated call's later
