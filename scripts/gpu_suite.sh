@@ -4,8 +4,10 @@
 #   scripts/gpu_suite.sh [stage ...]      (no stage: all of them)
 #
 # Stages: info, tests, bench-dispatch, bench-low-latency, bench-p2p, bench-allgather, bench-internode, demo,
-# and (not run by default) bench-layer (the MoE layer on every GPU) and layer-1gpu (the MoE layer on one GPU:
-# one rank, then EPCOMM_RANKS_PER_GPU ranks sharing it; LAYER_ARGS adds arguments to both)
+# and (not run by default) bench-layer (the MoE layer on every GPU), layer-1gpu (the MoE layer on one GPU:
+# one rank, then EPCOMM_RANKS_PER_GPU ranks sharing it; LAYER_ARGS adds arguments to both) and bench-internode-ab
+# (scripts/internode_ab.sh: bench-internode of this tree against AB_BASE, a directory holding another tree's src, in
+# alternating pairs of processes after a warm-up one, with each run's EP64 model rows in results/ab/summary.txt)
 # Environment: TESTS (paths), TEST_FILTER (a pytest -k expression), PYTEST_ARGS, TEST_TIMEOUT (per test, s),
 # STAGE_TIMEOUT (per stage, s), DISPATCH_ARGS / LL_ARGS / INTERNODE_ARGS (extra benchmark arguments; INTERNODE_ARGS
 # defaults to --rounds 3: the socket link between simulated nodes drifts).
@@ -72,6 +74,7 @@ for stage in "${STAGES[@]}"; do
     bench-internode) run_stage bench-internode env EPCOMM_RANKS_PER_NODE="${EPCOMM_RANKS_PER_NODE:-$(( WS / 2 ))}" \
                        NCCL_NET="${NCCL_NET:-Socket}" python3 -m epcomm bench internode --world-size "$WS" \
                        --out "$RES" ${INTERNODE_ARGS:---rounds 3} ;;
+    bench-internode-ab) run_stage bench-internode-ab bash scripts/internode_ab.sh "$RES/ab" ;;
     bench-layer) run_stage bench-layer python3 examples/train_moe.py --bench --world-size "$WS" --out "$RES" ${LAYER_ARGS:-} ;;
     layer-1gpu) run_stage layer-1gpu bash -c "python3 examples/train_moe.py --bench --single-gpu --world-size 1 --out '$RES' ${LAYER_ARGS:-} && if [ $SHARE -gt 1 ]; then python3 examples/train_moe.py --bench --single-gpu --world-size $SHARE --out '$RES' ${LAYER_ARGS:-}; fi" ;;
     demo) run_stage demo python3 -m epcomm demo --world-size "$WS" ;;

@@ -50,3 +50,26 @@ def test_bench_dispatch_and_low_latency_tables(tmp_path):
     for n in (1, 3):
         for op in ("dispatch", "combine", "dispatch send (hook)", "dispatch recv (hook)"):
             assert (n, op) in got, (n, op)
+
+
+def test_internode_ab_script_pairs_two_trees(tmp_path):
+    """``scripts/internode_ab.sh`` (the internode benchmark of this tree against another tree's ``src``, alternating
+    processes): on 2 CPU ranks, one pair with this repository as both trees, each run's tables written with the
+    command that made them and its EP64 model rows and host terms in the summary."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = dict(os.environ, AB_BASE=str(root), AB_WORLD="2", AB_PAIRS="1", AB_WARMUP="0", EPCOMM_COMMIT="test-commit",
+               AB_ARGS="--tokens 32 --hidden 128 --ll-tokens 4 --iters 1 --rounds 1 --routings uniform")
+    out = subprocess.run(["bash", str(root / "scripts" / "internode_ab.sh"), str(tmp_path)], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = (tmp_path / "summary.txt").read_text()
+    for tree in ("head", "base"):
+        assert f"internode_ab_{tree}_1: rc=0" in summary, summary
+        rows = _rows(tmp_path / f"internode_ab_{tree}_1.csv")
+        assert rows and all(r["commit"] == "test-commit" and f"internode_ab_{tree}_1" in r["command"] for r in rows)
+        line = next(x for x in summary.splitlines() if x.startswith(f"internode_ab_{tree}_1: EP64"))
+        for op in ("uniform dispatch FP8", "group_limited dispatch FP8", "combine BF16"):
+            assert op in line, line
+    assert summary.count("1 chunk: lead ") == 2, summary
