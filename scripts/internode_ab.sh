@@ -64,7 +64,9 @@ for impl in ("1 chunk", "1 chunk, no head", "4 chunks, no head"):
         ("count exchange (host ahead)", "counts of both legs, host ahead"),
         ("lead", "host from the count read to the first rows"), ("host after the read", "host after the count read"))
         for key in [(f"hierarchical, {impl}, by phase", f"dispatch BF16: {op}")] if terms.get(key)]
+    steps = [f'{op[len("dispatch BF16: lead: "):]} {float(us):.0f}' for (mode, op), us in terms.items()
+             if mode == f"hierarchical, {impl}, by phase" and op.startswith("dispatch BF16: lead: ") and float(us)]
     if got:
-        print(f"    {impl}: " + ", ".join(got))
+        print(f"    {impl}: " + ", ".join(got) + (f" (lead by step: {'; '.join(steps)})" if steps else ""))
 PY
 done

@@ -228,11 +228,19 @@ def _lead_marks(ctx, chunks):
 def test_lead_ends_at_the_rows_collective(chunks):
     """The benchmarks' lead (the host's time from the count read to the first rows' collective, ``host_milestones``)
     ends where the inter-domain leg issues that collective (``AllToAllTransport.on_collective``, set while a phase
-    log is kept), after the rows' leg began (its request's views and checks are in the lead), one mark per chunk."""
+    log is kept), after the rows' leg began (its request's views and checks are in the lead), one mark per chunk;
+    the steps marked within it (``LEAD_STEPS``) come in the order the call reaches them."""
+    from epcomm.transports.hierarchical import LEAD_COUNTS, LEAD_REQUEST
+
     for marks, rows, issued, hook in spawn(_lead_marks, 4, chunks, device="cpu", timeout_s=300):
         assert len(issued) >= chunks and marks["rows issued"] == min(issued), (marks, issued)
         assert marks["counts read"] < rows <= marks["rows issued"], (marks, rows)
         assert hook is None
+        # the lead's steps, in the order reached within it: the counts taken from the read, then the chunk's request
+        # (this path's: the portable domain leg takes no gated call, and on CPUs no stream is switched)
+        steps = marks["lead steps"]
+        assert [s for s, _ in steps] == [LEAD_COUNTS, LEAD_REQUEST], steps
+        assert marks["counts read"] <= steps[0][1] <= steps[1][1] <= marks["rows issued"], (marks, steps)
 
 
 def _packed_ahead(ctx, chunks, head_share):
@@ -946,23 +954,31 @@ def _domain_counts_after_the_rows(ctx):
     hierarchical._Counts.domain.__set_name__(hierarchical._Counts, "domain")
     buf = Buffer(ctx.group, transport=NVLinkTransport, num_nvl_bytes=1 << 23, ranks_per_node=2)
     case = NormalCase(num_tokens=(9, 4, 0, 7), hidden=64, num_experts=8, topk=3, dtype="bf16", seed=91)
+    buf.runtime.phase_log = []  # (and the gated call's lead by step: ``host_milestones``)
     try:
         failures = check_normal(ctx, buf, case).failures
     finally:
         dist.all_to_all_single = a2a
+    steps = [step for step, _ in hierarchical.host_milestones(buf.runtime.phase_log)["lead steps"]]
+    buf.runtime.phase_log = None
     buf.destroy()
-    return failures, events
+    return failures, events, steps
 
 
 def test_domain_counts_made_after_the_first_rows_collective(monkeypatch):
     """An exact-mode dispatch asks for the domain leg's counts (``_Counts.domain``) only after the inter-domain leg's
     first rows' collective is issued (the count all_to_all, then the rows' all_to_all, then the counts): the host's
-    lead from the count read to the first rows holds only what that collective needs."""
+    lead from the count read to the first rows holds only what that collective needs; its steps (``LEAD_STEPS``) are
+    marked in the order the gated call reaches them."""
+    from epcomm.transports.hierarchical import LEAD_COUNTS, LEAD_LANDING, LEAD_REQUEST, LEAD_STREAM
+
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    for failures, events in spawn(_domain_counts_after_the_rows, 4, device="cpu", timeout_s=600):
+    for failures, events, steps in spawn(_domain_counts_after_the_rows, 4, device="cpu", timeout_s=600):
         assert failures == [], failures
         first = events.index("domain counts")
         assert events[:first].count("all_to_all") >= 2, events  # (the counts', then the first rows')
+        # the gated call's lead by step (the benchmarks' ``lead: ...`` rows), in the order reached
+        assert steps == [LEAD_COUNTS, LEAD_LANDING, LEAD_STREAM, LEAD_REQUEST], steps
 
 
 def _in_place_cases(ctx, chunks, gated):

@@ -20,8 +20,9 @@ routing), at DeepSeek's shape (4096 tokens per rank, hidden 7168, top-8, 256 exp
   (``HierarchicalTransport.phase_log``: the inter-domain leg with the count exchange and its host read, the packing
   of its rows while the counts travel, the forwarding within the domain with the domain's gather of the counts, the
   chunk agreement; each phase's parts summed per call, as the device ran them and as the host spent them), and the
-  host's time split at the count read (up to it; after it; from it to the first rows' collective), the median of the
-  slowest rank; what the parts leave out (the rows' reordering, host gaps) is the rest of the call's time. The
+  host's time split at the count read (up to it; after it; from it to the first rows' collective, and that lead by
+  step: ``lead: ...``, the time up to each of ``LEAD_STEPS`` the call reaches, then to the collective), the median of
+  the slowest rank; what the parts leave out (the rows' reordering, host gaps) is the rest of the call's time. The
   model's host terms come from these rows (``HostCosts.measured``);
 * ``node leg: ...`` (where each simulated node is one GPU, whose node leg moves nothing): the host time of the calls
   an NVLink node's leg makes per chunk, on the one-sided transport over this machine's GPUs as one domain
@@ -334,7 +335,7 @@ def _by_phase(ctx, hier, x, layout: dict, iters: int) -> dict:
     import torch.distributed as dist
 
     from ..fp8 import per_token_cast_to_fp8
-    from ..transports.hierarchical import host_milestones
+    from ..transports.hierarchical import LEAD_STEPS, host_milestones
 
     x8 = per_token_cast_to_fp8(x)
     runtime = hier.runtime
@@ -404,6 +405,14 @@ def _by_phase(ctx, hier, x, layout: dict, iters: int) -> dict:
                     got.setdefault(HOST_AFTER_READ, []).append((ended - read) * 1e6)
                     if "rows issued" in marks:
                         got.setdefault(HOST_LEAD, []).append((marks["rows issued"] - read) * 1e6)
+                        # the lead by step: the time up to each step from the one before it (0 where the path has
+                        # none; every step in a fixed order, the same on every rank), then to the collective
+                        reached, last = dict(marks["lead steps"]), read
+                        for step, at in marks["lead steps"]:
+                            reached[step], last = (at - last) * 1e6, at
+                        for step in LEAD_STEPS:
+                            got.setdefault(step, []).append(reached.get(step, 0.0))
+                        got.setdefault(LEAD_COLLECTIVE, []).append((marks["rows issued"] - last) * 1e6)
                 if "device work issued" in marks:
                     got.setdefault(HOST_TAIL, []).append((ended - marks["device work issued"]) * 1e6)
                 for phase, parts in phase_durations_us(log, True).items():
@@ -506,6 +515,7 @@ def _node_leg(ctx, opts, hier, x, idx, w) -> dict:
 HOST_BEFORE_READ = "host up to the count read"
 HOST_AFTER_READ = "host after the count read"
 HOST_LEAD = "host from the count read to the first rows"
+LEAD_COLLECTIVE = "lead: the rows' collective issued"  # (the last of the lead's steps: ``LEAD_STEPS`` before it)
 HOST_TAIL = "host after the call's device work is issued"
 COUNTS_AHEAD = f"{COUNTS_PHASE}{AHEAD}"  # the count exchange's device time in calls issued with the host ahead
 

@@ -188,7 +188,15 @@ ISSUED_MILESTONE = "the call's device work issued"
 # (a point) an inter-domain rows' collective is issued: the host's lead after the count read ends at the first
 # (``AllToAllTransport.on_collective``; the rows' leg begins earlier, with the request's views and checks)
 COLLECTIVE_MILESTONE = "an inter-domain rows' collective issued"
-MILESTONES = (ISSUED_MILESTONE, COLLECTIVE_MILESTONE)
+# (points) the steps of that lead, each reached after the one before it (``host_milestones``' "lead steps"; benchmarks
+# report the time up to each): the counts taken from the read (``_Counts``, the bad id check), a gated call's
+# landing (its bounds checked, each chunk's landing rows), the switch to the network stream, the chunk's request
+LEAD_COUNTS = "lead: the counts taken from the read"
+LEAD_LANDING = "lead: the gated call's landing"
+LEAD_STREAM = "lead: on the network stream"
+LEAD_REQUEST = "lead: the chunk's request"
+LEAD_STEPS = (LEAD_COUNTS, LEAD_LANDING, LEAD_STREAM, LEAD_REQUEST)
+MILESTONES = (ISSUED_MILESTONE, COLLECTIVE_MILESTONE) + LEAD_STEPS
 
 _subgroups: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 # per rail group: {"message": why its groups were aborted}, shared by every transport that uses them
@@ -743,6 +751,7 @@ class HierarchicalTransport(Transport):
         # views its handle keeps); the merged input's other parts after it, while its rows cross
         call = self._gated_landing(req, C, at[-1], starts)
         call.m1, call.at = m1, at
+        self._milestone(LEAD_LANDING)
         rails = []
         self._network(lambda: self._gated_rail(fn, call, counts, 0, rails), streams=call.streams)
         self._gated_merged(req, call, gathered)
@@ -798,6 +807,7 @@ class HierarchicalTransport(Transport):
         a, b = call.at[c], call.at[c] + call.m1[c]
         domain, token = call.sources
         req = counts.rail(c)  # (made before the leg: the benchmarks' lead, up to the leg, includes it)
+        self._milestone(LEAD_REQUEST)
         with self._leg(fn, ROWS_PHASE):
             rails.append(self.rail.dispatch_into(req, call.landed[a:b], (domain[a:b], token[a:b])))
 
@@ -951,6 +961,7 @@ class HierarchicalTransport(Transport):
         call.starts = starts
         call.m1 = [counts.rail_rows(c) for c in range(call.chunks)]
         call.at = _landing_at(call.m1)  # (within the bounds: need[0] is the most any rank of the domain lands)
+        self._milestone(LEAD_LANDING)
         rails = []
         self._network(lambda: self._gated_legs(fn, call, counts, rails), wait=False, streams=call.streams)
         self._early_seen_add(req, call.chunks, need)  # (after the rows' collectives: not in the host's lead)
@@ -1098,6 +1109,7 @@ class HierarchicalTransport(Transport):
         # hold this call's requests and their packed rows)
         self._head_from = (functools.partial(_Counts.most_of, counts._host, C, L, D, e_dom), self.head_share)
         counts.with_legs(legs, per_expert)  # (each chunk's request made when first asked)
+        self._milestone(LEAD_COUNTS)
         return counts, starts, ahead, every
 
     def _next_head(self) -> int:
@@ -1156,7 +1168,9 @@ class HierarchicalTransport(Transport):
 
         def request(c: int, req: DispatchRequest) -> DispatchRequest:
             if counts is not None:
-                return counts.rail(c)
+                got = counts.rail(c)
+                self._milestone(LEAD_REQUEST)
+                return got
             in_domain = req.is_token_in_rank.view(req.x.size(0), D, L).any(2)
             return self._rail_request(req, in_domain.sum(0, dtype=torch.int32), in_domain, cap)
 
@@ -1276,6 +1290,7 @@ class HierarchicalTransport(Transport):
         the current one (``torch.cuda.stream`` makes stream objects and asks for the current device and stream: ~60 us
         of a gated call's lead on the GPU machines, measured)."""
         if self.device.type != "cuda":
+            self._milestone(LEAD_STREAM)
             work()
             return
         main, net = streams if streams is not None else self._streams()
@@ -1283,10 +1298,12 @@ class HierarchicalTransport(Transport):
             net.wait_stream(main)
         if torch.cuda.current_device() != net.device_index:  # (set_stream would make the stream's device current)
             with torch.cuda.stream(net):
+                self._milestone(LEAD_STREAM)
                 work()
             return
         torch.cuda.set_stream(net)
         try:
+            self._milestone(LEAD_STREAM)
             work()
         finally:
             torch.cuda.set_stream(main)
@@ -1852,8 +1869,9 @@ def host_milestones(log: list) -> dict:
     (``time.perf_counter`` seconds): ``"counts read"``, the count read's return (the last part of ``COUNTS_PHASE``),
     and ``"rows issued"``, the first inter-domain rows' collective issued after it (``COLLECTIVE_MILESTONE``; where
     the leg marks none, the first part of the inter-domain rows, ``ROWS_PHASE``, beginning), and ``"device work
-    issued"``, the point after which the call enqueues no more device work (``ISSUED_MILESTONE``). Missing ones are
-    absent."""
+    issued"``, the point after which the call enqueues no more device work (``ISSUED_MILESTONE``); with the first
+    two, ``"lead steps"``: ``[(step, when)]`` in the order reached, the first of each of ``LEAD_STEPS`` between them.
+    Missing ones are absent."""
     out = {}
     issued = [began for phase, _, _, _, began in log if phase == ISSUED_MILESTONE]
     if issued:
@@ -1867,6 +1885,12 @@ def host_milestones(log: list) -> dict:
     rows = after or [began for phase, _, _, _, began in log if phase == ROWS_PHASE]
     if rows:
         out["rows issued"] = min(rows)
+    if "counts read" in out and "rows issued" in out:  # the lead's steps: the first of each between the two
+        steps: dict = {}
+        for phase, _, _, _, began in log:
+            if phase in LEAD_STEPS and out["counts read"] <= began <= out["rows issued"]:
+                steps.setdefault(phase, began)
+        out["lead steps"] = sorted(steps.items(), key=lambda step: step[1])
     return out
 
 
@@ -2207,4 +2231,5 @@ def _tensors(out) -> list:
     return [t for t in found if isinstance(t, torch.Tensor)]
 
 
-__all__ = ["HierarchicalTransport", "INTER_DOMAIN_LEGS", "ISSUED_MILESTONE", "host_milestones", "subgroups"]
+__all__ = ["HierarchicalTransport", "INTER_DOMAIN_LEGS", "ISSUED_MILESTONE", "LEAD_STEPS", "host_milestones",
+           "subgroups"]
