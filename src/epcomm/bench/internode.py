@@ -430,7 +430,9 @@ def _by_phase(ctx, hier, x, layout: dict, iters: int) -> dict:
         for phase, us in got.items():
             op = (phase.replace("combine: ", "combine BF16: ") if phase.startswith(("combine", CACHED_FP8))
                   else f"dispatch BF16: {phase}")
-            out[mode][op] = _slowest_median(ctx, us)
+            us = _slowest_median(ctx, us)  # (collective: every rank the same keys in the same order)
+            if us or phase not in LEAD_STEPS:  # (a lead step this path does not take: no row)
+                out[mode][op] = us
     return out
 
 
