@@ -393,7 +393,7 @@ class HierarchicalTransport(Transport):
         self._pinned: dict = {}  # pinned host blocks for the count read (faults.read_later)
         self._tuner = _ChunkTuner(self.CHUNK_CANDIDATES, self.TUNE_CALLS, device)
         self._head = 0  # the next exact-mode dispatch's head chunk: slots per domain (the same on every rank; 0: none)
-        self._head_from: Optional[tuple] = None  # (the last call's counts and share it is sized from: ``_next_head``)
+        self._head_from: Optional[tuple] = None  # (what it is sized from, when asked: ``_next_head``)
         self._fault = _faults.setdefault(self.rail_group, {})  # shared with every Buffer on these groups
         self._calls = 0  # calls made (the same count on every rank): names a call in the fault reports
         self._in_flight: collections.deque = collections.deque()  # (end event, issued at, call, fn) per call
@@ -2005,12 +2005,9 @@ class _Counts:
     def __init__(self, host, C: int, L: int, D: int, e_dom: int, l: int, needs: bool = False) -> None:
         V = 2 + L + e_dom
         W = V + D * L
-        # (the read's numpy array, or a list: the gathered rows as an [L, C, W] array, whose sums and maxima the host
-        # takes before the first rows' collective in a few numpy operations, ~15 us at EP64's shape against ~90 as
-        # lists; only what a request needs becomes Python ints)
-        # (the lead to the first rows' collective takes from it only what chunk 0's request needs: the sends and
-        # receives, the needs, chunk 0's per-expert counts; the [L, C, W] array and the most tokens are made when first
-        # asked, after that collective)
+        # (the read's numpy array, or a list. The lead to the first rows' collective takes from it only what chunk 0's
+        # request needs, as Python ints: the sends and receives, the needs, chunk 0's per-expert counts; the [L, C, W]
+        # array, whose sums and maxima the rest takes in a few numpy operations, and the most tokens when first asked)
         self._host = host if isinstance(host, np.ndarray) else np.asarray(host, dtype=np.int64)
         base = L * C * W
         sr = self._host[base:base + 2 * D * C + (4 if needs else 0)].tolist()
