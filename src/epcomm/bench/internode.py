@@ -407,7 +407,7 @@ def _by_phase(ctx, hier, x, layout: dict, iters: int) -> dict:
                         got.setdefault(HOST_LEAD, []).append((marks["rows issued"] - read) * 1e6)
                         # the lead by step: the time up to each step from the one before it (0 where the path has
                         # none; every step in a fixed order, the same on every rank), then to the collective
-                        reached, last = dict(marks["lead steps"]), read
+                        reached, last = {}, read
                         for step, at in marks["lead steps"]:
                             reached[step], last = (at - last) * 1e6, at
                         for step in LEAD_STEPS:

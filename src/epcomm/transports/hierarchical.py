@@ -1107,7 +1107,7 @@ class HierarchicalTransport(Transport):
         counts = _Counts(host, C, L, D, e_dom, self.local_index, needs)
         # (the next call's head, sized when it asks: ``_next_head``; from the read's words alone, not the counts, which
         # hold this call's requests and their packed rows)
-        self._head_from = (functools.partial(_Counts.most_of, counts._host, C, L, D, e_dom), self.head_share)
+        self._head_from = (functools.partial(_Counts.most_of, host, C, L, D, e_dom), self.head_share)
         counts.with_legs(legs, per_expert)  # (each chunk's request made when first asked)
         self._milestone(LEAD_COUNTS)
         return counts, starts, ahead, every
