@@ -1005,7 +1005,8 @@ def _in_place_cases(ctx, chunks, gated):
     merged, merges, lazy = H._gated, [0], [0]
 
     def merging(self, *args, **kwargs):
-        got = merged(self, *args, **kwargs)
+        out = merged(self, *args, **kwargs)
+        got = out[0]
         merges[0] += got is not None
         if got is not None:  # (its handles, both legs', not made yet: made when a combine or cached dispatch asks)
             st = got.handle.state
@@ -1018,7 +1019,7 @@ def _in_place_cases(ctx, chunks, gated):
             lazy[0] += (all(callable(h) for h in st.rail_handles) and callable(st.domain_handles) and len(counts) == 1
                         and not counts[0]._legs and not counts[0]._rails and counts[0]._per_expert is None
                         and not requests)
-        return got
+        return out
 
     H._gated = merging
     # (and the combines' partials written side by side into the rows the inter-domain leg sends as they are)
@@ -1113,7 +1114,7 @@ def _gated_with_a_late_rank(ctx):
 def _gated_refused(ctx):
     """Exact-mode dispatches in 3 chunks over the one-sided domain leg (interpreter) whose fixed storage holds each
     chunk's rows (in rounds) but not the chunks merged: the failures against the reference and how many calls the
-    gated path refused (``_gated`` returned None)."""
+    gated path refused (``_gated`` returned no result, its first chunk's rows landed: they go on chunk by chunk)."""
     from epcomm.testing.checks import NormalCase
     from epcomm.transports import hierarchical
     from epcomm.transports.nvlink import NVLinkTransport
@@ -1123,9 +1124,9 @@ def _gated_refused(ctx):
     merged, refused = H._gated, [0]
 
     def counted(self, *args, **kwargs):
-        got = merged(self, *args, **kwargs)
-        refused[0] += got is None
-        return got
+        got, landed = merged(self, *args, **kwargs)
+        refused[0] += got is None and landed is not None  # (refused with its first chunk's rows landed)
+        return got, landed
 
     H._gated = counted
     cases = [NormalCase(num_tokens=(40, 33, 0, 38), hidden=64, num_experts=8, topk=3, dtype="bf16", seed=97),

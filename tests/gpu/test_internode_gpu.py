@@ -9,7 +9,8 @@ import pytest
 from conftest import gpu_count, gpu_ranks, skip_split_shared_group
 from epcomm.testing import spawn
 from epcomm.testing.checks import GraphCase, LowLatencyCase, NormalCase, run_cases
-from test_internode import _assert_clean, _ll_true_sources, _peer_missing, check_peer_missing, internode_cases
+from test_internode import (_assert_clean, _gated_refused, _ll_true_sources, _peer_missing, check_peer_missing,
+                            internode_cases)
 
 
 def large_cases():
@@ -98,9 +99,12 @@ def _early_calls(ctx, local):
     """Exact-mode dispatches in 3 chunks without a head chunk over a one-sided domain leg, each checked against the
     reference (its combine and cached dispatch too): the first of each size learns the needs; a later one of the same
     size issues its domain leg before its count read and uses it; a larger one outgrows those bounds and lets it go
-    (the call then goes the present way); the same larger size again fits; then, inside those bounds, uneven tokens
-    with an empty rank and ``-1`` slots, and skewed routing. Returns ``(failures, early_stats, paths)``: ``paths`` is
-    what each call did (``issued``, ``let go`` or ``-``)."""
+    (the call then goes the present way; its first chunk's rows do not fit the early call's landing buffer); the
+    same larger size again fits; then, inside those bounds, uneven tokens with an empty rank and ``-1`` slots, and
+    skewed routing; last a call whose first chunk's rows fit that buffer (they are issued into it once the rail's
+    counts are read) but whose other chunks do not (let go: its first rows move into a call of its own). Returns
+    ``(failures, early_stats, paths)``: ``paths`` is what each call did (``issued``, ``let go``, ``first rows moved``
+    or ``-``)."""
     from epcomm.buffer import Buffer
     from epcomm.testing.checks import NormalCase, check_normal
     from epcomm.transports.hierarchical import HierarchicalTransport
@@ -110,14 +114,16 @@ def _early_calls(ctx, local):
     buf.runtime.early_issue = True  # (also over gloo, between ranks sharing GPUs: these calls are small)
     failures, paths = [], []
     calls = ((96, "uniform", 51), (96, "uniform", 52), (400, "uniform", 53), (400, "uniform", 54),
-             (40, "uniform", 55), ((120, 0, 77, 96), "dropped", 56), ((120, 0, 77, 96), "skewed", 57))
+             (40, "uniform", 55), ((120, 0, 77, 96), "dropped", 56), ((120, 0, 77, 96), "skewed", 57),
+             (800, "uniform", 58))
     for tokens, routing, seed in calls:
         case = NormalCase(num_tokens=tokens, hidden=256, num_experts=8 * ctx.world_size, topk=4, dtype="fp8",
                           routing=routing, bias=1, seed=seed)
         before = dict(buf.runtime.early_stats)
         failures += [f"{tokens} tokens {routing}: {f}" for f in check_normal(ctx, buf, case).failures]
         after = buf.runtime.early_stats
-        paths.append(" ".join(k for k in ("issued", "let go") if after.get(k, 0) > before.get(k, 0)) or "-")
+        paths.append(" ".join(k for k in ("issued", "let go", "first rows moved")
+                              if after.get(k, 0) > before.get(k, 0)) or "-")
     stats = dict(buf.runtime.early_stats)
     buf.destroy()
     return failures, stats, paths
@@ -138,7 +144,23 @@ def test_gpu_domain_leg_issued_before_the_count_read(world_size, local):
         # the first call of the kind learns; the second of 96 tokens goes early; 400 outgrows 96's bounds; the
         # uneven calls (at most 120 tokens a rank) fit the bounds 400 left and go early
         assert paths[0] == "-" and paths[1] == "issued" and "let go" in paths[2], (rank, paths)
+        assert "first rows moved" not in paths[2], (rank, paths)  # (its first rows did not fit: let go before them)
         assert paths[5] == "issued" and paths[6] == "issued", (rank, paths)
+        assert paths[7] == "issued let go first rows moved", (rank, paths)
+
+
+@pytest.mark.gpu
+def test_gpu_gated_call_refused_by_fixed_storage_goes_chunk_by_chunk():
+    """The CPU test's calls (``_gated_refused``) on GPUs: where the domain's fixed storage cannot hold the merged call,
+    the gated path is refused after its first chunk's rows were issued into its landing buffer (once the rail's
+    counts were read); the chunks then go one by one, the first made from its landed rows on the caller's stream
+    (after the network stream's event), bit-exact against the reference."""
+    if gpu_ranks() < 4:
+        pytest.skip("needs 4 GPU rank slots")
+    skip_split_shared_group("nvlink", 4, 2)
+    for failed, refused in spawn(_gated_refused, 4, device="cuda", timeout_s=600):
+        assert failed == [], failed
+        assert refused >= 2, refused
 
 
 def _leg_errors(ctx, local, transport):

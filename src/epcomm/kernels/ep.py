@@ -1238,13 +1238,16 @@ def launch_counts_gather_row(recv, row, L: int) -> None:
 
 def launch_counts_read(every, send, recv, bad, words, L: int, chunks: int, needs: bool, align: int) -> None:
     """``counts_read_kernel``: the words the host reads after the count exchange, into ``words`` int32 (``every.numel()
-    + 2 D C + (4 if needs) + 1``), from the domain's gathered counts ``every [L * chunks, W]`` int32, the rail's
-    ``send`` and ``recv [D, chunks, S]`` int32 (contiguous) and ``bad`` (a one-word int32 tensor, or None: 0), on the
-    current stream."""
+    + 2 D C + (4 if needs) + 1``), from the domain's gathered counts ``every [L * chunks, W]`` int32 (None: none, and
+    no needs; the rail's words alone), the rail's ``send`` and ``recv [D, chunks, S]`` int32 (contiguous) and ``bad``
+    (a one-word int32 tensor, or None: 0), on the current stream."""
     D = send.size(0)
-    n = every.numel()
+    if every is None and needs:
+        raise ValueError("launch_counts_read: the needs are made from the gathered counts: pass every")
+    n = 0 if every is None else every.numel()
     block = 1024
-    launch(counts_read_kernel, (max(1, cdiv(n, block)),), every, n, every.stride(0), send, recv, send.stride(1), D,
+    launch(counts_read_kernel, (max(1, cdiv(n, block)),), send if every is None else every, n,
+           0 if every is None else every.stride(0), send, recv, send.stride(1), D,
            chunks, L, bad if bad is not None else words, int(bad is not None), int(needs), align, words,
            BLOCK=block, BLOCK_DC=next_pow2(max(D * chunks, 2)), LP=next_pow2(max(L, 2)))
 

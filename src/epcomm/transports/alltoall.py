@@ -64,6 +64,21 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.uint8 else t.view(torch.uint8)
 
 
+def _split_fused(recv: torch.Tensor, parts: list, views: list, first_in_place: bool) -> list:
+    """The parts of received fused rows (``recv [rows, width]`` uint8: each row's parts side by side, as
+    ``_fused_send`` sent ``parts``, whose byte views are ``views``), as fresh contiguous tensors of the parts' dtypes
+    and widths; ``first_in_place``: the first part as a view of ``recv`` (rows of a wider stride)."""
+    outs, col, rows = [], 0, recv.size(0)
+    for i, (t, v) in enumerate(zip(parts, views)):
+        width = v.size(1)
+        if i == 0 and first_in_place and t.dim() == 2 and recv.size(1) % t.element_size() == 0:
+            outs.append(columns_of_rows(recv, t.dtype, t.size(1)))
+        else:
+            outs.append(one_variant(recv[:, col:col + width]).view(t.dtype).view(rows, *t.shape[1:]))
+        col += width
+    return outs
+
+
 def _side_by_side(parts: list) -> Optional[torch.Tensor]:
     """The ``[rows, bytes]`` uint8 rows of one buffer that ``parts`` (2-D, unit column stride) fill side by side, in
     order and without a gap between them (each row of the buffer is a row of every part, one after another, then at
@@ -251,15 +266,7 @@ class AllToAllTransport(Transport):
         send = _fused_send(parts, views)
         recv = torch.empty(out_rows, send.size(1), dtype=torch.uint8, device=dev)
         self._a2a(recv, send, out_splits, in_splits)
-        outs, col = [], 0
-        for i, (t, v) in enumerate(zip(parts, views)):
-            width = v.size(1)
-            if i == 0 and first_in_place and t.dim() == 2 and recv.size(1) % t.element_size() == 0:
-                outs.append(columns_of_rows(recv, t.dtype, t.size(1)))
-            else:
-                outs.append(one_variant(recv[:, col:col + width]).view(t.dtype).view(out_rows, *t.shape[1:]))
-            col += width
-        return outs
+        return _split_fused(recv, parts, views, first_in_place)
 
     @property
     def deferred_errors(self) -> torch.Tensor:
@@ -496,27 +503,41 @@ class AllToAllTransport(Transport):
         return plan, (rows, recs), (_fused_as_is([rows, recs], [_as_bytes(rows), _as_bytes(recs)])
                                     if self.fuse_rows else None)
 
-    def dispatch_into(self, req: DispatchRequest, out: torch.Tensor,
-                      recv_src: tuple) -> Callable[[], DispatchHandle]:
-        """An exact-mode GPU-path dispatch with its counts known (``req.known``) whose one collective lands its rows
-        beside their records, as ``fuse_rows`` sends them (``[rows, fused_width]`` uint8: the row's bytes, then its
-        record, ``record_words`` layout, then padding), into ``out`` (contiguous rows, e.g. one chunk's of a caller's
-        buffer), where the caller reads them: nothing is unpacked. Returns a function that makes the dispatch's handle
-        (when first asked: a combine's or cached dispatch's host work, which a step hides, not this call's), whose
-        ``recv_src_rank`` / ``recv_src_idx`` are the caller's ``recv_src`` (what it will unpack of the records)."""
-        known = req.known
-        if known is None or not self._gpu_path(req.x):
-            raise ValueError("AllToAllTransport.dispatch_into: an exact-mode GPU-path dispatch with known counts")
-        plan, (rows, recs), fused = req.prepared or self.prepare(req)
-        sends, recvs = list(known.num_tokens_per_rank), list(known.num_recv_tokens_per_rank)
+    def dispatch_into(self, req: DispatchRequest, sends: list, recvs: list,
+                      out: torch.Tensor) -> Callable[[tuple, torch.Tensor], DispatchHandle]:
+        """An exact-mode GPU-path dispatch whose counts the caller knows, ``sends`` and ``recvs`` (rows to and from each
+        rank, host lists), and whose local work is prepared (``req.prepared``, ``prepare``): its one collective lands
+        its rows beside their records, as ``fuse_rows`` sends them (``[rows, fused_width]`` uint8: the row's bytes,
+        then its record, ``record_words`` layout, then padding), into ``out`` (contiguous rows, e.g. one chunk's of a
+        caller's buffer), where the caller reads them: nothing is unpacked. Nothing but the collective and a slice is
+        done before it is issued (a caller's host lead to its first rows' collective). Returns a function of
+        ``(recv_src, recv_per_expert)`` that makes the dispatch's handle (when first asked: a combine's or cached
+        dispatch's host work, which a step hides, not this call's): its ``recv_src_rank`` / ``recv_src_idx`` are the
+        caller's ``recv_src`` (what it will unpack of the records), its per-expert counts ``recv_per_expert``
+        (``[E_local]`` int32 on the device)."""
+        if req.prepared is None:
+            raise ValueError("AllToAllTransport.dispatch_into: an exact-mode GPU-path dispatch whose local work is "
+                             "prepared (req.prepared from AllToAllTransport.prepare)")
+        plan, (rows, recs), fused = req.prepared
         n = sum(sends)
         self._a2a(out, fused[:n] if fused is not None else _fused_send(
             [rows[:n], recs[:n]], [_as_bytes(rows[:n]), _as_bytes(recs[:n])]), recvs, sends)
         # (the function keeps what the handle needs of ``req``, not ``req``: its packed rows, ``prepared``, would live
         # as long as the handle is not made, until the combine)
         shape = (req.num_experts, req.x.size(0), req.x.size(1), req.is_token_in_rank)
-        return lambda: self._exact_handle(shape, sends, recvs, self._known_expert_counts(known)()[1], *recv_src,
-                                          self._gpu_state(plan, sends))
+        return lambda recv_src, recv_per_expert: self._exact_handle(shape, sends, recvs, recv_per_expert, *recv_src,
+                                                                    self._gpu_state(plan, sends))
+
+    def landed_result(self, req: DispatchRequest, out: torch.Tensor) -> DispatchResult:
+        """The result of the dispatch whose rows ``dispatch_into`` landed in ``out`` (``req`` with its counts known,
+        ``req.known``, and prepared), unpacked on the current stream (which waits for them to land) as ``dispatch``
+        of ``req`` would have made it: the same rows, records and handle."""
+        known = req.known
+        plan, (rows, recs), _ = req.prepared
+        sends, recvs = list(known.num_tokens_per_rank), list(known.num_recv_tokens_per_rank)
+        recv_x, recv_meta = _split_fused(out, [rows, recs], [_as_bytes(rows), _as_bytes(recs)], self.rows_as_views)
+        return self._received(req, recv_x, recv_meta, sends, recvs, self._known_expert_counts(known),
+                              self._gpu_state(plan, sends))
 
     def _exact_handle(self, shape: tuple, sends: list, recvs: list, recv_per_expert: torch.Tensor,
                       recv_src_rank: torch.Tensor, recv_src_idx: torch.Tensor, state: "_NormalState") -> DispatchHandle:

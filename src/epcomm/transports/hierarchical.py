@@ -179,6 +179,8 @@ from .low_latency import _Once, call_shape
 # device-initiated leg (NCCL's GPU-initiated networking, NVSHMEM) would be one more entry.
 INTER_DOMAIN_LEGS = {"nccl": AllToAllTransport}
 COUNTS_PHASE = "counts of both legs"  # an exact-mode dispatch's one count exchange (faults name it; benchmarks time it)
+# a gated call's part of it that its first rows do not wait for: the domain's gather, read once they are issued
+DOMAIN_COUNTS_PHASE = "counts within the domain, read after the first rows"
 PACK_PHASE = "packing the tokens"  # the inter-domain leg's local work, issued while the counts travel
 ROWS_PHASE = "tokens to their domains"  # the inter-domain leg's rows (benchmarks time the host's path up to it)
 HEAD_PHASE = "the first tokens to their domains, ahead of their counts"  # the head chunk's rows (fixed slots)
@@ -389,7 +391,8 @@ class HierarchicalTransport(Transport):
         self._gate_flags: Optional[torch.Tensor] = None  # int64 per chunk of a gated cached dispatch (_mapped)
         self._gate_value = 0  # the last value released into them: one more per call
         self._early_seen: dict = {}  # a gated call's kind -> the needs of its last calls (_early_plan)
-        self.early_stats: collections.Counter = collections.Counter()  # calls issued early, and let go
+        # calls issued early, let go, and let go with their first rows landed in them ("first rows moved": _gated)
+        self.early_stats: collections.Counter = collections.Counter()
         self._pinned: dict = {}  # pinned host blocks for the count read (faults.read_later)
         self._tuner = _ChunkTuner(self.CHUNK_CANDIDATES, self.TUNE_CALLS, device)
         self._head = 0  # the next exact-mode dispatch's head chunk: slots per domain (the same on every rank; 0: none)
@@ -663,7 +666,7 @@ class HierarchicalTransport(Transport):
                                                           align)]
         if head:
             bounds.insert(0, (0, h))
-        ahead = early = None
+        ahead = landed = None
         place = gate = False  # (the domain leg writes rows in place; the chunks' domain legs are one gated call)
         if W:  # fixed slots, no counts to learn
             subs, counts, starts, gathered = [req], None, None, None
@@ -672,28 +675,26 @@ class HierarchicalTransport(Transport):
             place = self.domain.gates_cached_dispatch and self.domain.can_gate(subs[0])
             gate = place and len(subs) > 1 and not head and self.gated_exact and self.domain.gates_exact_dispatch
             plan = self._early_plan(req, len(subs)) if gate else None
-            issued = []
+            early = None if plan is None else self._early_landing(req, len(subs), plan)
+            first = []  # (a gated call: the call its first rows were issued into once the rail's counts were read)
             counts, starts, ahead, gathered = self._exchange_counts(
-                fn, req, subs, bounds, head, None if plan is None else (
-                    lambda every: issued.append(self._early_issue(fn, req, len(subs), plan, every))), needs=gate)
-            early = issued[0] if issued else None
-        if early is not None:  # its domain leg already issued: done, unless the counts outgrew its bounds
-            got = self._early_result(fn, req, early, counts, starts, bounds, timing)
-            if got is not None:
-                return got
-        # with its counts known, every chunk's domain leg writes each row where the intranode path's order puts it,
-        # into one set of outputs (no sort, no gather after the call), where it can (the one-sided transports'
-        # streaming dispatch); each chunk's map is made once its rows cross (nothing crosses while the host works
-        # between the count read and them)
-        if gate:
-            got = self._gated(fn, req, counts, starts, gathered, bounds, timing)
-            if got is not None:
-                return got
+                fn, req, subs, bounds, head, None if early is None else functools.partial(self._early_issue, fn, req,
+                                                                                          early),
+                needs=gate, rail_first=None if not gate else lambda sends, recvs, leg, at: first.append(
+                    self._gated_first(fn, req, early, len(subs), sends, recvs, leg, at)))
+            # with its counts known, every chunk's domain leg writes each row where the intranode path's order puts
+            # it, into one set of outputs (no sort, no gather after the call), where it can (the one-sided
+            # transports' streaming dispatch); each chunk's map is made once its rows cross (nothing crosses while the
+            # host works between the count read and them)
+            if gate:  # (its first rows issued: done, unless the domain's storage cannot hold it)
+                got, landed = self._gated(fn, req, early, first[0], counts, gathered, bounds, timing)
+                if got is not None:
+                    return got
         shared = None  # (made once the first rows' collective is issued, as the domain leg's counts are)
         parts = []
         marks = timing[2] if timing is not None and chunks == 1 else None  # a one-chunk call's legs, timed
         _mark_into(marks, self.device)
-        for c, r1 in enumerate(self._rail_chunks(fn, subs, cap, counts, ahead)):
+        for c, r1 in enumerate(self._rail_chunks(fn, subs, cap, counts, ahead, landed)):
             h1 = r1.handle
             known, sources = (None, None) if counts is None else counts.domain[c]
             if place:
@@ -722,11 +723,45 @@ class HierarchicalTransport(Transport):
         return self._finish(req, outs, src_rank, src_idx, [p[3] for p in parts], [r.handle for r in r2s], bounds,
                             back, order, ahead is not None, [r.num_recv_tokens_per_expert_list for r in r2s], timing)
 
-    def _gated(self, fn: str, req: DispatchRequest, counts: "_Counts", starts: torch.Tensor, gathered: torch.Tensor,
-               bounds: list, timing) -> Optional[DispatchResult]:
+    def _gated_first(self, fn: str, req: DispatchRequest, early: Optional["_GatedCall"], C: int, sends: list,
+                     recvs: list, leg: DispatchRequest, starts: Optional[torch.Tensor]) -> "_GatedCall":
+        """The first step of an exact-mode dispatch of ``C`` chunks (without a head chunk) whose domain legs may be one
+        gated call (``_gated``), once the inter-domain leg's counts are read and before the domain's are
+        (``_exchange_counts``' ``rail_first``: ``sends``, ``recvs`` ``[D, C]`` host lists by domain then chunk, ``leg``
+        chunk 0's request, prepared): every chunk's landing rows (``_landing_at``), the call they land in (``early``'s,
+        whose domain leg went before the count read, where chunk 0's rows fit its landing buffer; else one of its own),
+        and chunk 0's rows issued into it (``_GatedCall.first``). Every rank issues them, whatever its domain then
+        decides (``_gated``): the rows' collectives are the same on every path."""
+        m1 = [sum(recvs[c::C]) for c in range(C)]  # the rows each chunk lands here
+        at = _landing_at(m1)
+        fits = early is not None and m1[0] <= early.landed.size(0)
+        if fits:
+            call, early.starts = early, starts
+        else:
+            if early is not None:  # (its bounds are outgrown: let go now, before the network stream waits below for
+                self._let_go(early)  # the caller's stream, where its push is)
+            call = self._gated_landing(req, C, at[-1], starts)
+        self._milestone(LEAD_LANDING)
+
+        def issue() -> None:
+            mine = sends[0::C], recvs[0::C]
+            self._milestone(LEAD_REQUEST)
+            with self._leg(fn, ROWS_PHASE):
+                call.first = (m1, at, self.rail.dispatch_into(leg, *mine, call.landed[:m1[0]]))
+
+        # (an early call's: the network stream already waits for the rows' packing, and its landing buffer was made
+        # before the call's first device work; a call of its own was made just now, on the caller's stream)
+        self._network(issue, wait=not fits, streams=call.streams)
+        return call
+
+    def _gated(self, fn: str, req: DispatchRequest, early: Optional["_GatedCall"], call: "_GatedCall",
+               counts: "_Counts", gathered: torch.Tensor, bounds: list, timing) -> tuple:
         """An exact-mode dispatch of several chunks (without a head chunk) whose domain leg is one gated push for all
-        of them, as the cached dispatch's (``_mapped``), or None where the domain's storage cannot hold the merged
-        call and may not grow (then the chunks go one by one; every rank of the domain decides the same).
+        of them, as the cached dispatch's (``_mapped``), once its counts are read; ``call``: ``_gated_first``'s, its
+        first chunk's rows issued; ``early``: the call whose domain leg ``_early_issue`` issued before the count read,
+        or None. Returns ``(result, None)``, or ``(None, chunk 0's landed rows)`` where the domain's storage cannot
+        hold the merged call and may not grow: then the chunks go one by one, the first from its landed rows (every
+        rank of the domain decides the same).
 
         Every chunk's inter-domain rows land beside their records in one buffer, each chunk's at a multiple of 16
         rows (``AllToAllTransport.dispatch_into``, on the network stream), each chunk's collective followed there by
@@ -739,26 +774,42 @@ class HierarchicalTransport(Transport):
         from the domain's gathered counts with each chunk's summary). Each chunk keeps a handle of its own
         (``known_handle``: its own positions and rows, as its own call would have left them), which the combine's
         pipelining and the cached dispatches take as before. Host work per further chunk: its collective, two
-        launches and its handles. ``_early_issue`` issues the same domain leg before the count read instead."""
-        C = len(bounds)
+        launches and its handles.
+
+        An early call goes on where the counts fit the bounds it was issued with; else (every rank of the domain sees
+        the same counts) its push is let go with no rows (its chunks' bounds empty, their flags released), and the
+        call goes the way it would have without it, chunk 0's rows moved into a call of their own where they landed
+        in the early one's buffer."""
+        C = call.chunks
         need = counts.needs()
+        rails = [None]  # (chunk 0's handle, made below from the call that keeps its rows)
+        if call is early:
+            if all(n <= b for n, b in zip(need, early.plan)):  # (its bounds hold every chunk's rows)
+                early.streams[1].wait_event(early.ready)  # (what its forward layouts read: made before its push)
+                early.m1, early.at = early.first[:2]
+                rails[0] = self._rail_handle(early, counts, 0, early.first[2])
+                self._network(lambda: self._gated_legs(fn, early, counts, rails), wait=False, streams=early.streams)
+                self._early_seen_add(req, C, need)  # (after the rows' collectives: not in the host's lead)
+                return self._gated_result(req, early, counts, rails, bounds, timing), None
+            self._let_go(early)
+            # chunk 0's rows into a call of their own (on the network stream, after they land)
+            m1 = early.first[0]
+            call = own = self._gated_landing(req, C, early.first[1][-1], early.starts)
+            own.first = early.first
+            self._network(lambda: own.landed[:m1[0]].copy_(early.landed[:m1[0]]), streams=own.streams)
+            self.early_stats["first rows moved"] += 1
+        m1, at, into = call.first
         if not self.domain.holds_merged(need[2], need[3], req=req, extra_scales=2):  # (+ the carried sources)
-            return None
+            return None, call.landed[:m1[0]]
         self._early_seen_add(req, C, need)
-        m1 = [counts.rail_rows(c) for c in range(C)]  # the rows each chunk lands here
-        at = _landing_at(m1)
-        # before the first rows' collective only what it needs (the landing buffer, and the carried columns whose
-        # views its handle keeps); the merged input's other parts after it, while its rows cross
-        call = self._gated_landing(req, C, at[-1], starts)
         call.m1, call.at = m1, at
-        self._milestone(LEAD_LANDING)
-        rails = []
-        self._network(lambda: self._gated_rail(fn, call, counts, 0, rails), streams=call.streams)
+        # the merged input's other parts, while chunk 0's rows cross
         self._gated_merged(req, call, gathered)
+        rails[0] = self._rail_handle(call, counts, 0, into)
         self._network(lambda: self._gated_legs(fn, call, counts, rails), wait=False, streams=call.streams)
-        rows = sum(sum(d[1]) for d in counts.domain)  # (made after the first rows' collective)
+        rows = sum(sum(d[1]) for d in counts.domain)
         self._gated_domain(fn, req, call, gathered, rows, need[2], need[3], counts.domain)
-        return self._gated_result(req, call, counts, rails, bounds, timing)
+        return self._gated_result(req, call, counts, rails, bounds, timing), None
 
     def _gated_landing(self, req: DispatchRequest, C: int, rows: int, starts: Optional[torch.Tensor]) -> "_GatedCall":
         """A gated call of ``C`` chunks: the buffer its ``rows`` inter-domain rows land in beside their records, the
@@ -774,7 +825,7 @@ class HierarchicalTransport(Transport):
         carried = torch.empty(rows, ns + 2, dtype=torch.float32, device=dev)
         flags, value = self._next_gate(C)  # (before the network stream's wait: a first call zeroes them on this stream)
         # the chunks' bounds, then their forward layouts' tickets (zeroed: also loads the kernel that empties the bounds
-        # in a call let go, _early_result)
+        # in a call let go, _gated)
         at = -(-(C + 1) // 4) * 4  # (the tickets 16-byte aligned, whatever the chunk count: one kernel variant)
         words = torch.zeros(at + C, dtype=torch.int32, device=dev)
         call = _GatedCall(C, landed, carried, flags, value, words[:C + 1], starts, words[at:])
@@ -805,11 +856,19 @@ class HierarchicalTransport(Transport):
     def _gated_rail(self, fn: str, call: "_GatedCall", counts: "_Counts", c: int, rails: list) -> None:
         """Chunk ``c``'s inter-domain rows into their place in the landing buffer (on the network stream)."""
         a, b = call.at[c], call.at[c] + call.m1[c]
-        domain, token = call.sources
-        req = counts.rail(c)  # (made before the leg: the benchmarks' lead, up to the leg, includes it)
-        self._milestone(LEAD_REQUEST)
+        sends, recvs = counts.rail_lists(c)  # (the request's counts: its KnownCounts only when a handle is made)
         with self._leg(fn, ROWS_PHASE):
-            rails.append(self.rail.dispatch_into(req, call.landed[a:b], (domain[a:b], token[a:b])))
+            into = self.rail.dispatch_into(counts.leg(c), sends, recvs, call.landed[a:b])
+        rails.append(self._rail_handle(call, counts, c, into))
+
+    @staticmethod
+    def _rail_handle(call: "_GatedCall", counts: "_Counts", c: int, into: Callable) -> Callable[[], DispatchHandle]:
+        """The function that makes chunk ``c``'s inter-domain handle when first asked (``into``: what
+        ``AllToAllTransport.dispatch_into`` returned for its rows): its rows' sources, the carried columns the
+        forward layout unpacks at its landing rows, and its received per-expert counts."""
+        a, b = call.at[c], call.at[c] + call.m1[c]
+        domain, token, per_expert = call.sources + (counts.per_expert(c),)
+        return lambda: into((domain[a:b], token[a:b]), per_expert)
 
     def _gated_legs(self, fn: str, call: "_GatedCall", counts: "_Counts", rails: list) -> None:
         """On the network stream (which already waits for the caller's work the chunks read): every chunk's rows (the
@@ -922,50 +981,48 @@ class HierarchicalTransport(Transport):
         seen = self._early_seen.setdefault(self._early_key(req, chunks), collections.deque(maxlen=self.EARLY_HISTORY))
         seen.append(need)
 
-    def _early_issue(self, fn: str, req: DispatchRequest, C: int, plan: tuple, gathered: torch.Tensor):
-        """Before the count read (``_exchange_counts``' ``before_read``): the domain leg of a gated call (``_gated``)
-        sized by ``plan`` (``_early_plan``) and issued on the caller's stream, where it waits on the device for the
-        chunks' flags; the host's work after the read is then the rows' collectives with their forward layouts and
-        the handles, all while rows cross. Returns the call, or None where the domain's storage cannot hold the
-        bounds and may not grow (every rank of the domain decides the same)."""
+    def _early_landing(self, req: DispatchRequest, C: int, plan: tuple) -> Optional["_GatedCall"]:
+        """A gated call (``_gated``) of ``C`` chunks whose domain leg goes before its count read (``_early_issue``),
+        sized by ``plan`` (``_early_plan``), made before the call's first device work: its landing buffer and flags,
+        and the flags' values if it is let go (``_gated``). Made first, so that its first rows may land in it before
+        anything the caller's stream runs later (``_gated_first``: the network stream waits for the rows' packing
+        alone). None where the domain's storage cannot hold the bounds and may not grow (every rank of the domain
+        decides the same)."""
         land, rows, max_pair, most = plan
         if not self.domain.holds_merged(max_pair, most, req=req, extra_scales=2):
             return None
         call = self._gated_landing(req, C, land, None)
-        self.early_stats["issued"] += 1
-        # the flags' values if the call is let go (_early_result), made before the push: letting it go then copies them
-        # (a device copy), launching no kernel that might first be loaded behind the push (loading waits for it)
+        # (made before the push: letting it go then copies them, a device copy, launching no kernel that might first be
+        # loaded behind the push, where loading waits for it)
         call.release = torch.full((C,), call.value, dtype=torch.int64, device=self.device)
-        self._gated_merged(req, call, gathered)
-        main, net = call.streams
-        net.wait_stream(main)  # (the rows' packing; not the push below, which waits for the network stream)
-        self._gated_domain(fn, req, call, gathered, rows, max_pair, most, None)
         call.plan = plan
         return call
 
-    def _early_result(self, fn: str, req: DispatchRequest, call: "_GatedCall", counts: "_Counts",
-                      starts: Optional[torch.Tensor], bounds: list, timing) -> Optional[DispatchResult]:
-        """After the count read, a call whose domain leg ``_early_issue`` issued: where the counts fit its bounds, the
-        rows' collectives and forward layouts on the network stream, then the result (``_gated_result``); else
-        (every rank of the domain sees the same counts) the issued push is let go with no rows (its chunks' bounds
-        empty, their flags released) and None: the call goes the way it would have without it."""
-        need = counts.needs()
-        if any(n > b for n, b in zip(need, call.plan)):
-            def let_go() -> None:
-                call.rows_at.zero_()  # (the kernel that zeroed them before the push)
-                call.flags[:call.chunks].copy_(call.release)
+    def _early_issue(self, fn: str, req: DispatchRequest, call: "_GatedCall", gathered: torch.Tensor) -> None:
+        """Before the count read (``_exchange_counts``' ``before_read``): the domain leg of ``_early_landing``'s call
+        issued on the caller's stream, where it waits on the device for the chunks' flags; the host's work after the
+        read is then the rows' collectives with their forward layouts and the handles, all while rows cross. The
+        network stream's forward layouts wait for ``call.ready``, the caller's stream before the push (the merged
+        input made; not the push, which waits for them)."""
+        land, rows, max_pair, most = call.plan
+        self.early_stats["issued"] += 1
+        self._gated_merged(req, call, gathered)
+        call.ready = torch.cuda.Event()
+        call.ready.record(call.streams[0])
+        self._gated_domain(fn, req, call, gathered, rows, max_pair, most, None)
 
-            self._network(let_go, wait=False, streams=call.streams)
-            self.early_stats["let go"] += 1
-            return None
-        call.starts = starts
-        call.m1 = [counts.rail_rows(c) for c in range(call.chunks)]
-        call.at = _landing_at(call.m1)  # (within the bounds: need[0] is the most any rank of the domain lands)
-        self._milestone(LEAD_LANDING)
-        rails = []
-        self._network(lambda: self._gated_legs(fn, call, counts, rails), wait=False, streams=call.streams)
-        self._early_seen_add(req, call.chunks, need)  # (after the rows' collectives: not in the host's lead)
-        return self._gated_result(req, call, counts, rails, bounds, timing)
+    def _let_go(self, call: "_GatedCall") -> None:
+        """Let an early call's push (``_early_issue``) go with no rows, where the domain's needs outgrew its bounds
+        (every rank of the domain sees the same): its chunks' bounds emptied and their flags released, on the network
+        stream (copies, launching no kernel that might first be loaded behind the push, where loading waits for it).
+        The network stream may then wait for the caller's stream, the push included."""
+        def let_go() -> None:
+            call.rows_at.zero_()  # (the kernel that zeroed them before the push)
+            call.flags[:call.chunks].copy_(call.release)
+
+        call.streams[1].wait_event(call.ready)  # (what it reads: made before the push)
+        self._network(let_go, wait=False, streams=call.streams)
+        self.early_stats["let go"] += 1
 
     def _next_gate(self, chunks: int) -> tuple:
         """``(flags, value)`` of a gated call of ``chunks`` chunks: int64 flags on the device (at least ``chunks``,
@@ -1024,7 +1081,8 @@ class HierarchicalTransport(Transport):
                        bad_topk=req.bad_topk if first else None)
 
     def _exchange_counts(self, fn: str, req: DispatchRequest, subs: list, bounds: list, head: int,
-                         before_read: Optional[Callable[[torch.Tensor], None]] = None, needs: bool = False) -> tuple:
+                         before_read: Optional[Callable[[torch.Tensor], None]] = None, needs: bool = False,
+                         rail_first: Optional[Callable[[list, list, DispatchRequest, Any], None]] = None) -> tuple:
         """Both legs' counts of every chunk of an exact-mode dispatch, learnt before any row moves: one all_to_all over
         the rail group, one all_gather over the domain group, one host read. Every source sends its rail peer in each
         domain, per chunk, ``[tokens with an expert in that domain, tokens for each of its ranks (L), tokens for each
@@ -1049,7 +1107,13 @@ class HierarchicalTransport(Transport):
         is enqueued, before the host reads the counts (``_early_issue``). ``needs``: the chunks may take their domain
         legs in one gated call: what it needs (``_Counts.needs``) is computed on the device from the gathered counts
         (``launch_merged_needs``, one program) and read with them, so that the host's lead to the first rows'
-        collective holds no arithmetic over them."""
+        collective holds no arithmetic over them. ``rail_first(sends, recvs, leg, starts)`` (a gated call's first rows:
+        ``_gated_first``): the inter-domain leg's words (this rank's sends and receives, ``[D, C]`` host lists by
+        domain then chunk, and the bad id count) are copied to the host on their own right after the all_to_all, the
+        rows' packing follows them, and the network stream waits for that packing alone (not for the domain's gather);
+        once they are read (``COUNTS_PHASE``' last part), ``rail_first`` issues the first chunk's rows (``leg``: its
+        request, prepared; ``starts`` as returned), and only then are the domain's counts read
+        (``DOMAIN_COUNTS_PHASE``): the domain's gather is off the path to the first rows."""
         D, L, C, dev = self.num_domains, self.local_size, len(subs), req.x.device
         e_dom = req.num_experts // D
         tables, legs = [], []
@@ -1071,18 +1135,28 @@ class HierarchicalTransport(Transport):
             dist.all_to_all_single(recv, send, group=self.rail_group)
         # (in the count phase's part: its device time is the count exchange's, which the benchmarks time)
         V = send.size(2) - 2  # (the sums' columns)
-        with self._leg(fn, COUNTS_PHASE, within=True):
+        fused = use_kernels(recv)  # (one launch each for the row and the read's words: ~9 torch operations else)
+        read_rail = None
+        if rail_first is not None:
+            with self._leg(fn, COUNTS_PHASE, within=True):  # what the first rows' collective needs, on its own
+                read_rail = faults.read_later(_read_words(None, send, recv, req.bad_topk, L, False, fused), fn,
+                                              f"rank {self.rank}: the inter-domain leg's counts", self._pinned,
+                                              array=True)
+            legs = self._prepared(fn, legs, 0)
+            if self.device.type == "cuda":  # the first rows wait for their packing, not for the domain's gather below
+                self._streams()[1].wait_stream(torch.cuda.current_stream(self.device))
+        with self._leg(fn, COUNTS_PHASE if rail_first is None else DOMAIN_COUNTS_PHASE, within=True):
             # the row gathered over the domain ([C, V + 1 + D L]): what this rank forwards (the sums over the source
             # domains), the most tokens of a rail peer, and, unsummed, what it forwards from each source domain to each
             # rank of this domain: every rank learns the rows it gets from each source rank, where they land in its
             # output (``_rows_in_place``)
-            fused = use_kernels(recv)  # (one launch each for the row and the read's words: ~9 torch operations else)
             row = _gather_row(recv, L, fused)
             every = torch.empty(L * C, row.size(1), dtype=torch.int32, device=dev)  # [L, C, V + 1 + D L]
             _all_gather_single(every, row, group=self.domain_group)
             words = _read_words(every, send, recv, req.bad_topk, L, needs, fused)
-            # copied to the host ahead of the packing below: the host's read waits for the counts alone, and the
-            # packing runs on the device while the host reads them and issues the rows' collectives
+            # copied to the host ahead of the packing below (without rail_first; with it, after): the host's read
+            # waits for the counts alone, and the packing runs on the device while the host reads them and issues the
+            # rows' collectives
             read = faults.read_later(words, fn, f"rank {self.rank}: the counts of both legs", self._pinned, array=True)
         ahead = None
         if head:  # behind the counts on the link; its packing on the network stream meanwhile. Issued after the
@@ -1090,9 +1164,8 @@ class HierarchicalTransport(Transport):
             # work on the head
             with torch.cuda.stream(net) if net is not None else contextlib.nullcontext(), self._leg(fn, HEAD_PHASE):
                 ahead = self.rail.send_ahead(legs[0], head)
-        with self._leg(fn, PACK_PHASE):  # the inter-domain leg's local work, while the counts travel
-            sent = 1 if head else 0  # (the head's leg was sent ahead: nothing to prepare)
-            legs = legs[:sent] + [evolve(leg, prepared=self.rail.prepare(leg)) for leg in legs[sent:]]
+        if rail_first is None:  # the inter-domain leg's local work, while the counts travel
+            legs = self._prepared(fn, legs, 1 if head else 0)  # (the head's leg was sent ahead: nothing to prepare)
         if before_read is not None:
             before_read(every)
         # before the read, what the host's lead to the first rows' collective would otherwise do: the views it takes
@@ -1101,9 +1174,18 @@ class HierarchicalTransport(Transport):
         starts = recv[:, :, -2] if C > 1 else None
         per_expert = row[:, 1 + L:V].unbind(0)
         del tables, marks, send, recv, row, words, in_domain, per_domain
-        with self._leg(fn, COUNTS_PHASE):
-            host = read()
-        raise_if_bad_topk(fn, int(host[-1]), req.num_experts)
+        if rail_first is None:
+            with self._leg(fn, COUNTS_PHASE):
+                host = read()
+            raise_if_bad_topk(fn, int(host[-1]), req.num_experts)
+        else:
+            with self._leg(fn, COUNTS_PHASE):
+                got = read_rail()
+            raise_if_bad_topk(fn, int(got[-1]), req.num_experts)
+            self._milestone(LEAD_COUNTS)
+            rail_first(got[:D * C].tolist(), got[D * C:2 * D * C].tolist(), legs[0], starts)
+            with self._leg(fn, DOMAIN_COUNTS_PHASE):
+                host = read()
         counts = _Counts(host, C, L, D, e_dom, self.local_index, needs)
         # (the next call's head, sized when it asks: ``_next_head``; from the read's words alone, not the counts, which
         # hold this call's requests and their packed rows)
@@ -1111,6 +1193,12 @@ class HierarchicalTransport(Transport):
         counts.with_legs(legs, per_expert)  # (each chunk's request made when first asked)
         self._milestone(LEAD_COUNTS)
         return counts, starts, ahead, every
+
+    def _prepared(self, fn: str, legs: list, sent: int) -> list:
+        """The inter-domain leg's requests with their local work enqueued (``Transport.prepare``: the portable
+        transport packs the rows), those past the first ``sent`` (sent ahead: nothing to prepare)."""
+        with self._leg(fn, PACK_PHASE):
+            return legs[:sent] + [evolve(leg, prepared=self.rail.prepare(leg)) for leg in legs[sent:]]
 
     def _next_head(self) -> int:
         """The next exact-mode dispatch's head chunk, slots per domain: ``head_share`` of the largest token count any
@@ -1155,15 +1243,19 @@ class HierarchicalTransport(Transport):
         fewest, most = head_bounds(self._tuner.reach / row_bytes)
         return 0 if slots < fewest else min(slots, most)
 
-    def _rail_chunks(self, fn: str, subs: list, cap: int, counts: Optional["_Counts"], ahead: Any = None):
+    def _rail_chunks(self, fn: str, subs: list, cap: int, counts: Optional["_Counts"], ahead: Any = None,
+                     landed: Optional[torch.Tensor] = None):
         """The inter-domain leg of each chunk of a dispatch (a generator of its results, in order). With several
         chunks on GPUs every chunk's rows are issued on the network stream before the first result is yielded (with
         their counts known, or one count exchange for all: ``Transport.dispatch_many``), so the link moves chunk
         after chunk while the caller forwards the earlier ones within the domain; each result is yielded once the
-        caller's stream waits for it. ``ahead``: the head chunk's rows, already sent (``_exchange_counts``)."""
+        caller's stream waits for it. ``ahead``: the head chunk's rows, already sent (``_exchange_counts``);
+        ``landed``: the first chunk's rows, already landed there (a gated call that went no further: ``_gated``)."""
         D, L = self.num_domains, self.local_size
 
-        def head() -> DispatchResult:  # its slots as the exact result (on the stream its rows were sent on)
+        def head() -> DispatchResult:  # its slots, or its landed rows, as the exact result (on the stream they came on)
+            if landed is not None:
+                return self.rail.landed_result(counts.rail(0), landed)
             return self.rail.receive_ahead(ahead, counts.rail(0).known)
 
         def request(c: int, req: DispatchRequest) -> DispatchRequest:
@@ -1174,7 +1266,7 @@ class HierarchicalTransport(Transport):
             in_domain = req.is_token_in_rank.view(req.x.size(0), D, L).any(2)
             return self._rail_request(req, in_domain.sum(0, dtype=torch.int32), in_domain, cap)
 
-        first = 1 if ahead is not None else 0
+        first = 1 if ahead is not None or landed is not None else 0
         if self.device.type != "cuda" or len(subs) == 1:
             for c, req in enumerate(subs):
                 leg = None if c < first else request(c, req)  # (made before the leg, as _gated_rail's)
@@ -1202,7 +1294,7 @@ class HierarchicalTransport(Transport):
                 issued(r1)
         if first:  # then the head's slots made into its result on the caller's stream, while those rows cross
             main.wait_event(sent)
-            ahead.recv.record_stream(main)
+            (ahead.recv if landed is None else landed).record_stream(main)
             with self._leg(fn, HEAD_PHASE):
                 r1 = head()
             yield r1
@@ -1977,6 +2069,8 @@ class _GatedCall:
     shared: Optional[tuple] = None
     plan: Optional[tuple] = None
     release: Optional[torch.Tensor] = None  # [chunks] int64 the flags' values, where the call may be let go
+    ready: Any = None  # an early call's event on the caller's stream before its push (_early_issue)
+    first: Optional[tuple] = None  # (m1, at, dispatch_into's handle function): its chunk 0's rows issued (_gated_first)
     sources: Optional[tuple] = None  # the carried columns of each row's source domain and token (int32 views)
     views: Optional[tuple] = None  # the forward layouts' views of the merged input (_gated_merged)
     streams: Optional[tuple] = None  # (the caller's stream, the network stream) of the call, on GPUs
@@ -2050,6 +2144,20 @@ class _Counts:
         ``KnownCounts`` are made when first asked) needs the read's words alone."""
         self._legs, self._rails, self._per_expert = [], {}, None
 
+    def leg(self, c: int) -> DispatchRequest:
+        """Chunk ``c``'s inter-domain leg request without its counts (``with_legs``), its local work prepared."""
+        return self._legs[c]
+
+    def rail_lists(self, c: int) -> tuple:
+        """``(sends, recvs)``: the rows chunk ``c``'s inter-domain leg sends to and receives from each rail peer (host
+        lists, by domain), as ``rail_known`` has them."""
+        C = self._shape[0]
+        return self._sends[c::C], self._recvs[c::C]
+
+    def per_expert(self, c: int) -> torch.Tensor:
+        """Chunk ``c``'s received per-expert counts on the device (``with_legs``': ``[e_dom]`` int32)."""
+        return self._per_expert[c]
+
     def rail(self, c: int) -> DispatchRequest:
         """Chunk ``c``'s inter-domain leg request with its counts known, made when first asked (a gated call's later
         chunks' after its first rows' collective is issued)."""
@@ -2096,7 +2204,8 @@ class _Counts:
         per-expert counts on the device or its ``C`` rows, or None)."""
         C, L, D, e_dom, l, V = self._shape
         at = (l * C + c) * (V + D * L)  # (this rank's row of chunk c in the read: no [L, C, W] array in the lead)
-        return KnownCounts(tuple(self._sends[c::C]), tuple(self._recvs[c::C]),
+        sends, recvs = self.rail_lists(c)
+        return KnownCounts(tuple(sends), tuple(recvs),
                            tuple(self._host[at + 1 + L:at + V - 1].tolist()),
                            recv_per_expert_tensor=None if per_expert is None else per_expert[c])
 
@@ -2133,28 +2242,30 @@ def _gather_row(recv: torch.Tensor, L: int, fused: bool) -> torch.Tensor:
                       recv[:, :, 1:1 + L].transpose(0, 1).reshape(C, D * L)], 1)
 
 
-def _read_words(every: torch.Tensor, send: torch.Tensor, recv: torch.Tensor, bad: Optional[torch.Tensor], L: int,
-                needs: bool, fused: bool) -> torch.Tensor:
+def _read_words(every: Optional[torch.Tensor], send: torch.Tensor, recv: torch.Tensor, bad: Optional[torch.Tensor],
+                L: int, needs: bool, fused: bool) -> torch.Tensor:
     """The words the host reads after an exact-mode dispatch's count exchange (``_Counts``' layout), int32: the
-    domain's gathered counts ``every [L * C, W]``, this rank's sends and receives over the rail (column 0 of ``send``
-    and ``recv``, ``[D, C, V + 2]``), with ``needs`` the four numbers a gated call's domain leg needs
-    (``launch_merged_needs``), then the bad top-k id count (``bad``, a device scalar int32, or None: 0). ``fused``: one
-    launch (``launch_counts_read``), else torch operations."""
+    domain's gathered counts ``every [L * C, W]`` (None: none, the inter-domain leg's words alone), this rank's sends
+    and receives over the rail (column 0 of ``send`` and ``recv``, ``[D, C, V + 2]``), with ``needs`` the four numbers
+    a gated call's domain leg needs (``launch_merged_needs``), then the bad top-k id count (``bad``, a device scalar
+    int32, or None: 0). ``fused``: one launch (``launch_counts_read``), else torch operations."""
     C = send.size(1)
+    n = 0 if every is None else every.numel()
     if fused:
         from ..kernels.ep import launch_counts_read
 
-        words = torch.empty(every.numel() + 2 * send.size(0) * C + (4 if needs else 0) + 1, dtype=torch.int32,
-                            device=every.device)
+        words = torch.empty(n + 2 * send.size(0) * C + (4 if needs else 0) + 1, dtype=torch.int32, device=send.device)
         launch_counts_read(every, send, recv, None if bad is None else bad.view(1), words, L, C, needs, LANDING_ROWS)
         return words
-    parts = [every.view(-1), send[:, :, 0].reshape(-1), recv[:, :, 0].reshape(-1)]
+    parts = [send[:, :, 0].reshape(-1), recv[:, :, 0].reshape(-1)]
+    if every is not None:
+        parts.insert(0, every.view(-1))
     if needs:
         from ..kernels.ep import launch_merged_needs
 
         parts.append(torch.empty(4, dtype=torch.int32, device=every.device))
         launch_merged_needs(every, parts[-1], L, C, LANDING_ROWS)
-    bad = bad if bad is not None else torch.zeros((), dtype=torch.int32, device=every.device)
+    bad = bad if bad is not None else torch.zeros((), dtype=torch.int32, device=send.device)
     return torch.cat(parts + [bad.view(1).to(torch.int32)])
 
 
