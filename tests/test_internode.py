@@ -959,26 +959,34 @@ def _domain_counts_after_the_rows(ctx):
         failures = check_normal(ctx, buf, case).failures
     finally:
         dist.all_to_all_single = a2a
-    steps = [step for step, _ in hierarchical.host_milestones(buf.runtime.phase_log)["lead steps"]]
+    log = buf.runtime.phase_log
+    marks = hierarchical.host_milestones(log)
+    steps = [step for step, _ in marks["lead steps"]]
+    # (the node's gathered counts read after the first rows' collective: the last part of their phase, the read)
+    domain_read = max(began for phase, _, _, _, began in log if phase == hierarchical.DOMAIN_COUNTS_PHASE)
     buf.runtime.phase_log = None
     buf.destroy()
-    return failures, events, steps
+    return failures, events, steps, domain_read > marks["rows issued"] > marks["counts read"]
 
 
 def test_domain_counts_made_after_the_first_rows_collective(monkeypatch):
     """An exact-mode dispatch asks for the domain leg's counts (``_Counts.domain``) only after the inter-domain leg's
     first rows' collective is issued (the count all_to_all, then the rows' all_to_all, then the counts): the host's
     lead from the count read to the first rows holds only what that collective needs; its steps (``LEAD_STEPS``) are
-    marked in the order the gated call reaches them."""
+    marked in the order the gated call reaches them; and a gated call reads the node's gathered counts
+    (``DOMAIN_COUNTS_PHASE``) only after that collective, the count read the first rows wait for being the inter-domain
+    leg's words alone."""
     from epcomm.transports.hierarchical import LEAD_COUNTS, LEAD_LANDING, LEAD_REQUEST, LEAD_STREAM
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    for failures, events, steps in spawn(_domain_counts_after_the_rows, 4, device="cpu", timeout_s=600):
+    for failures, events, steps, read_after in spawn(_domain_counts_after_the_rows, 4, device="cpu", timeout_s=600):
         assert failures == [], failures
         first = events.index("domain counts")
         assert events[:first].count("all_to_all") >= 2, events  # (the counts', then the first rows')
         # the gated call's lead by step (the benchmarks' ``lead: ...`` rows), in the order reached
         assert steps == [LEAD_COUNTS, LEAD_LANDING, LEAD_STREAM, LEAD_REQUEST], steps
+        # the inter-domain leg's words read first, the first rows issued, then the node's gathered counts read
+        assert read_after, "the node's counts were read before the first rows' collective"
 
 
 def _in_place_cases(ctx, chunks, gated):

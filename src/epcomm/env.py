@@ -12,7 +12,7 @@ Values are read at call time (not cached at import) so that tests and launchers 
 | ``EPCOMM_COMMIT`` | the commit recorded in benchmark results where the checkout has no git metadata | unset: ``git rev-parse`` |
 | ``EPCOMM_RANKS_PER_NODE`` | ranks per node (NVLink domain) of every ``Buffer``, instead of what the topology probe finds (consecutive ranks form a node); on one machine it splits the ranks into simulated nodes, and the test launcher then gives each simulated node its own ``NCCL_HOSTID`` | unset: the probe's |
 | ``EPCOMM_INTERNODE_CHUNKS`` | how many chunks a normal-mode call across nodes is pipelined in (a whole number from 1 to 16), instead of the count its first calls measure as fastest | unset: measured |
-| ``EPCOMM_RAIL_NCCL`` | ``1``: between simulated nodes of ranks that share GPUs (gloo for their CUDA collectives), the inter-domain groups over NCCL all the same (testing: NCCL between the nodes on one or two GPUs; small calls only: DeepSeek-sized ones stalled) | unset |
+| ``EPCOMM_RAIL_NCCL`` | ``1``: between simulated nodes of ranks that share GPUs (gloo for their CUDA collectives), the inter-domain groups over NCCL all the same (testing: NCCL between the nodes on one or two GPUs; small calls only: DeepSeek-sized ones stalled, and with 4 ranks on one GPU also 512 x 2048) | unset |
 | ``EPCOMM_RANKS_PER_GPU`` | how many ranks the launcher may place on one GPU (more than 1: testing the one-sided kernels on a machine with fewer GPUs than ranks; see ``epcomm.testing.launcher``) | ``1`` |
 """
 

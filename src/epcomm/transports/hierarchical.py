@@ -1958,7 +1958,8 @@ def phase_durations_us(log: list, host: bool = False) -> dict:
 
 def host_milestones(log: list) -> dict:
     """When the host reached the points of an exact-mode dispatch that bound its exposed time, from its ``phase_log``
-    (``time.perf_counter`` seconds): ``"counts read"``, the count read's return (the last part of ``COUNTS_PHASE``),
+    (``time.perf_counter`` seconds): ``"counts read"``, the count read's return (the last part of ``COUNTS_PHASE``; a
+    gated call's read of the inter-domain leg's words, its node's counts being read after its first rows),
     and ``"rows issued"``, the first inter-domain rows' collective issued after it (``COLLECTIVE_MILESTONE``; where
     the leg marks none, the first part of the inter-domain rows, ``ROWS_PHASE``, beginning), and ``"device work
     issued"``, the point after which the call enqueues no more device work (``ISSUED_MILESTONE``); with the first
