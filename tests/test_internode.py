@@ -577,13 +577,15 @@ def test_known_counts_from_the_exchange():
     """How a rank reads both legs' counts from the one exchange's host list (``_Counts``: the inter-domain leg's at
     once, the domain leg's when first asked): 2 domains of 2 ranks, 1 chunk, 4 experts per domain; and
     ``KnownCounts`` refuses counts that cannot be."""
+    import numpy as np
+
     from epcomm.transports.base import DispatchRequest, KnownCounts
     from epcomm.transports.hierarchical import _Counts
 
     def read(host, C, L, D, e_dom, l):  # ([(rail, domain, sources)] per chunk, most tokens)
         counts = _Counts(host, C, L, D, e_dom, l)
         return ([(counts.rail_known(c), d, s) for c, (d, s) in enumerate(counts.domain)],
-                counts.most_tokens)
+                _Counts.most_of(np.asarray(host), C, L, D, e_dom))
 
     # the domain's gathered rows per forwarding rank f: [tokens it forwards, rows to rank 0, rows to rank 1,
     # pairs per expert of the domain (4), the most tokens of its rail peers, rows from source domain 0 to rank 0 and
@@ -592,13 +594,11 @@ def test_known_counts_from_the_exchange():
     host = every[0] + every[1] + [7, 8] + [2, 3]
     assert "domain" not in vars(_Counts(host, 1, 2, 2, 4, 0))  # (made when first asked: after the rows' collective)
     # the read as the device's words (a numpy int32 array): chunk 0's request takes its counts from the flat words,
-    # without the [L, C, W] array or the most tokens (the next call's head), which are made when first asked
-    import numpy as np
-
+    # without the [L, C, W] array (made when first asked) or the most tokens (the next call's head: ``most_of``)
     counts = _Counts(np.array(host, dtype=np.int32), 1, 2, 2, 4, 0)
     assert counts.rail_known(0) == KnownCounts((7, 8), (2, 3), (1, 2, 3, 4))
-    assert not {"_every", "most_tokens", "domain"} & set(vars(counts))
-    assert counts.most_tokens == 12 and counts.domain == _Counts(host, 1, 2, 2, 4, 0).domain
+    assert not {"_every", "domain"} & set(vars(counts))
+    assert _Counts.most_of(counts._host, 1, 2, 2, 4) == 12 and counts.domain == _Counts(host, 1, 2, 2, 4, 0).domain
     ((rail, domain, sources),), most = read(host, 1, 2, 2, 4, 0)
     assert most == 12
     assert rail == KnownCounts((7, 8), (2, 3), (1, 2, 3, 4))
@@ -637,7 +637,7 @@ def test_known_counts_from_the_exchange():
         assert "domain" not in vars(counts)
         counts.with_legs([DispatchRequest(*([None] * 13)) for _ in range(C)], None)
         for c, (rail, _, _) in enumerate(known):
-            assert counts.rail_rows(c) == rail.num_recv_tokens
+            assert sum(counts.rail_lists(c)[1]) == rail.num_recv_tokens  # (the rows it lands: _gated_first)
         assert [counts.rail(c).known for c in (2, 0, 1)] == [known[c][0] for c in (2, 0, 1)]
         assert counts.rail(1) is counts.rail(1)  # (made once)
     with pytest.raises(ValueError, match=r"^KnownCounts: one non-negative count per rank"):
@@ -767,10 +767,16 @@ for L, D, C, e_dom in ((1, 2, 1, 4), (2, 2, 2, 6), (3, 2, 4, 9), (8, 8, 4, 32), 
         for bad in (None, torch.tensor(rng.randrange(1, 9), dtype=torch.int32)):
             words = _read_words(every, send, recv, bad, L, needs, True)
             assert words.tolist() == _read_words(every, send, recv, bad, L, needs, False).tolist(), (L, D, C, needs)
+            # a gated call's first read: the inter-domain leg's words alone, as the full read has them
+            rail = _read_words(None, send, recv, bad, L, False, True)
+            assert rail.tolist() == _read_words(None, send, recv, bad, L, False, False).tolist(), (L, D, C)
+            n = every.numel()
+            assert rail.tolist() == words[n:n + 2 * D * C].tolist() + [words[-1].item()], (L, D, C, needs)
             assert words[-1].item() == (0 if bad is None else bad.item())
             # as the host reads them: the same counts from the words as from a list
             a, b = (_Counts(w, C, L, D, e_dom, L - 1, needs) for w in (words.numpy().copy(), words.tolist()))
-            assert a._needs == b._needs and a.most_tokens == b.most_tokens and a.domain == b.domain
+            assert a._needs == b._needs and a.domain == b.domain
+            assert _Counts.most_of(a._host, C, L, D, e_dom) == _Counts.most_of(b._host, C, L, D, e_dom)
             assert [a.rail_known(c) for c in range(C)] == [b.rail_known(c) for c in range(C)]
 print("ok")
 """

@@ -680,8 +680,8 @@ class HierarchicalTransport(Transport):
             counts, starts, ahead, gathered = self._exchange_counts(
                 fn, req, subs, bounds, head, None if early is None else functools.partial(self._early_issue, fn, req,
                                                                                           early),
-                needs=gate, rail_first=None if not gate else lambda sends, recvs, leg, at: first.append(
-                    self._gated_first(fn, req, early, len(subs), sends, recvs, leg, at)))
+                needs=gate, rail_first=None if not gate else lambda sends, recvs, leg, chunk_starts: first.append(
+                    self._gated_first(fn, req, early, len(subs), sends, recvs, leg, chunk_starts)))
             # with its counts known, every chunk's domain leg writes each row where the intranode path's order puts
             # it, into one set of outputs (no sort, no gather after the call), where it can (the one-sided
             # transports' streaming dispatch); each chunk's map is made once its rows cross (nothing crosses while the
@@ -1174,24 +1174,23 @@ class HierarchicalTransport(Transport):
         starts = recv[:, :, -2] if C > 1 else None
         per_expert = row[:, 1 + L:V].unbind(0)
         del tables, marks, send, recv, row, words, in_domain, per_domain
-        if rail_first is None:
-            with self._leg(fn, COUNTS_PHASE):
-                host = read()
-            raise_if_bad_topk(fn, int(host[-1]), req.num_experts)
-        else:
+        if rail_first is not None:  # the inter-domain leg's words, its first rows, then the domain's counts
             with self._leg(fn, COUNTS_PHASE):
                 got = read_rail()
             raise_if_bad_topk(fn, int(got[-1]), req.num_experts)
             self._milestone(LEAD_COUNTS)
             rail_first(got[:D * C].tolist(), got[D * C:2 * D * C].tolist(), legs[0], starts)
-            with self._leg(fn, DOMAIN_COUNTS_PHASE):
-                host = read()
+        with self._leg(fn, COUNTS_PHASE if rail_first is None else DOMAIN_COUNTS_PHASE):
+            host = read()
+        if rail_first is None:
+            raise_if_bad_topk(fn, int(host[-1]), req.num_experts)
         counts = _Counts(host, C, L, D, e_dom, self.local_index, needs)
         # (the next call's head, sized when it asks: ``_next_head``; from the read's words alone, not the counts, which
         # hold this call's requests and their packed rows)
         self._head_from = (functools.partial(_Counts.most_of, host, C, L, D, e_dom), self.head_share)
         counts.with_legs(legs, per_expert)  # (each chunk's request made when first asked)
-        self._milestone(LEAD_COUNTS)
+        if rail_first is None:  # (with it, marked before the first rows)
+            self._milestone(LEAD_COUNTS)
         return counts, starts, ahead, every
 
     def _prepared(self, fn: str, legs: list, sent: int) -> list:
@@ -2120,15 +2119,10 @@ class _Counts:
         C, L, D, e_dom, l, V = self._shape
         return self._host[:L * C * (V + D * L)].reshape(L, C, V + D * L)
 
-    @functools.cached_property
-    def most_tokens(self) -> int:
-        """The largest token count any rank had in this call (the same on every rank: the next call's head)."""
-        C, L, D, e_dom = self._shape[:4]
-        return _Counts.most_of(self._host, C, L, D, e_dom)
-
     @staticmethod
     def most_of(host: np.ndarray, C: int, L: int, D: int, e_dom: int) -> int:
-        """``most_tokens`` of the read's words ``host`` (column ``V - 1`` of every forwarder's chunk-0 row)."""
+        """The largest token count any rank had in a call (the same on every rank: the next call's head), from the
+        read's words ``host`` (column ``V - 1`` of every forwarder's chunk-0 row)."""
         V = 2 + L + e_dom
         W = V + D * L
         return int(host[V - 1:L * C * W:C * W].max())
@@ -2166,10 +2160,6 @@ class _Counts:
         if got is None:
             got = self._rails[c] = evolve(self._legs[c], known=self.rail_known(c, self._per_expert))
         return got
-
-    def rail_rows(self, c: int) -> int:
-        """The rows chunk ``c``'s inter-domain leg lands on this rank (its ``num_recv_tokens``, from the host lists)."""
-        return sum(self._recvs[c::self._shape[0]])
 
     def needs(self) -> tuple:
         """What the domain leg of this call's chunks merged into one gated call needs, the same numbers on every rank
