@@ -834,6 +834,17 @@ def test_rail_backend(backend, forced, cuda, rail, monkeypatch):
     assert env.rail_nccl() is forced
 
 
+@pytest.mark.parametrize("rail,gpus,own", [
+    ("cpu:gloo,cuda:nccl", ["GPU-a", "GPU-b"], "cpu:gloo,cuda:nccl"), ("cpu:gloo,cuda:nccl", ["GPU-a", "GPU-a"], None),
+    ("cpu:gloo,cuda:nccl", ["GPU-a", "GPU-b", "GPU-a"], None), (None, ["GPU-a", "GPU-b"], None)])
+def test_domain_backend(rail, gpus, own):
+    """``domain_backend``: a domain group goes over NCCL with the rail groups (``EPCOMM_RAIL_NCCL``) only where no two
+    of its ranks share a GPU (NCCL refuses them); otherwise it keeps the group's backend."""
+    from epcomm.transports.hierarchical import domain_backend
+
+    assert domain_backend(rail, gpus) == own
+
+
 def test_rows_in_place_is_the_canonical_order():
     """``_rows_in_place`` (its kernel under the interpreter): where each row of each chunk of a dispatch's domain leg
     (by forwarding rank, then source domain, then token) lands in the intranode path's order (by source rank, then

@@ -12,7 +12,7 @@ Values are read at call time (not cached at import) so that tests and launchers 
 | ``EPCOMM_COMMIT`` | the commit recorded in benchmark results where the checkout has no git metadata | unset: ``git rev-parse`` |
 | ``EPCOMM_RANKS_PER_NODE`` | ranks per node (NVLink domain) of every ``Buffer``, instead of what the topology probe finds (consecutive ranks form a node); on one machine it splits the ranks into simulated nodes, and the test launcher then gives each simulated node its own ``NCCL_HOSTID`` | unset: the probe's |
 | ``EPCOMM_INTERNODE_CHUNKS`` | how many chunks a normal-mode call across nodes is pipelined in (a whole number from 1 to 16), instead of the count its first calls measure as fastest | unset: measured |
-| ``EPCOMM_RAIL_NCCL`` | ``1``: between simulated nodes of ranks that share GPUs (gloo for their CUDA collectives), the inter-domain groups over NCCL all the same (testing: NCCL between the nodes on one or two GPUs; small calls only: DeepSeek-sized ones stalled, and with 4 ranks on one GPU also 512 x 2048) | unset |
+| ``EPCOMM_RAIL_NCCL`` | ``1``: between simulated nodes of ranks that share GPUs (gloo for their CUDA collectives), the inter-domain groups over NCCL all the same, and each domain's group too where no two of its ranks share a GPU (testing: NCCL between the nodes on one or two GPUs; small calls only: DeepSeek-sized ones stalled, and with 4 ranks on one GPU also 512 x 2048) | unset |
 | ``EPCOMM_RANKS_PER_GPU`` | how many ranks the launcher may place on one GPU (more than 1: testing the one-sided kernels on a machine with fewer GPUs than ranks; see ``epcomm.testing.launcher``) | ``1`` |
 """
 
@@ -86,7 +86,9 @@ def ranks_per_gpu() -> int:
 def rail_nccl() -> bool:
     """``EPCOMM_RAIL_NCCL=1``: the hierarchical transport's inter-domain groups over NCCL even where the group's CUDA
     collectives are gloo's (ranks sharing GPUs, split into simulated nodes: each node has its own ``NCCL_HOSTID``, so
-    NCCL takes its ranks for other hosts' and connects them through its network path). Testing only, and small calls
+    NCCL takes its ranks for other hosts' and connects them through its network path); then also the domain groups
+    whose ranks are on distinct GPUs (4 ranks on 2 GPUs in nodes of 2: each node's count gather over NVLink, as on a
+    real node, not gloo's ~1 ms; ``transports.hierarchical.domain_backend``). Testing only, and small calls
     only: DeepSeek-sized calls (4 ranks on 2 GPUs) stalled until the device's timeout, with the early node leg or
     without it (likely: NCCL's kernels and the one-sided ones waiting on the device for other processes' kernels on
     the shared GPU; not pinned down)."""

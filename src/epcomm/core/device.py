@@ -1,4 +1,5 @@
-"""The device a process group communicates on, and which groups of ranks sharing GPUs a one-sided heap can map."""
+"""The device a process group communicates on, a name of a device that every process of the host agrees on, and
+which groups of ranks sharing GPUs a one-sided heap can map."""
 
 from __future__ import annotations
 
@@ -13,6 +14,13 @@ def default_device(group) -> torch.device:
     if ("nccl" in backend or "cuda:" in backend) and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def device_uuid(device: torch.device) -> str:
+    """A name of ``device`` that is the same in every process of the host (the GPU's UUID; ``cpu`` for the CPU)."""
+    if device.type != "cuda":
+        return "cpu"
+    return str(torch.cuda.get_device_properties(device).uuid)
 
 
 def split_shared_group(gpus: list) -> bool:

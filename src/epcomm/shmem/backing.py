@@ -36,13 +36,6 @@ def _all_gather_object(value, group, world: int) -> list:
     return out
 
 
-def device_uuid(device: torch.device) -> str:
-    """A name of ``device`` that is the same in every process of the host (the GPU's UUID; ``cpu`` for the CPU)."""
-    if device.type != "cuda":
-        return "cpu"
-    return str(torch.cuda.get_device_properties(device).uuid)
-
-
 class CpuBacking:
     """Shared-memory files, one per rank, each mapped by every rank."""
 

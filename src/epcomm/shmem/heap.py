@@ -38,12 +38,12 @@ import torch
 import torch.distributed as dist
 
 from .. import env
-from ..core.device import split_shared_group
+from ..core.device import device_uuid, split_shared_group
 from ..core.layout import align_up
 from ..errors import BufferTooSmallError, EpcommError, EpcommTimeoutError, TransportUnavailableError
 from ..kernels import triton_available
 from ..kernels import shmem_codes as codes
-from .backing import CpuBacking, CudaBacking, CudaIpcBacking, device_uuid
+from .backing import CpuBacking, CudaBacking, CudaIpcBacking
 from .p2p import p2p_atomics_supported
 
 log = logging.getLogger(__name__)

@@ -159,6 +159,7 @@ import torch.distributed as dist
 
 from .. import env
 from ..core.config import Config
+from ..core.device import device_uuid
 from ..core.handles import DispatchHandle, LowLatencyHandle, evolve
 from ..core.layout import align_all, align_up, chunk_bounds, token_alignment
 from ..core.validate import raise_if_bad_topk
@@ -217,12 +218,21 @@ def rail_backend(group_backend: str, forced: bool, cuda: bool) -> Optional[str]:
     return "cpu:gloo,cuda:nccl"
 
 
+def domain_backend(rail_over: Optional[str], gpus: list) -> Optional[str]:
+    """The backend of a domain group whose ranks are on ``gpus`` (a GPU's UUID per rank), given the rail groups'
+    ``rail_over`` (``rail_backend``): that one too where it forces NCCL and no two of the domain's ranks share a GPU
+    (NCCL's own condition), so that simulated nodes whose ranks share GPUs with other nodes' ranks gather their counts
+    over NVLink as a real node does; else None (the group's)."""
+    return rail_over if rail_over is not None and len(set(gpus)) == len(gpus) else None
+
+
 def subgroups(group: Any, domains: Domains, rank: int, cuda: bool = False) -> tuple:
     """``(domain group, rail group)`` of ``rank`` (a rank of ``group``, on a CUDA device where ``cuda``), made once
     per (group, domains) with ``faults.group_timeout`` as their timeout (``EPCOMM_TIMEOUT_S`` over gloo; longer over
     NCCL, so that the transport's own deadline and abort come before NCCL's watchdog). Only the members of a subgroup
     take part in making it. Groups that were aborted (a rank never joined) are made anew. The rail group over NCCL
-    where ``rail_backend`` says so (``EPCOMM_RAIL_NCCL``, testing), else with ``group``'s backend."""
+    where ``rail_backend`` says so (``EPCOMM_RAIL_NCCL``, testing), and then the domain group too where
+    ``domain_backend`` allows it, else with ``group``'s backend."""
     cache = _subgroups.setdefault(group, {})
     rail_over = rail_backend(str(dist.get_backend(group)), env.rail_nccl(), cuda)
     key = (domains.num_domains, domains.local_size, env.timeout_s(), rail_over)
@@ -230,8 +240,13 @@ def subgroups(group: Any, domains: Domains, rank: int, cuda: bool = False) -> tu
         ranks = dist.get_process_group_ranks(group)
         own = [ranks[r] for r in domains.domain_ranks(domains.domain_of(rank))]
         rail = [ranks[r] for r in domains.rail_ranks(domains.local_index(rank))]
+        own_over = None
+        if rail_over is not None:  # (every rank of the group makes its subgroups at once: a collective here is safe)
+            gpus = [None] * len(ranks)
+            dist.all_gather_object(gpus, device_uuid(torch.device("cuda", torch.cuda.current_device())), group=group)
+            own_over = domain_backend(rail_over, [gpus[r] for r in domains.domain_ranks(domains.domain_of(rank))])
         made = []
-        for members, backend in ((own, None), (rail, rail_over)):
+        for members, backend in ((own, own_over), (rail, rail_over)):
             made.append(dist.new_group(members, timeout=faults.group_timeout(group, backend),
                                        use_local_synchronization=True, backend=backend))
         cache[key] = tuple(made)
