@@ -318,15 +318,17 @@ def _packed_ahead(ctx, chunks, head_share):
     return failures, events
 
 
-@pytest.mark.parametrize("chunks,head_share", [(1, 0.125), (3, 0.0)])
+@pytest.mark.parametrize("chunks,head_share", [(1, 0.125), (1, 0.0), (3, 0.0)])
 def test_rail_rows_packed_while_the_counts_travel(chunks, head_share, monkeypatch):
     """The inter-domain leg's plan and pack kernels (local work) of every chunk are enqueued before the count read,
     after the counts' copy to the host (the read waits for the counts alone, not for the packing), and the leg's
     dispatch uses them (no second plan): once the counts are read only the rows' collective is left before the rows
     cross. The head chunk (the second dispatch of a Buffer; 3 slots per domain here, 17 tokens at most in the first)
     is planned, packed and sent once the counts' copy is issued (the read waits for the counts, not for the host's
-    work on the head), before the other chunks are prepared, and made a result after the read; a combine
-    sums the chunks smallest first. Bit-exact against the reference, FP8 with dropped slots and an empty rank."""
+    work on the head), before the other chunks are prepared, and made a result after the read. One chunk without a
+    head (``_first_rows``): the inter-domain leg's own counts copied first, then its packing, then the domain's
+    counts, read in that order (the rows issued between the two reads). A combine sums the chunks smallest first.
+    Bit-exact against the reference, FP8 with dropped slots and an empty rank."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     for failures, events in spawn(_packed_ahead, 4, chunks, head_share, device="cpu", timeout_s=600):
         assert failures == [], failures
@@ -335,6 +337,8 @@ def test_rail_rows_packed_while_the_counts_travel(chunks, head_share, monkeypatc
         head = head_share > 0
         expected = ["copied"] + (["planned", "sent ahead"] if head else []) + ["planned", "prepared"] * chunks + \
             ["read"] + (["received ahead"] if head else [])
+        if chunks == 1 and not head:  # (the leg's words, its packing, the domain's counts; then both read)
+            expected = ["copied", "planned", "prepared", "copied", "read", "read"]
         assert events[:len(expected)] == expected, events
         assert "planned" not in events[len(expected):] and "sent ahead" not in events[len(expected):], events
         # the combines sum their chunks in the same order on every rank, smallest first by plan: a head chunk of 3
@@ -945,9 +949,9 @@ def test_forward_layout_of_a_landed_chunk():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
 
 
-def _domain_counts_after_the_rows(ctx):
-    """One exact-mode dispatch in 2 chunks over the one-sided domain leg (interpreter): the order in which the host
-    issued the collectives and first asked for the domain leg's counts."""
+def _domain_counts_after_the_rows(ctx, chunks):
+    """One exact-mode dispatch in ``chunks`` chunks over the one-sided domain leg (interpreter): the order in which the
+    host issued the collectives and first asked for the domain leg's counts."""
     import torch.distributed as dist
 
     from epcomm.buffer import Buffer
@@ -955,7 +959,7 @@ def _domain_counts_after_the_rows(ctx):
     from epcomm.transports import hierarchical
     from epcomm.transports.nvlink import NVLinkTransport
 
-    hierarchical.HierarchicalTransport.pipeline_chunks, hierarchical.HierarchicalTransport.head_chunk = 2, False
+    hierarchical.HierarchicalTransport.pipeline_chunks, hierarchical.HierarchicalTransport.head_chunk = chunks, False
     events, a2a, domain = [], dist.all_to_all_single, hierarchical._Counts.domain.func
 
     def counted(*args, **kwargs):
@@ -986,21 +990,23 @@ def _domain_counts_after_the_rows(ctx):
     return failures, events, steps, domain_read > marks["rows issued"] > marks["counts read"]
 
 
-def test_domain_counts_made_after_the_first_rows_collective(monkeypatch):
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_domain_counts_made_after_the_first_rows_collective(chunks, monkeypatch):
     """An exact-mode dispatch asks for the domain leg's counts (``_Counts.domain``) only after the inter-domain leg's
     first rows' collective is issued (the count all_to_all, then the rows' all_to_all, then the counts): the host's
     lead from the count read to the first rows holds only what that collective needs; its steps (``LEAD_STEPS``) are
-    marked in the order the gated call reaches them; and a gated call reads the node's gathered counts
-    (``DOMAIN_COUNTS_PHASE``) only after that collective, the count read the first rows wait for being the inter-domain
-    leg's words alone."""
+    marked in the order the call reaches them; and a gated call (2 chunks) or a one-chunk call on the inter-domain
+    leg's kernel path (``_first_rows``) reads the node's gathered counts (``DOMAIN_COUNTS_PHASE``) only after that
+    collective, the count read the first rows wait for being the inter-domain leg's words alone."""
     from epcomm.transports.hierarchical import LEAD_COUNTS, LEAD_LANDING, LEAD_REQUEST, LEAD_STREAM
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    for failures, events, steps, read_after in spawn(_domain_counts_after_the_rows, 4, device="cpu", timeout_s=600):
+    for failures, events, steps, read_after in spawn(_domain_counts_after_the_rows, 4, chunks, device="cpu",
+                                                     timeout_s=600):
         assert failures == [], failures
         first = events.index("domain counts")
         assert events[:first].count("all_to_all") >= 2, events  # (the counts', then the first rows')
-        # the gated call's lead by step (the benchmarks' ``lead: ...`` rows), in the order reached
+        # the lead by step (the benchmarks' ``lead: ...`` rows), in the order reached
         assert steps == [LEAD_COUNTS, LEAD_LANDING, LEAD_STREAM, LEAD_REQUEST], steps
         # the inter-domain leg's words read first, the first rows issued, then the node's gathered counts read
         assert read_after, "the node's counts were read before the first rows' collective"

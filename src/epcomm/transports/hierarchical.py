@@ -192,10 +192,11 @@ ISSUED_MILESTONE = "the call's device work issued"
 # (``AllToAllTransport.on_collective``; the rows' leg begins earlier, with the request's views and checks)
 COLLECTIVE_MILESTONE = "an inter-domain rows' collective issued"
 # (points) the steps of that lead, each reached after the one before it (``host_milestones``' "lead steps"; benchmarks
-# report the time up to each): the counts taken from the read (``_Counts``, the bad id check), a gated call's
-# landing (its bounds checked, each chunk's landing rows), the switch to the network stream, the chunk's request
+# report the time up to each): the counts taken from the read (``_Counts``, the bad id check), the rows' landing
+# buffer (a gated call's: its bounds checked, each chunk's landing rows; a one-chunk call's: ``_first_rows``), the
+# switch to the network stream, the chunk's request
 LEAD_COUNTS = "lead: the counts taken from the read"
-LEAD_LANDING = "lead: the gated call's landing"
+LEAD_LANDING = "lead: the rows' landing buffer"
 LEAD_STREAM = "lead: on the network stream"
 LEAD_REQUEST = "lead: the chunk's request"
 LEAD_STEPS = (LEAD_COUNTS, LEAD_LANDING, LEAD_STREAM, LEAD_REQUEST)
@@ -652,8 +653,8 @@ class HierarchicalTransport(Transport):
         self._agree(fn, ("dispatch", x.dtype, x.size(1), req.x_scales is not None, req.topk_idx.size(1),
                          req.topk_weights is not None, req.num_experts, bool(W)))
         forced = self._warm_chunks or self._fixed_chunks()[0]
-        can_head = (not W and self.head_share > 0 and self.head_chunk is not False
-                    and getattr(self.rail, "can_send_ahead", lambda _: False)(x))
+        into = not W and getattr(self.rail, "can_send_ahead", lambda _: False)(x)  # (the leg's kernel path)
+        can_head = into and self.head_share > 0 and self.head_chunk is not False
         candidate = None  # the tuner's (chunks, head) of this call, while it measures
         with self._leg(fn, "chunk agreement"):
             if W:
@@ -683,6 +684,7 @@ class HierarchicalTransport(Transport):
             bounds.insert(0, (0, h))
         ahead = landed = None
         place = gate = False  # (the domain leg writes rows in place; the chunks' domain legs are one gated call)
+        marks = timing[2] if timing is not None and chunks == 1 else None  # a one-chunk call's legs, timed
         if W:  # fixed slots, no counts to learn
             subs, counts, starts, gathered = [req], None, None, None
         else:  # every chunk's layout computed here (the counts below are made from it), both legs' counts learnt
@@ -691,12 +693,18 @@ class HierarchicalTransport(Transport):
             gate = place and len(subs) > 1 and not head and self.gated_exact and self.domain.gates_exact_dispatch
             plan = self._early_plan(req, len(subs)) if gate else None
             early = None if plan is None else self._early_landing(req, len(subs), plan)
-            first = []  # (a gated call: the call its first rows were issued into once the rail's counts were read)
+            # the first rows issued once the inter-domain leg's own counts are read, before the domain's: a gated
+            # call's (the call they land in), or a one-chunk call's on the leg's kernel path (the rows they land in)
+            first = []
+
+            def rail_first(sends: list, recvs: list, leg: DispatchRequest, chunk_starts: Any) -> None:
+                first.append(self._gated_first(fn, req, early, len(subs), sends, recvs, leg, chunk_starts) if gate
+                             else self._first_rows(fn, sends, recvs, leg, marks))
+
             counts, starts, ahead, gathered = self._exchange_counts(
                 fn, req, subs, bounds, head, None if early is None else functools.partial(self._early_issue, fn, req,
                                                                                           early),
-                needs=gate, rail_first=None if not gate else lambda sends, recvs, leg, chunk_starts: first.append(
-                    self._gated_first(fn, req, early, len(subs), sends, recvs, leg, chunk_starts)))
+                needs=gate, rail_first=rail_first if gate or (into and len(subs) == 1 and not head) else None)
             # with its counts known, every chunk's domain leg writes each row where the intranode path's order puts
             # it, into one set of outputs (no sort, no gather after the call), where it can (the one-sided
             # transports' streaming dispatch); each chunk's map is made once its rows cross (nothing crosses while the
@@ -705,10 +713,12 @@ class HierarchicalTransport(Transport):
                 got, landed = self._gated(fn, req, early, first[0], counts, gathered, bounds, timing)
                 if got is not None:
                     return got
+            elif first:
+                landed = first[0]
         shared = None  # (made once the first rows' collective is issued, as the domain leg's counts are)
         parts = []
-        marks = timing[2] if timing is not None and chunks == 1 else None  # a one-chunk call's legs, timed
-        _mark_into(marks, self.device)
+        if landed is None:  # (else marked where its rows were issued)
+            _mark_into(marks, self.device)
         for c, r1 in enumerate(self._rail_chunks(fn, subs, cap, counts, ahead, landed)):
             h1 = r1.handle
             known, sources = (None, None) if counts is None else counts.domain[c]
@@ -768,6 +778,29 @@ class HierarchicalTransport(Transport):
         # before the call's first device work; a call of its own was made just now, on the caller's stream)
         self._network(issue, wait=not fits, streams=call.streams)
         return call
+
+    def _first_rows(self, fn: str, sends: list, recvs: list, leg: DispatchRequest,
+                    marks: Optional[list]) -> torch.Tensor:
+        """A one-chunk exact-mode dispatch's inter-domain rows (no head chunk, the leg on its kernel path), issued as a
+        gated call's first rows are (``_exchange_counts``' ``rail_first``: ``sends``, ``recvs`` ``[D]`` host lists,
+        ``leg`` its request, prepared): once the leg's own counts are read, before the domain's, on the network stream
+        (which waits for their packing alone, not for the domain's gather), into rows of their own
+        (``AllToAllTransport.dispatch_into``), which the caller's stream waits for and unpacks once the counts are
+        known (``AllToAllTransport.landed_result``, ``_rail_chunks``). Returns those rows. ``marks``: the tuner's
+        timing of a one-chunk call, its rows' start marked on the network stream."""
+        landed = _landing(leg, sum(recvs), self.device)[:sum(recvs)]
+        self._milestone(LEAD_LANDING)
+
+        def issue() -> None:
+            _mark_into(marks, self.device)
+            self._milestone(LEAD_REQUEST)
+            with self._leg(fn, ROWS_PHASE):
+                self.rail.dispatch_into(leg, sends, recvs, landed)
+
+        self._network(issue, wait=False)
+        if self.device.type == "cuda":  # (what the caller's stream does next reads them)
+            torch.cuda.current_stream(self.device).wait_stream(self._net)
+        return landed
 
     def _gated(self, fn: str, req: DispatchRequest, early: Optional["_GatedCall"], call: "_GatedCall",
                counts: "_Counts", gathered: torch.Tensor, bounds: list, timing) -> tuple:
@@ -830,13 +863,10 @@ class HierarchicalTransport(Transport):
         """A gated call of ``C`` chunks: the buffer its ``rows`` inter-domain rows land in beside their records, the
         carried columns (scales, then each row's source domain and token), the gate's flags and chunk bounds;
         ``starts``: the rail peers' chunk starts (``_exchange_counts``), None until the counts are read."""
-        from ..kernels.ep import record_words
-
-        x, dev = req.x, self.device
+        dev = self.device
         ns = 0 if req.x_scales is None else req.x_scales.size(1)
-        rows = max(rows, 1)
-        landed = torch.empty(rows, fused_width((x.size(1) * x.element_size(), 4 * record_words(
-            ns, req.topk_idx.size(1), req.topk_weights is not None))), dtype=torch.uint8, device=dev)
+        landed = _landing(req, rows, dev)
+        rows = landed.size(0)
         carried = torch.empty(rows, ns + 2, dtype=torch.float32, device=dev)
         flags, value = self._next_gate(C)  # (before the network stream's wait: a first call zeroes them on this stream)
         # the chunks' bounds, then their forward layouts' tickets (zeroed: also loads the kernel that empties the bounds
@@ -1123,12 +1153,12 @@ class HierarchicalTransport(Transport):
         legs in one gated call: what it needs (``_Counts.needs``) is computed on the device from the gathered counts
         (``launch_merged_needs``, one program) and read with them, so that the host's lead to the first rows'
         collective holds no arithmetic over them. ``rail_first(sends, recvs, leg, starts)`` (a gated call's first rows:
-        ``_gated_first``): the inter-domain leg's words (this rank's sends and receives, ``[D, C]`` host lists by
-        domain then chunk, and the bad id count) are copied to the host on their own right after the all_to_all, the
-        rows' packing follows them, and the network stream waits for that packing alone (not for the domain's gather);
-        once they are read (``COUNTS_PHASE``' last part), ``rail_first`` issues the first chunk's rows (``leg``: its
-        request, prepared; ``starts`` as returned), and only then are the domain's counts read
-        (``DOMAIN_COUNTS_PHASE``): the domain's gather is off the path to the first rows."""
+        ``_gated_first``; a one-chunk call's rows: ``_first_rows``): the inter-domain leg's words (this rank's sends
+        and receives, ``[D, C]`` host lists by domain then chunk, and the bad id count) are copied to the host on their
+        own right after the all_to_all, the rows' packing follows them, and the network stream waits for that packing
+        alone (not for the domain's gather); once they are read (``COUNTS_PHASE``' last part), ``rail_first`` issues
+        the first chunk's rows (``leg``: its request, prepared; ``starts`` as returned), and only then are the domain's
+        counts read (``DOMAIN_COUNTS_PHASE``): the domain's gather is off the path to the first rows."""
         D, L, C, dev = self.num_domains, self.local_size, len(subs), req.x.device
         e_dom = req.num_experts // D
         tables, legs = [], []
@@ -1264,7 +1294,8 @@ class HierarchicalTransport(Transport):
         their counts known, or one count exchange for all: ``Transport.dispatch_many``), so the link moves chunk
         after chunk while the caller forwards the earlier ones within the domain; each result is yielded once the
         caller's stream waits for it. ``ahead``: the head chunk's rows, already sent (``_exchange_counts``);
-        ``landed``: the first chunk's rows, already landed there (a gated call that went no further: ``_gated``)."""
+        ``landed``: the first chunk's rows, already issued into their own rows (a gated call that went no further:
+        ``_gated``; a one-chunk call: ``_first_rows``)."""
         D, L = self.num_domains, self.local_size
 
         def head() -> DispatchResult:  # its slots, or its landed rows, as the exact result (on the stream they came on)
@@ -1284,7 +1315,7 @@ class HierarchicalTransport(Transport):
         if self.device.type != "cuda" or len(subs) == 1:
             for c, req in enumerate(subs):
                 leg = None if c < first else request(c, req)  # (made before the leg, as _gated_rail's)
-                with self._leg(fn, HEAD_PHASE if c < first else ROWS_PHASE):
+                with self._leg(fn, HEAD_PHASE if c < first and landed is None else ROWS_PHASE):
                     r1 = head() if c < first else self.rail.dispatch(leg)
                 yield r1
             return
@@ -1878,6 +1909,18 @@ CHUNK_RATIO_FLOOR = 0.25
 
 
 LANDING_ROWS = 16  # each chunk's rows start at a multiple of this many rows of a gated call's landing buffer
+
+
+def _landing(req: DispatchRequest, rows: int, device: torch.device) -> torch.Tensor:
+    """``[max(rows, 1), fused_width]`` uint8: rows that an exact-mode dispatch's inter-domain rows of ``req`` land in
+    beside their records (``AllToAllTransport.dispatch_into``; at least one: an empty tensor's address is 0, which
+    kernels reading it would take as another variant)."""
+    from ..kernels.ep import record_words
+
+    x, ns = req.x, 0 if req.x_scales is None else req.x_scales.size(1)
+    width = fused_width((x.size(1) * x.element_size(), 4 * record_words(ns, req.topk_idx.size(1),
+                                                                         req.topk_weights is not None)))
+    return torch.empty(max(rows, 1), width, dtype=torch.uint8, device=device)
 
 
 def _landing_at(rows: list) -> list:
