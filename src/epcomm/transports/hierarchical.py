@@ -239,13 +239,14 @@ def subgroups(group: Any, domains: Domains, rank: int, cuda: bool = False) -> tu
     key = (domains.num_domains, domains.local_size, env.timeout_s(), rail_over)
     if key not in cache:
         ranks = dist.get_process_group_ranks(group)
-        own = [ranks[r] for r in domains.domain_ranks(domains.domain_of(rank))]
+        mine = domains.domain_ranks(domains.domain_of(rank))
+        own = [ranks[r] for r in mine]
         rail = [ranks[r] for r in domains.rail_ranks(domains.local_index(rank))]
         own_over = None
         if rail_over is not None:  # (every rank of the group makes its subgroups at once: a collective here is safe)
             gpus = [None] * len(ranks)
             dist.all_gather_object(gpus, device_uuid(torch.device("cuda", torch.cuda.current_device())), group=group)
-            own_over = domain_backend(rail_over, [gpus[r] for r in domains.domain_ranks(domains.domain_of(rank))])
+            own_over = domain_backend(rail_over, [gpus[r] for r in mine])
         made = []
         for members, backend in ((own, own_over), (rail, rail_over)):
             made.append(dist.new_group(members, timeout=faults.group_timeout(group, backend),
@@ -767,17 +768,28 @@ class HierarchicalTransport(Transport):
                 self._let_go(early)  # the caller's stream, where its push is)
             call = self._gated_landing(req, C, at[-1], starts)
         self._milestone(LEAD_LANDING)
-
-        def issue() -> None:
-            mine = sends[0::C], recvs[0::C]
-            self._milestone(LEAD_REQUEST)
-            with self._leg(fn, ROWS_PHASE):
-                call.first = (m1, at, self.rail.dispatch_into(leg, *mine, call.landed[:m1[0]]))
-
         # (an early call's: the network stream already waits for the rows' packing, and its landing buffer was made
         # before the call's first device work; a call of its own was made just now, on the caller's stream)
-        self._network(issue, wait=not fits, streams=call.streams)
+        call.first = (m1, at, self._first_issued(fn, leg, sends[0::C], recvs[0::C], call.landed[:m1[0]], not fits,
+                                                 call.streams))
         return call
+
+    def _first_issued(self, fn: str, leg: DispatchRequest, sends: list, recvs: list, out: torch.Tensor, wait: bool,
+                      streams: Optional[tuple] = None, marks: Optional[list] = None) -> Callable:
+        """A call's first inter-domain rows (``leg``, prepared: ``sends`` / ``recvs`` rows to and from each rail peer)
+        issued into ``out`` on the network stream (``_network``: ``wait``, ``streams``) once the leg's own counts are
+        read (``_gated_first``, ``_first_rows``); ``marks``: the tuner's timing of a one-chunk call, the rows' start
+        marked there. Returns what ``AllToAllTransport.dispatch_into`` returned."""
+        into = []
+
+        def issue() -> None:
+            _mark_into(marks, self.device)
+            self._milestone(LEAD_REQUEST)
+            with self._leg(fn, ROWS_PHASE):
+                into.append(self.rail.dispatch_into(leg, sends, recvs, out))
+
+        self._network(issue, wait=wait, streams=streams)
+        return into[0]
 
     def _first_rows(self, fn: str, sends: list, recvs: list, leg: DispatchRequest,
                     marks: Optional[list]) -> torch.Tensor:
@@ -788,18 +800,11 @@ class HierarchicalTransport(Transport):
         (``AllToAllTransport.dispatch_into``), which the caller's stream waits for and unpacks once the counts are
         known (``AllToAllTransport.landed_result``, ``_rail_chunks``). Returns those rows. ``marks``: the tuner's
         timing of a one-chunk call, its rows' start marked on the network stream."""
-        landed = _landing(leg, sum(recvs), self.device)[:sum(recvs)]
+        m = sum(recvs)
+        landed = _landing(leg, m, self.device)[:m]
         self._milestone(LEAD_LANDING)
-
-        def issue() -> None:
-            _mark_into(marks, self.device)
-            self._milestone(LEAD_REQUEST)
-            with self._leg(fn, ROWS_PHASE):
-                self.rail.dispatch_into(leg, sends, recvs, landed)
-
-        self._network(issue, wait=False)
-        if self.device.type == "cuda":  # (what the caller's stream does next reads them)
-            torch.cuda.current_stream(self.device).wait_stream(self._net)
+        self._first_issued(fn, leg, sends, recvs, landed, False, marks=marks)
+        self._join()  # (what the caller's stream does next reads them)
         return landed
 
     def _gated(self, fn: str, req: DispatchRequest, early: Optional["_GatedCall"], call: "_GatedCall",
